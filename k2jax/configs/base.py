@@ -1,0 +1,130 @@
+"""The full config every preset starts from: groups model, optimizer, data, train, mesh.
+
+Presets (tiny.py, kimi_k2.py, ...) only override fields. Model keys use the published
+config.json names so a Hugging Face checkpoint maps one to one; fields that are ours
+(dtype, moe_impl, remat, ...) are listed last in the model group.
+"""
+
+from ml_collections import config_dict
+
+
+def yarn(factor, original_max_position_embeddings, beta_fast=32.0, beta_slow=1.0,
+         mscale=1.0, mscale_all_dim=1.0):
+  """A `rope_scaling` group in the published layout (DeepSeek-V3 / K2 config.json)."""
+  return config_dict.ConfigDict(dict(
+      type="yarn", factor=float(factor),
+      original_max_position_embeddings=int(original_max_position_embeddings),
+      beta_fast=float(beta_fast), beta_slow=float(beta_slow),
+      mscale=float(mscale), mscale_all_dim=float(mscale_all_dim)))
+
+
+def no_rope_scaling():
+  """Plain RoPE. Same fields as `yarn` so a CLI override can switch it on."""
+  s = yarn(1.0, 4096)
+  s.type = "none"
+  return s
+
+
+def model_config():
+  return config_dict.ConfigDict(dict(
+      # --- published config.json keys -------------------------------------------
+      vocab_size=256,
+      hidden_size=64,
+      intermediate_size=192,          # dense-layer MLP width
+      moe_intermediate_size=32,       # one routed / shared expert's width
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      q_lora_rank=config_dict.placeholder(int),   # None: q = x @ q_proj (no low-rank q)
+      kv_lora_rank=32,
+      qk_nope_head_dim=16,
+      qk_rope_head_dim=8,
+      v_head_dim=16,
+      n_routed_experts=8,
+      num_experts_per_tok=2,
+      n_shared_experts=1,
+      first_k_dense_replace=1,        # the leading layers use a dense MLP
+      n_group=1,
+      topk_group=1,
+      routed_scaling_factor=1.0,
+      norm_topk_prob=True,
+      scoring_func="sigmoid",
+      topk_method="noaux_tc",
+      rope_theta=10000.0,
+      rope_scaling=no_rope_scaling(),
+      max_position_embeddings=4096,
+      rms_norm_eps=1e-6,
+      tie_word_embeddings=False,
+      initializer_range=0.02,
+      bos_token_id=config_dict.placeholder(int),
+      eos_token_id=config_dict.placeholder(int),
+      aux_loss_alpha=0.0,             # sequence-wise balance loss coefficient (0 = off)
+      # --- ours -------------------------------------------------------------------
+      dtype="float32",                # compute dtype: float32 | bfloat16 (softmax, norms, router stay f32)
+      param_dtype="float32",
+      moe_impl="ragged",              # ragged (sorted dispatch + lax.ragged_dot) | dense (reference)
+      remat="none",                   # none | selective (report 2.4.3) | full
+      bias_update_speed=0.001,        # gamma of the aux-loss-free balancing rule
+  ))
+
+
+def optimizer_config():
+  return config_dict.ConfigDict(dict(
+      name="muonclip",                # muonclip | muon | adamw | adamw_qk_clip
+      learning_rate=2e-4,             # peak
+      end_learning_rate=2e-5,         # floor of the cosine decay
+      warmup_steps=500,
+      decay_steps=0,                  # cosine decay length; 0 = no decay
+      weight_decay=0.1,
+      tau=100.0,                      # QK-Clip threshold
+      momentum=0.95,                  # Muon mu
+      nesterov=False,                 # Algorithm 1 uses plain momentum
+      rms_scale=0.2,                  # match AdamW update RMS (Moonlight)
+      ns_steps=5,
+      adam_b1=0.9,
+      adam_b2=0.95,
+      adam_eps=1e-8,
+      grad_clip_norm=0.0,             # 0 = off
+  ))
+
+
+def data_config():
+  return config_dict.ConfigDict(dict(
+      files="",                       # glob of .txt/.jsonl/.parquet; empty = embedded corpus
+      text_field="text",              # JSONL / Parquet column
+      tokenizer="byte",               # byte | path to a tiktoken BPE file
+      eval_fraction=0.02,             # held-out documents for eval loss
+      max_corpus_bytes=0,             # 0 = no cap
+      worker_count=0,
+  ))
+
+
+def train_config():
+  return config_dict.ConfigDict(dict(
+      steps=1000,
+      batch_size=8,                   # global, in sequences
+      seq_len=128,
+      grad_accum=1,                   # microbatches per step
+      log_every=10,
+      eval_every=100,
+      eval_batches=4,
+      checkpoint_every=100,
+      keep_checkpoints=3,
+      async_checkpoint=True,
+      seed=0,
+      max_nan_steps=10,               # consecutive non-finite steps before giving up
+      profile=False,
+  ))
+
+
+def mesh_config():
+  return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1))
+
+
+def get_config():
+  return config_dict.ConfigDict(dict(
+      model=model_config(),
+      optimizer=optimizer_config(),
+      data=data_config(),
+      train=train_config(),
+      mesh=mesh_config(),
+  ))

@@ -1,0 +1,50 @@
+"""Kimi K2 (Base / Instruct): the published config.json and the report's recipe (section 2.5).
+
+1.04T total / 32.6B activated parameters (report Table 2); `python -m k2jax.params
+--config kimi_k2` shows our count and its breakdown.
+"""
+
+from k2jax.configs import base
+
+
+def get_config():
+  c = base.get_config()
+  c.model.update(dict(
+      vocab_size=163840,
+      hidden_size=7168,
+      intermediate_size=18432,
+      moe_intermediate_size=2048,
+      num_hidden_layers=61,
+      num_attention_heads=64,
+      q_lora_rank=1536,
+      kv_lora_rank=512,
+      qk_nope_head_dim=128,
+      qk_rope_head_dim=64,
+      v_head_dim=128,
+      n_routed_experts=384,
+      num_experts_per_tok=8,
+      n_shared_experts=1,
+      first_k_dense_replace=1,
+      n_group=1,
+      topk_group=1,
+      routed_scaling_factor=2.827,
+      rope_theta=50000.0,
+      rope_scaling=base.yarn(factor=32.0, original_max_position_embeddings=4096,
+                             beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+      max_position_embeddings=131072,
+      bos_token_id=163584,
+      eos_token_id=163585,
+      # The published config.json lists 0.001; the report does not discuss a balance loss.
+      aux_loss_alpha=0.001,
+      dtype="bfloat16",
+      remat="selective",
+  ))
+  # Report 2.5: WSD, 500-step warmup, 2e-4 for 10T tokens, cosine to 2e-5 over 5.5T tokens,
+  # 67M-token global batch (16384 x 4096) -> ~149k constant + ~82k decay steps. tau = 100.
+  c.optimizer.update(dict(learning_rate=2e-4, end_learning_rate=2e-5, warmup_steps=500,
+                          decay_steps=82_000, weight_decay=0.1, tau=100.0))
+  c.train.update(dict(steps=231_000, batch_size=16384, seq_len=4096, log_every=1,
+                      eval_every=1000, checkpoint_every=500))
+  # Report 2.4.2: 16-way PP (virtual stages), 16-way EP, ZeRO-1 DP over the rest.
+  c.mesh.update(dict(pipeline=16, expert=16, data=1))
+  return c

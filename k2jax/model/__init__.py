@@ -1,0 +1,9 @@
+"""The K2 model as pure functions of (model config, params)."""
+
+from k2jax.model.counting import count_params, flops_per_token
+from k2jax.model.transformer import forward, init, num_layers, param_specs
+
+__all__ = ["init", "forward", "param_specs", "num_layers", "count_params", "flops_per_token"]
+from k2jax.model.balance import load_imbalance, update_router_bias  # noqa: E402
+
+__all__ += ["update_router_bias", "load_imbalance"]

@@ -1,0 +1,123 @@
+"""Ultra-sparse MoE (report 2.3: 384 experts, 8 active + 1 shared) with DeepSeek-V3 routing.
+
+Router (noaux_tc): scores s = sigmoid(x Wg) in float32. Experts are SELECTED by the biased
+score s + b (b: per-expert correction bias, updated by the balancing rule in
+`k2jax.model.balance`, never by gradients), optionally limited to the `topk_group` best
+groups when n_group > 1. The chosen experts are COMBINED with the unbiased scores,
+normalised to sum to one, times routed_scaling_factor:
+
+    y = sum_{i in topk(s + b)} (s_i / sum_j s_j) * rsf * expert_i(x) + shared(x)
+
+Dispatch is dropless: the N*k token-expert assignments are sorted by expert and run as
+grouped matmuls (`k2jax.kernels.grouped_matmul`: `jax.lax.ragged_dot` on accelerators);
+`experts_dense` is the plain reference that runs every expert on every token.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from k2jax.kernels import grouped_matmul
+from k2jax.model import spec
+from k2jax.model.layers import mlp, mlp_specs, swiglu
+
+
+def moe_specs(cfg):
+  d, E, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+  s = {
+      # The router is small and trained with AdamW (Moonlight recipe); "router" is its own
+      # logical axis so expert sharding does not split it.
+      "router": spec.ParamSpec((d, E), ("embed", "router"), "normal", "adamw", 1, True),
+      "router_bias": spec.ParamSpec((E,), ("router",), "zeros", "frozen", 0, False),
+      "experts": {"gate": spec.matrix((E, d, f), ("experts", "embed", "mlp")),
+                  "up": spec.matrix((E, d, f), ("experts", "embed", "mlp")),
+                  "down": spec.matrix((E, f, d), ("experts", "mlp", "embed"))},
+  }
+  if cfg.n_shared_experts:
+    s["shared"] = mlp_specs(d, f * cfg.n_shared_experts)
+  return s
+
+
+def route(cfg, p, x):
+  """x [N, d] -> (combine weights [N, k] f32, expert ids [N, k] int32, scores [N, E] f32)."""
+  logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits)
+  biased = scores + jax.lax.stop_gradient(p["router_bias"].astype(jnp.float32))
+  G = cfg.n_group
+  if G > 1:  # group-limited routing: keep the topk_group groups with the best top-2 sums
+    grouped = biased.reshape(biased.shape[0], G, -1)
+    group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                   # [N, G]
+    _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+    group_mask = jnp.zeros_like(group_score, bool).at[
+        jnp.arange(keep.shape[0])[:, None], keep].set(True)
+    biased = jnp.where(group_mask[:, :, None], grouped, -jnp.inf).reshape(biased.shape)
+  _, idx = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+  w = jnp.take_along_axis(scores, idx, axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / (w.sum(-1, keepdims=True) + 1e-20)
+  return w * cfg.routed_scaling_factor, idx, scores
+
+
+def _expert_mlp(gate, up, down, x, matmul):
+  x = checkpoint_name(x, "moe_input")
+  h = swiglu(matmul(x, gate), matmul(x, up))
+  return checkpoint_name(matmul(h, down), "moe_down")
+
+
+def experts_dense(p, x, idx, w):
+  """Reference: run every expert on every token, then mix with a dense [N, E] weight."""
+  dt = x.dtype
+  matmul = lambda a, b: jnp.einsum("nd,edf->nef", a, b.astype(dt))
+  h = jax.nn.silu(matmul(x, p["gate"])) * matmul(x, p["up"])           # [N, E, f]
+  y = jnp.einsum("nef,efd->ned", h, p["down"].astype(dt))              # [N, E, d]
+  combine = jnp.zeros(y.shape[:2], jnp.float32).at[
+      jnp.arange(x.shape[0])[:, None], idx].add(w)
+  return jnp.einsum("ne,ned->nd", combine.astype(dt), y)
+
+
+def experts_ragged(p, x, idx, w):
+  """Dropless grouped-matmul dispatch: sort assignments by expert, ragged_dot, unsort."""
+  N, k = idx.shape
+  E = p["gate"].shape[0]
+  dt = x.dtype
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  xs = x[order // k]                                                   # [N*k, d] grouped by expert
+  matmul = lambda a, b: grouped_matmul(a, b.astype(dt), group_sizes)
+  ys = _expert_mlp(p["gate"], p["up"], p["down"], xs, matmul)
+  ys = ys[jnp.argsort(order)].reshape(N, k, -1)                        # back to token order
+  return jnp.einsum("nkd,nk->nd", ys, w.astype(dt))
+
+
+EXPERT_IMPLS = {"ragged": experts_ragged, "dense": experts_dense}
+
+
+def balance_loss(scores, idx, num_experts, batch):
+  """DeepSeek-V3's complementary sequence-wise balance loss (without its alpha).
+
+  Per sequence: f_i = E / (k T) * #tokens routed to i, P_i = mean_t s_{i,t} / sum_j s_{j,t};
+  loss = mean over sequences of sum_i f_i P_i (1 when perfectly balanced).
+  """
+  N, k = idx.shape
+  T = N // batch
+  counts = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32).sum(1).reshape(batch, T, -1)
+  f = counts.sum(1) * num_experts / (k * T)                            # [B, E]
+  probs = scores / scores.sum(-1, keepdims=True)
+  P = probs.reshape(batch, T, -1).mean(1)                              # [B, E]
+  return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * P, -1))
+
+
+def moe(cfg, p, x):
+  """x [B, T, d] -> (y [B, T, d], {"expert_load": [E] tokens per expert, "aux_loss": scalar})."""
+  B, T, d = x.shape
+  x2d = x.reshape(B * T, d)
+  w, idx, scores = route(cfg, p, x2d)
+  y = EXPERT_IMPLS[cfg.moe_impl](p["experts"], x2d, idx, w)
+  if "shared" in p:
+    y = y + mlp(p["shared"], x2d)
+  stats = {"expert_load": jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts)
+                          .astype(jnp.float32)}
+  stats["aux_loss"] = (cfg.aux_loss_alpha * balance_loss(scores, idx, cfg.n_routed_experts, B)
+                       if cfg.aux_loss_alpha else jnp.zeros((), jnp.float32))
+  return y.reshape(B, T, d), stats
