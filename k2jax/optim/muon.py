@@ -1,0 +1,123 @@
+"""Muon for K2's parameter table (report 2.1, Algorithm 1 lines 3-7), built on optax.contrib.
+
+For every Muon matrix W (n x m), with gradient G:
+
+    M_t = mu M_{t-1} + G_t
+    O_t = NewtonSchulz5(M_t) * sqrt(max(n, m)) * 0.2        (update RMS matched to AdamW)
+    W_t = W_{t-1} - lr (O_t + wd W_{t-1})
+
+`optax.contrib.scale_by_muon` does the momentum and the orthogonalization; its momentum is
+the bias-corrected EMA (1 - mu) sum mu^(t-s) G_s, a positive multiple of M_t above, which
+Newton-Schulz's Frobenius normalisation removes. `MuonDimensionNumbers` from the parameter
+table make stacked `layers` / `experts` axes batch axes: each layer's and each expert's
+matrix is orthogonalized on its own, and a per-head tensor such as q_b [q_lora, H, D] is
+seen as the published q_lora x (H D) matrix.
+
+Parameters outside Muon follow the Moonlight recipe: AdamW for the embedding, lm_head,
+router and norms (norms without weight decay); the router correction bias is not trained by
+gradients at all (it follows k2jax.model.balance).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+from k2jax.model import param_specs, spec
+
+
+def _is_dims(x):
+  return x is None or isinstance(x, MuonDimensionNumbers)
+
+
+def labels(cfg):
+  """Optimizer group of every parameter: "muon" | "adamw" | "frozen"."""
+  return jax.tree.map(lambda s: s.group, param_specs(cfg), is_leaf=spec.is_spec)
+
+
+def dimension_numbers(cfg):
+  """MuonDimensionNumbers per parameter (None outside Muon)."""
+  return jax.tree.map(spec.muon_dims, param_specs(cfg), is_leaf=spec.is_spec)
+
+
+def _align(full_tree):
+  """A callable giving `full_tree` restricted to the leaves an optax.partition keeps.
+
+  Inside a partition, masked-out leaves arrive as MaskedNode; optax's Muon needs its
+  dimension-number tree to have the same structure as the updates it sees.
+  """
+  def fn(updates):
+    return jax.tree.map(lambda d, u: optax.MaskedNode() if isinstance(u, optax.MaskedNode)
+                        else d, full_tree, updates, is_leaf=_is_dims)
+  return fn
+
+
+def scale_by_rms_match(weight_dimension_numbers, rms: float = 0.2):
+  """u <- u * sqrt(max(fan_in, fan_out)) * rms, per matrix (Moonlight's consistent RMS).
+
+  An orthogonal n x m matrix has RMS 1/sqrt(max(n, m)); this gives every Muon update the RMS
+  `rms`, close to AdamW's typical 0.2-0.4, so AdamW learning rates and weight decay carry
+  over. (optax implements this as a private helper of contrib.muon, not a public transform.)
+  """
+  def update_fn(updates, state, params=None):
+    del params
+    dims = weight_dimension_numbers(updates) if callable(weight_dimension_numbers) \
+        else weight_dimension_numbers
+
+    def scale(u, d):
+      if d is None or isinstance(u, optax.MaskedNode):
+        return u
+      ndim = u.ndim
+      fan_in = math.prod(u.shape[a % ndim] for a in _as_tuple(d.reduction_axis))
+      fan_out = math.prod(u.shape[a % ndim] for a in _as_tuple(d.output_axis))
+      return u * (math.sqrt(max(fan_in, fan_out)) * rms)
+
+    return jax.tree.map(scale, updates, dims, is_leaf=_is_dims), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _as_tuple(a):
+  return (a,) if isinstance(a, int) else tuple(a)
+
+
+def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
+         rms_scale=0.2, ns_steps=5, adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8,
+         adam_learning_rate=None, mu_dtype=None) -> optax.GradientTransformation:
+  """Muon on matrices + AdamW elsewhere + nothing for the router bias, for `cfg`'s params.
+
+  cfg: the model config. learning_rate: a float or an optax schedule (shared by both groups
+  unless adam_learning_rate is given). Weight decay is decoupled and scaled by the learning
+  rate, W -= lr (update + wd W), as in Algorithm 1.
+  """
+  dims = _align(dimension_numbers(cfg))
+  muon_chain = optax.chain(
+      scale_by_muon(ns_steps=ns_steps, beta=momentum, nesterov=nesterov, mu_dtype=mu_dtype,
+                    weight_dimension_numbers=dims),
+      scale_by_rms_match(dims, rms_scale),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+  adam = _adamw(cfg, adam_learning_rate if adam_learning_rate is not None else learning_rate,
+                adam_b1, adam_b2, adam_eps, weight_decay, mu_dtype)
+  return optax.partition({"muon": muon_chain, "adamw": adam, "frozen": optax.set_to_zero()},
+                         labels(cfg))
+
+
+def _adamw(cfg, learning_rate, b1, b2, eps, weight_decay, mu_dtype):
+  decay = jax.tree.map(lambda s: s.decay, param_specs(cfg), is_leaf=spec.is_spec)
+  return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                     mu_dtype=mu_dtype, mask=_align(decay))
+
+
+def adamw(cfg, learning_rate, *, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
+          mu_dtype=None) -> optax.GradientTransformation:
+  """AdamW on every trained parameter of `cfg` (the baseline): same groups as `muon` for weight
+  decay (none on norms) and the router bias (not trained by gradients)."""
+  groups = jax.tree.map(lambda g: "frozen" if g == "frozen" else "train", labels(cfg))
+  return optax.partition(
+      {"train": _adamw(cfg, learning_rate, b1, b2, eps, weight_decay, mu_dtype),
+       "frozen": optax.set_to_zero()}, groups)
+
