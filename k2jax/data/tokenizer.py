@@ -1,0 +1,99 @@
+"""Tokenizers: a byte-level one (the CPU default, no files needed) and tiktoken BPE files.
+
+Both share one small interface: `encode(str | bytes) -> int32 array`, `encode_batch(docs)`,
+`decode(ids) -> str`, and the ids `bos_id`, `eos_id`, `pad_id`, `vocab_size`. Special ids sit
+after the ordinary ones and `encode` never emits them, so packing can find document starts
+by looking for `bos_id` in the token stream.
+"""
+
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+# Splits text into words, number runs, punctuation runs and whitespace before BPE merges
+# (the GPT-4 family convention; Kimi K2's own pattern adds CJK-specific rules on top).
+SPLIT_PATTERN = "|".join([
+    r"""'(?i:[sdmt]|ll|ve|re)""",        # English contractions
+    r"""[^\r\n\p{L}\p{N}]?\p{L}+""",     # a word, with at most one leading non-letter
+    r"""\p{N}{1,3}""",                   # digits in groups of up to three
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",    # punctuation runs
+    r"""\s*[\r\n]+""",                   # line breaks with their indentation
+    r"""\s+(?!\S)""",                    # whitespace not followed by a word
+    r"""\s+""",
+])
+
+
+def _as_str(text: str | bytes) -> str:
+  return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+
+
+class ByteTokenizer:
+  """ids 0..255 are bytes, then EOS 256, BOS 257, PAD 258 and five reserved ids (264 total)."""
+
+  eos_id = 256
+  bos_id = 257
+  pad_id = 258
+  vocab_size = 264
+  name = "byte"
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+  def encode_batch(self, docs: Sequence[str | bytes]) -> list[np.ndarray]:
+    """Zero-copy uint8 views: packing copies them once, into the stream (the corpus is 30 MB+)."""
+    return [np.frombuffer(d.encode("utf-8") if isinstance(d, str) else d, dtype=np.uint8)
+            for d in docs]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = np.asarray(ids, dtype=np.int64).ravel()
+    return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer:
+  """A tiktoken BPE ranks file (one `base64token rank` per line, like Kimi K2's tiktoken.model).
+
+  BOS, EOS and PAD are appended after the ranks: ids n_ranks, n_ranks + 1, n_ranks + 2.
+  """
+
+  def __init__(self, path: str):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    with open(path, "rb") as f:
+      digest = hashlib.sha256(f.read()).hexdigest()
+    # tiktoken keeps a copy keyed by the path under its cache dir; passing the content hash makes
+    # it drop a stale copy when the file at this path has changed since.
+    ranks = load_tiktoken_bpe(path, expected_hash=digest)
+    n_ranks = max(ranks.values()) + 1
+    self.bos_id, self.eos_id, self.pad_id = n_ranks, n_ranks + 1, n_ranks + 2
+    self.vocab_size = n_ranks + 3
+    self.name = path
+    self._n_ranks = n_ranks
+    self._enc = tiktoken.Encoding(
+        name=os.path.basename(path), pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
+        special_tokens={})
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    return np.asarray(self._enc.encode_ordinary(_as_str(text)), dtype=np.int32)
+
+  def encode_batch(self, docs: Sequence[str | bytes]) -> list[np.ndarray]:
+    # tiktoken releases the GIL inside its Rust core, so a batch runs on several threads.
+    out = self._enc.encode_ordinary_batch([_as_str(d) for d in docs], num_threads=4)
+    return [np.asarray(ids, dtype=np.int32) for ids in out]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = np.asarray(ids, dtype=np.int64).ravel()
+    return self._enc.decode([int(i) for i in ids[ids < self._n_ranks]], errors="replace")
+
+
+def get_tokenizer(name: str) -> ByteTokenizer | TiktokenTokenizer:
+  """`data.tokenizer`: "byte", or a path to a tiktoken BPE ranks file."""
+  if name == "byte":
+    return ByteTokenizer()
+  path = os.path.expanduser(name)
+  if not os.path.isfile(path):
+    raise ValueError(f"data.tokenizer = {name!r}: no such file; pass 'byte' or the path to a "
+                     "tiktoken BPE file (e.g. Kimi K2's tiktoken.model)")
+  return TiktokenTokenizer(path)
