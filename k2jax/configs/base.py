@@ -28,7 +28,7 @@ def no_rope_scaling():
 def model_config():
   return config_dict.ConfigDict(dict(
       # --- published config.json keys -------------------------------------------
-      vocab_size=256,
+      vocab_size=264,                 # byte tokenizer (256 bytes + specials)
       hidden_size=64,
       intermediate_size=192,          # dense-layer MLP width
       moe_intermediate_size=32,       # one routed / shared expert's width
