@@ -17,7 +17,7 @@ from k2jax.model import spec
 from k2jax.model.attention import attention_specs, mla
 from k2jax.model.layers import mlp, mlp_specs, rms_norm
 from k2jax.model.moe import moe, moe_specs
-from k2jax.parallel.activations import remat_policy
+from k2jax.model.remat import remat_policy
 
 STACKS = (("dense_layers", "mlp"), ("moe_layers", "moe"))
 

@@ -1,4 +1,4 @@
-"""Activation policies: which named activations a scanned layer keeps for the backward pass.
+"""Recomputation policies: which named activations a scanned layer keeps for the backward pass.
 
 The model tags activations with `jax.ad_checkpoint.checkpoint_name`:
   norm          RMSNorm outputs

@@ -1,0 +1,69 @@
+"""Metrics sinks: DIR/metrics.jsonl (one JSON object per logged step) and TensorBoard.
+
+A resumed run appends to metrics.jsonl after dropping rows past the checkpoint it resumed
+from, so the file reads as one uninterrupted run.
+"""
+
+import json
+import os
+
+import numpy as np
+from tensorboardX import SummaryWriter
+
+
+def _plain(v):
+  if isinstance(v, (np.ndarray, np.generic)):
+    return v.tolist()
+  return v
+
+
+class MetricsWriter:
+
+  def __init__(self, workdir: str, resume_step: int, enabled: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    if not enabled:
+      return
+    _truncate_after(self.path, resume_step)
+    self.jsonl = open(self.path, "a")
+    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
+
+  def write(self, step: int, metrics: dict) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+    self.jsonl.write(json.dumps(row) + "\n")
+    self.jsonl.flush()
+    for k, v in row.items():
+      if k == "step":
+        continue
+      if isinstance(v, list):
+        for i, x in enumerate(v):
+          self.tb.add_scalar(f"{k}/{i}", x, step)
+      elif isinstance(v, (int, float)):
+        self.tb.add_scalar(k, v, step)
+    self.tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self.jsonl.close()
+      self.tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+  with open(path, "w") as f:
+    f.writelines(rows)
+
+
+def read(workdir_or_file: str) -> list[dict]:
+  path = workdir_or_file
+  if os.path.isdir(path):
+    path = os.path.join(path, "metrics.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path}: no metrics.jsonl: pass the --workdir of a k2jax.train run")
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,71 @@
+"""Device mesh and the one table mapping logical axis names to mesh axes.
+
+Mesh axes: pipeline, expert, data. Changing the parallel layout means editing RULES (or
+the mesh sizes in the config), not the model: every parameter's logical axes come from the
+parameter table (k2jax.model.spec) and every batch is ("batch", "length").
+"""
+
+import math
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from k2jax.model import param_specs, spec
+
+MESH_AXES = ("pipeline", "expert", "data")
+
+# logical axis -> mesh axes. A mesh axis is used at most once per array; an earlier rule wins.
+RULES = (
+    ("batch", ("data", "expert")),   # tokens are split over every non-pipeline device
+    ("experts", "expert"),           # expert parallelism
+    ("layers", "pipeline"),          # each pipeline stage holds its layers
+)
+
+
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+  """A Mesh of shape (pipeline, expert, data) over all devices (of every process)."""
+  devices = jax.devices() if devices is None else devices
+  shape = tuple(int(mesh_cfg[a]) for a in MESH_AXES)
+  if math.prod(shape) != len(devices):
+    raise ValueError(
+        f"mesh pipeline x expert x data = {' x '.join(map(str, shape))} = {math.prod(shape)} "
+        f"devices, but {len(devices)} are available: set --config.mesh.* so the product is "
+        f"{len(devices)}")
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_spec(axes) -> P:
+  return nn.logical_to_mesh_axes(tuple(axes), RULES)
+
+
+def _check_divisible(name, shape, pspec, mesh):
+  for dim, (size, axes) in enumerate(zip(shape, pspec)):
+    if axes is None:
+      continue
+    axes = (axes,) if isinstance(axes, str) else axes
+    n = math.prod(mesh.shape[a] for a in axes)
+    if size % n:
+      raise ValueError(f"{name}: dim {dim} of size {size} is sharded over mesh axes "
+                       f"{'x'.join(axes)} = {n}, which does not divide it: change the mesh "
+                       f"or the model size")
+
+
+def param_shardings(mcfg, mesh: Mesh):
+  """NamedSharding per parameter, from its logical axes and RULES."""
+  def one(path, s):
+    pspec = logical_spec(s.axes)
+    _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)
+    return NamedSharding(mesh, pspec)
+  return jax.tree_util.tree_map_with_path(one, param_specs(mcfg), is_leaf=spec.is_spec)
+
+
+def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:
+  pspec = logical_spec(("batch", None))
+  _check_divisible("train.batch_size", (global_batch, 1), pspec, mesh)
+  return NamedSharding(mesh, pspec)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())

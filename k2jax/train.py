@@ -1,0 +1,260 @@
+"""Pre-training with MuonClip: `python -m k2jax.train --config CONFIG --workdir DIR`.
+
+    python -m k2jax.train --config k2jax/configs/tiny.py --workdir runs/tiny \
+        --config.train.steps=300 --config.optimizer.tau=30
+
+CONFIG is a config file or a preset name (tiny, kimi_k2, deepseek_v3). Writes
+DIR/metrics.jsonl, TensorBoard events under DIR/tensorboard, orbax checkpoints under
+DIR/checkpoints and DIR/train.log. Running the same command again resumes from the newest
+good checkpoint (data position included) and reproduces the uninterrupted run exactly on
+CPU. SIGTERM / SIGINT save a checkpoint and exit. Mistakes in the command line or config
+end in one line naming the problem and exit code 2.
+"""
+
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
+from tqdm import tqdm
+
+from k2jax import configs, data as data_lib, model, optim, parallel
+from k2jax.checkpoint import Checkpointer
+from k2jax.metrics import MetricsWriter
+from k2jax.step import TrainState, eval_step, init_state, train_step
+
+log = logging.getLogger("k2jax.train")
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "config file or preset name")
+_WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints and metrics")
+
+
+class UserError(ValueError):
+  """A mistake in the command line, config or input files: one line, exit code 2."""
+
+
+class TrainingDiverged(RuntimeError):
+  pass
+
+
+class _StopFlag:
+  """Set by SIGTERM / SIGINT; the loop saves a checkpoint after the current step and exits."""
+
+  def __init__(self):
+    self.signum = None
+
+  def __call__(self, signum, frame):
+    self.signum = signum
+
+
+def _setup_logging(workdir):
+  os.makedirs(workdir, exist_ok=True)
+  root = logging.getLogger()
+  root.setLevel(logging.INFO)
+  for h in list(root.handlers):  # an imported library may have called basicConfig
+    root.removeHandler(h)
+  fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+  for h in (logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(workdir, "train.log"))):
+    h.setFormatter(fmt)
+    root.addHandler(h)
+  for noisy in ("absl", "jax._src", "orbax", "grain"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _device_batch(batch, sharding):
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def train(config, workdir: str) -> dict:
+  """Train (or resume) the run in `workdir`; returns the summary dict it logs at the end."""
+  configs.validate(config)
+  workdir = os.path.abspath(workdir)
+  main_process = jax.process_index() == 0
+  _setup_logging(workdir)
+  t, m = config.train, config.model
+  if main_process:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+
+  try:  # mistakes in the mesh or the data files are the user's: one line, exit 2
+    mesh = parallel.make_mesh(config.mesh)
+    data = data_lib.build(config.data, t, m.vocab_size, process_index=jax.process_index(),
+                          process_count=jax.process_count())
+  except (ValueError, FileNotFoundError) as e:
+    raise UserError(str(e).splitlines()[0]) from None
+  tx = optim.optimizer(config)
+  schedule = optim.learning_rate_schedule(config)
+  rng = jax.random.key(t.seed)
+  abstract = jax.eval_shape(functools.partial(init_state, config, tx), rng)
+  shardings = parallel.state_shardings(config, mesh, abstract)
+  batch_sharding = parallel.batch_sharding(mesh, t.batch_size)
+
+  ckpt = Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
+  restored = ckpt.restore_latest(
+      jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                   abstract, shardings), data.train_iter)
+  if restored:
+    state, train_iter, meta = restored
+    state = TrainState(*state) if not isinstance(state, TrainState) else state
+  else:
+    state = jax.jit(functools.partial(init_state, config, tx), out_shardings=shardings)(rng)
+    train_iter, meta = data.train_iter(), {}
+  start = int(state.step)
+  counts = model.count_params(m)
+  log.info("model: %.3fM params (%.3fM activated); optimizer %s; mesh %s; %d devices; "
+           "starting at step %d of %d", counts["total"] / 1e6, counts["activated"] / 1e6,
+           config.optimizer.name, dict(mesh.shape), jax.device_count(), start, t.steps)
+
+  step_fn = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0,
+                    in_shardings=(shardings, batch_sharding),
+                    out_shardings=(shardings, parallel.replicated(mesh)))
+  eval_fn = jax.jit(functools.partial(eval_step, config),
+                    in_shardings=(shardings.params, batch_sharding))
+  eval_batches = [_device_batch(b, batch_sharding) for b in data.eval_batches(t.eval_batches)]
+
+  def evaluate(params):
+    if not eval_batches:
+      return float("nan")
+    sums = [eval_fn(params, b) for b in eval_batches]
+    ce, n = (float(sum(x)) for x in zip(*jax.device_get(sums)))
+    return ce / max(n, 1.0)
+
+  writer = MetricsWriter(workdir, start, enabled=main_process)
+  stop = _StopFlag()
+  old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+  tokens_per_step = t.batch_size * t.seq_len
+  flops_per_token = model.flops_per_token(m, t.seq_len)
+  last = {"time": time.perf_counter(), "step": start}
+  row, eval_loss = {}, meta.get("eval_loss", float("nan"))
+  bar = tqdm(total=t.steps, initial=start, disable=not main_process, dynamic_ncols=True,
+             desc="train")
+  step = start
+  try:
+    while step < t.steps:
+      state, metrics = step_fn(state, _device_batch(next(train_iter), batch_sharding))
+      step += 1
+      bar.update(1)
+      if step % t.log_every == 0 or step == t.steps:
+        row = {k: v.item() if np.ndim(v) == 0 else v for k, v in jax.device_get(metrics).items()}
+        streak, skipped = (int(x) for x in jax.device_get((state.nan_streak, state.skipped)))
+        if streak >= t.max_nan_steps:
+          raise TrainingDiverged(
+              f"loss or gradients were NaN/Inf for {streak} consecutive steps (step {step}); the "
+              f"updates were skipped and the run stopped. Resume from the last checkpoint with "
+              f"a lower --config.optimizer.learning_rate or a lower --config.optimizer.tau")
+        now = time.perf_counter()
+        tps = tokens_per_step * (step - last["step"]) / (now - last["time"])
+        last.update(time=now, step=step)
+        row.update(skipped_steps=skipped, tokens_per_s=tps,
+                   model_tflops_per_s=tps * flops_per_token / 1e12)
+        row.pop("finite")
+      if step % t.eval_every == 0 or step == t.steps:
+        eval_loss = evaluate(state.params)
+        row["eval_loss"] = eval_loss
+      if row:
+        writer.write(step, row)
+        bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}",
+                        max_logit=f"{row.get('max_logit', float('nan')):.1f}")
+        row = {}
+      if step % t.checkpoint_every == 0 or step == t.steps or stop.signum is not None:
+        ckpt.save(step, state, train_iter, {"step": step, "eval_loss": eval_loss,
+                                            "seed": int(t.seed)})
+      if stop.signum is not None:
+        log.warning("received signal %d: saved checkpoint at step %d; exiting", stop.signum, step)
+        break
+  finally:
+    bar.close()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    for s, h in old_handlers.items():
+      signal.signal(s, h)
+
+  summary = _summary(workdir, step, t.steps, eval_loss, data.unigram_baseline, stop.signum)
+  log.info("%s", summary["line"])
+  if stop.signum is not None:
+    raise SystemExit(128 + stop.signum)
+  return summary
+
+
+def _summary(workdir, step, steps, eval_loss, baseline, signum):
+  from k2jax import metrics as metrics_lib
+  rows = metrics_lib.read(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else []
+  last = next((r for r in reversed(rows) if "loss" in r), {})
+  max_logit = max((r["max_logit"] for r in rows if "max_logit" in r), default=float("nan"))
+  s = {"step": step, "steps": steps, "loss": last.get("loss"), "eval_loss": eval_loss,
+       "unigram_baseline": baseline, "max_logit_seen": max_logit,
+       "clipped_heads_ever_frac": last.get("clipped_heads_ever_frac"),
+       "skipped_steps": last.get("skipped_steps"), "tokens_per_s": last.get("tokens_per_s")}
+  status = "stopped by signal" if signum is not None else "done"
+  s["line"] = (f"{status}: step {step}/{steps}, loss {_fmt(s['loss'])}, eval loss "
+               f"{_fmt(eval_loss)} (unigram baseline {_fmt(baseline)}), max logit seen "
+               f"{_fmt(max_logit)}, heads ever clipped {_fmt(s['clipped_heads_ever_frac'], '.1%')}, "
+               f"skipped steps {s['skipped_steps']}, {_fmt(s['tokens_per_s'], '.0f')} tokens/s")
+  return s
+
+
+def _fmt(x, spec=".4f"):
+  return "n/a" if x is None or (isinstance(x, float) and np.isnan(x)) else format(x, spec)
+
+
+def _resolve_preset(argv):
+  """Let --config name a preset (tiny, kimi_k2, ...) as well as a file."""
+  out = []
+  for i, a in enumerate(argv):
+    for prefix in ("--config=",):
+      if a.startswith(prefix) and a[len(prefix):] in configs.PRESETS:
+        a = prefix + os.path.join(os.path.dirname(configs.__file__), a[len(prefix):] + ".py")
+    if i > 0 and argv[i - 1] == "--config" and a in configs.PRESETS:
+      a = os.path.join(os.path.dirname(configs.__file__), a + ".py")
+    out.append(a)
+  return out
+
+
+def parse(argv):
+  """-> (config, workdir), or UserError with one line saying what is wrong."""
+  argv = _resolve_preset(list(argv))
+  try:
+    flags.FLAGS(argv)
+    config = _CONFIG.value
+  except AttributeError as e:  # ml_collections: an override naming a key the config lacks
+    key = str(e).replace("'", "").replace('"', "")
+    bad = next((a for a in argv if a.startswith("--config.") and f".{key}" in a), key)
+    raise UserError(f"unknown config key in {bad}: see the config file for the valid keys") from None
+  except (flags.Error, OSError, KeyError, TypeError, ValueError) as e:
+    raise UserError(str(e).strip().splitlines()[0]) from None
+  if config is None:
+    raise UserError("--config is required, e.g. --config k2jax/configs/tiny.py")
+  if not _WORKDIR.value:
+    raise UserError("--workdir is required: the directory for checkpoints and metrics")
+  try:
+    configs.validate(config)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  return config, _WORKDIR.value
+
+
+def main(argv=None):
+  argv = sys.argv if argv is None else argv
+  try:
+    config, workdir = parse(argv)
+    train(config, workdir)
+  except UserError as e:
+    print(f"k2jax.train: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+  except TrainingDiverged as e:
+    print(f"k2jax.train: {e}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+if __name__ == "__main__":
+  main()
