@@ -35,6 +35,20 @@ log = logging.getLogger("k2jax.train")
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file or preset name")
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints and metrics")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "call jax.distributed.initialize() with cluster auto-detection "
+    "(TPU VM slices, SLURM, Open MPI); implied by --coordinator_address")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0, for multi-process runs")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the run")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
+_CACHE = flags.DEFINE_string(
+    "compilation_cache", os.path.join(os.path.expanduser("~"), ".cache", "k2jax", "xla"),
+    "directory of JAX's persistent compilation cache (resumed and repeated runs skip "
+    "recompiling); empty to disable. JAX_COMPILATION_CACHE_DIR takes precedence")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout", 60, "seconds without a heartbeat after which the other processes "
+    "of a multi-process run give up (a dead peer then ends the run instead of hanging it)")
 
 
 class UserError(ValueError):
@@ -91,11 +105,21 @@ def train(config, workdir: str) -> dict:
                           process_count=jax.process_count())
   except (ValueError, FileNotFoundError) as e:
     raise UserError(str(e).splitlines()[0]) from None
+  if config.mesh.pipeline > 1:
+    raise UserError(f"mesh.pipeline = {config.mesh.pipeline}: pipeline parallelism is not "
+                    "implemented yet; train with mesh.pipeline=1 (k2jax.plan accepts any mesh)")
+  with jax.set_mesh(mesh):  # the model's MoE reads the mesh for its shard_map dispatch
+    return _run(config, workdir, mesh, data)
+
+
+def _run(config, workdir, mesh, data):
+  t, m = config.train, config.model
+  main_process = jax.process_index() == 0
   tx = optim.optimizer(config)
   schedule = optim.learning_rate_schedule(config)
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, config, tx), rng)
-  shardings = parallel.state_shardings(config, mesh, abstract)
+  shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract)
   batch_sharding = parallel.batch_sharding(mesh, t.batch_size)
 
   ckpt = Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
@@ -165,7 +189,8 @@ def train(config, workdir: str) -> dict:
         bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}",
                         max_logit=f"{row.get('max_logit', float('nan')):.1f}")
         row = {}
-      if step % t.checkpoint_every == 0 or step == t.steps or stop.signum is not None:
+      if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps
+                                 or stop.signum is not None):
         ckpt.save(step, state, train_iter, {"step": step, "eval_loss": eval_loss,
                                             "seed": int(t.seed)})
       if stop.signum is not None:
@@ -223,8 +248,10 @@ def _resolve_preset(argv):
 def parse(argv):
   """-> (config, workdir), or UserError with one line saying what is wrong."""
   argv = _resolve_preset(list(argv))
+  saved_argv = sys.argv
+  sys.argv = argv  # ml_collections registers the --config.* override flags from sys.argv
   try:
-    flags.FLAGS(argv)
+    flags.FLAGS(argv)  # once per process: config_flags cannot register its overrides twice
     config = _CONFIG.value
   except AttributeError as e:  # ml_collections: an override naming a key the config lacks
     key = str(e).replace("'", "").replace('"', "")
@@ -232,6 +259,8 @@ def parse(argv):
     raise UserError(f"unknown config key in {bad}: see the config file for the valid keys") from None
   except (flags.Error, OSError, KeyError, TypeError, ValueError) as e:
     raise UserError(str(e).strip().splitlines()[0]) from None
+  finally:
+    sys.argv = saved_argv
   if config is None:
     raise UserError("--config is required, e.g. --config k2jax/configs/tiny.py")
   if not _WORKDIR.value:
@@ -243,10 +272,31 @@ def parse(argv):
   return config, _WORKDIR.value
 
 
+def init_distributed():
+  """jax.distributed.initialize from the flags (before any other JAX call)."""
+  if not (_DISTRIBUTED.value or _COORDINATOR.value):
+    return
+  jax.distributed.initialize(
+      coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value, heartbeat_timeout_seconds=_HEARTBEAT.value,
+      shutdown_timeout_seconds=_HEARTBEAT.value)
+  log.info("process %d of %d, %d local / %d global devices", jax.process_index(),
+           jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def enable_compilation_cache():
+  if _CACHE.value and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir", _CACHE.value)
+  if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv=None):
   argv = sys.argv if argv is None else argv
   try:
     config, workdir = parse(argv)
+    enable_compilation_cache()
+    init_distributed()
     train(config, workdir)
   except UserError as e:
     print(f"k2jax.train: error: {e}", file=sys.stderr)
@@ -254,6 +304,16 @@ def main(argv=None):
   except TrainingDiverged as e:
     print(f"k2jax.train: {e}", file=sys.stderr)
     raise SystemExit(1)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    # A collective failed: almost always a peer process that died. Say so in one line and
+    # leave at once: jax.distributed's shutdown barrier would wait for the dead peer.
+    print(f"k2jax.train: process {jax.process_index()}: a collective failed, most likely "
+          f"because another process of the run died ({str(e).splitlines()[0][:160]}); rerun "
+          f"the same command on all processes to resume from the last checkpoint",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ import jax
 import jax.numpy as jnp
 
 
+def _count_at_or_below(boundaries, n: int):
+  """c[i] = #{b in boundaries : b <= i} for i < n (boundaries sorted, int).
+
+  A scatter-add and a cumsum; jnp.searchsorted would do, but it fails under shard_map's
+  manual axes in jax 0.10 (and this is O(n + len(boundaries)))."""
+  marks = jnp.zeros((n + 1,), jnp.int32).at[jnp.minimum(boundaries, n)].add(1)
+  return jnp.cumsum(marks)[:n]
+
+
 def grouped_matmul_blocked(x, w, group_sizes, block: int = 64):
   M, K = x.shape
   G = w.shape[0]
@@ -25,14 +34,14 @@ def grouped_matmul_blocked(x, w, group_sizes, block: int = 64):
   end = jnp.cumsum(group_sizes)
   rows = -(-(M + G * (block - 1)) // block) * block      # static bound on padded rows
   r = jnp.arange(M)
-  g = jnp.searchsorted(end, r, side="right")             # group of each row (G = past the end)
+  g = _count_at_or_below(end, M)                         # group of each row (G = past the end)
   valid = g < G
   g = jnp.minimum(g, G - 1)
   dest = jnp.where(valid, padded_end[g] - padded[g] + r - (end[g] - group_sizes[g]), rows)
   xp = jnp.zeros((rows, K), x.dtype).at[dest].set(x, mode="drop")
   n_blocks = rows // block
-  block_group = jnp.minimum(
-      jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right"), G - 1)
+  block_start = _count_at_or_below(padded_end, rows)[::block]
+  block_group = jnp.minimum(block_start, G - 1)
   yp = jnp.einsum("nbk,nkf->nbf", xp.reshape(n_blocks, block, K), w[block_group])
   y = yp.reshape(rows, -1)[jnp.minimum(dest, rows - 1)]
   return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))

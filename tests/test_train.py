@@ -49,7 +49,7 @@ def losses(workdir):
     (["--config.train.steps=abc"], "--config.train.steps=abc"),
     (["--config.model.num_experts_per_tok=99"],
      "model.num_experts_per_tok = 99: must be <= n_routed_experts (16)"),
-    (["--config.mesh.data=3"], "mesh pipeline x expert x data = 1 x 1 x 3 = 3 devices"),
+    (["--config.mesh.data=3"], "mesh pipeline x data x expert = 1 x 3 x 1 = 3 devices"),
     (["--config.data.files=/nonexistent/*.txt"], "data.files"),
     (["--no-workdir"], "--workdir is required"),
 ])

@@ -96,9 +96,10 @@ def validate(cfg: config_dict.ConfigDict) -> None:
   validate_model(cfg.model)
   t, o, mesh = cfg.train, cfg.optimizer, cfg.mesh
   _positive("train", t, "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
-            "checkpoint_every", "keep_checkpoints", "max_nan_steps")
-  if t.steps < 0:
-    _fail("train.steps", t.steps, "must be >= 0")
+            "keep_checkpoints", "max_nan_steps")
+  for k in ("steps", "checkpoint_every", "eval_batches"):
+    if t[k] < 0:
+      _fail(f"train.{k}", t[k], "must be >= 0")
   if t.batch_size % t.grad_accum:
     _fail("train.grad_accum", t.grad_accum, f"must divide train.batch_size ({t.batch_size})")
   if t.seq_len > cfg.model.max_position_embeddings:

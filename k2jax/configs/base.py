@@ -107,7 +107,7 @@ def train_config():
       log_every=10,
       eval_every=100,
       eval_batches=4,
-      checkpoint_every=100,
+      checkpoint_every=100,           # 0 = no checkpoints (benchmarks)
       keep_checkpoints=3,
       async_checkpoint=True,
       seed=0,

@@ -13,13 +13,17 @@ grouped matmuls (`k2jax.kernels.grouped_matmul`: `jax.lax.ragged_dot` on acceler
 `experts_dense` is the plain reference that runs every expert on every token.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from k2jax.kernels import grouped_matmul
 from k2jax.model import spec
 from k2jax.model.layers import mlp, mlp_specs, swiglu
+from k2jax.parallel.expert import experts_all_to_all
 
 
 def moe_specs(cfg):
@@ -58,10 +62,13 @@ def route(cfg, p, x):
   return w * cfg.routed_scaling_factor, idx, scores
 
 
-def _expert_mlp(gate, up, down, x, matmul):
-  x = checkpoint_name(x, "moe_input")
-  h = swiglu(matmul(x, gate), matmul(x, up))
-  return checkpoint_name(matmul(h, down), "moe_down")
+def _expert_mlp(p, rows, group_sizes):
+  """SwiGLU experts on `rows` sorted by expert (group_sizes rows each; the rest give 0)."""
+  dt = rows.dtype
+  matmul = lambda a, b: grouped_matmul(a, b.astype(dt), group_sizes)
+  rows = checkpoint_name(rows, "moe_input")
+  h = swiglu(matmul(rows, p["gate"]), matmul(rows, p["up"]))
+  return checkpoint_name(matmul(h, p["down"]), "moe_down")
 
 
 def experts_dense(p, x, idx, w):
@@ -76,18 +83,14 @@ def experts_dense(p, x, idx, w):
 
 
 def experts_ragged(p, x, idx, w):
-  """Dropless grouped-matmul dispatch: sort assignments by expert, ragged_dot, unsort."""
+  """Dropless grouped-matmul dispatch: sort assignments by expert, grouped matmul, unsort."""
   N, k = idx.shape
-  E = p["gate"].shape[0]
-  dt = x.dtype
   flat = idx.reshape(-1)
   order = jnp.argsort(flat, stable=True)
-  group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-  xs = x[order // k]                                                   # [N*k, d] grouped by expert
-  matmul = lambda a, b: grouped_matmul(a, b.astype(dt), group_sizes)
-  ys = _expert_mlp(p["gate"], p["up"], p["down"], xs, matmul)
+  sizes = jnp.bincount(flat, length=p["gate"].shape[0]).astype(jnp.int32)
+  ys = _expert_mlp(p, x[order // k], sizes)                            # grouped by expert
   ys = ys[jnp.argsort(order)].reshape(N, k, -1)                        # back to token order
-  return jnp.einsum("nkd,nk->nd", ys, w.astype(dt))
+  return jnp.einsum("nkd,nk->nd", ys, w.astype(ys.dtype))
 
 
 EXPERT_IMPLS = {"ragged": experts_ragged, "dense": experts_dense}
@@ -108,16 +111,43 @@ def balance_loss(scores, idx, num_experts, batch):
   return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * P, -1))
 
 
-def moe(cfg, p, x):
-  """x [B, T, d] -> (y [B, T, d], {"expert_load": [E] tokens per expert, "aux_loss": scalar})."""
+def _routed(cfg, ep: bool, axes: tuple, p, x):
+  """Router + routed experts on (this shard's) tokens x [B, T, d] -> (y, load [E], aux_loss)."""
   B, T, d = x.shape
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
-  y = EXPERT_IMPLS[cfg.moe_impl](p["experts"], x2d, idx, w)
+  if ep:
+    y = experts_all_to_all(_expert_mlp, p["experts"], x2d, idx, w, "expert")
+  else:
+    y = EXPERT_IMPLS[cfg.moe_impl](p["experts"], x2d, idx, w)
+  load = jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts).astype(jnp.float32)
+  aux = (cfg.aux_loss_alpha * balance_loss(scores, idx, cfg.n_routed_experts, B)
+         if cfg.aux_loss_alpha else jnp.zeros((), jnp.float32))
+  if axes:
+    load, aux = jax.lax.psum(load, axes), jax.lax.pmean(aux, axes)
+  return y.reshape(B, T, d), load, aux
+
+
+def moe(cfg, p, x):
+  """x [B, T, d] -> (y [B, T, d], {"expert_load": [E] tokens per expert, "aux_loss": scalar}).
+
+  Under a mesh (`jax.set_mesh`) with `data` / `expert` axes, the router and routed experts
+  run per shard in `shard_map` (each shard sorts only its own tokens) and, when the
+  `expert` axis is larger than 1, tokens reach the shard holding their expert through
+  all-to-all (k2jax.parallel.expert). Without a mesh everything is local.
+  """
+  routed = {k: p[k] for k in ("router", "router_bias", "experts")}
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else tuple(a for a in ("data", "expert") if a in mesh.axis_names)
+  if axes:
+    ep = mesh.shape.get("expert", 1) > 1
+    specs = {"router": P(), "router_bias": P(),
+             "experts": jax.tree.map(lambda _: P("expert" if ep else None), routed["experts"])}
+    fn = jax.shard_map(functools.partial(_routed, cfg, ep, axes), in_specs=(specs, P(axes)),
+                       out_specs=(P(axes), P(), P()), axis_names=set(axes))
+    y, load, aux = fn(routed, x)
+  else:
+    y, load, aux = _routed(cfg, False, (), routed, x)
   if "shared" in p:
-    y = y + mlp(p["shared"], x2d)
-  stats = {"expert_load": jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts)
-                          .astype(jnp.float32)}
-  stats["aux_loss"] = (cfg.aux_loss_alpha * balance_loss(scores, idx, cfg.n_routed_experts, B)
-                       if cfg.aux_loss_alpha else jnp.zeros((), jnp.float32))
-  return y.reshape(B, T, d), stats
+    y = y + mlp(p["shared"], x)
+  return y, {"expert_load": load, "aux_loss": aux}

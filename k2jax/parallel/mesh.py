@@ -1,6 +1,8 @@
 """Device mesh and the one table mapping logical axis names to mesh axes.
 
-Mesh axes: pipeline, expert, data. Changing the parallel layout means editing RULES (or
+Mesh axes, slowest-varying first over the device list: pipeline, data, expert. Expert
+parallelism wants the fastest links, so `expert` is innermost; and each host's devices
+then hold a contiguous slab of the ("data", "expert")-sharded batch. Changing the parallel layout means editing RULES (or
 the mesh sizes in the config), not the model: every parameter's logical axes come from the
 parameter table (k2jax.model.spec) and every batch is ("batch", "length").
 """
@@ -12,9 +14,9 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k2jax.model import param_specs, spec
+from k2jax.model import spec
 
-MESH_AXES = ("pipeline", "expert", "data")
+MESH_AXES = ("pipeline", "data", "expert")
 
 # logical axis -> mesh axes. A mesh axis is used at most once per array; an earlier rule wins.
 RULES = (
@@ -25,12 +27,12 @@ RULES = (
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """A Mesh of shape (pipeline, expert, data) over all devices (of every process)."""
+  """A Mesh of shape (pipeline, data, expert) over all devices (of every process)."""
   devices = jax.devices() if devices is None else devices
   shape = tuple(int(mesh_cfg[a]) for a in MESH_AXES)
   if math.prod(shape) != len(devices):
     raise ValueError(
-        f"mesh pipeline x expert x data = {' x '.join(map(str, shape))} = {math.prod(shape)} "
+        f"mesh pipeline x data x expert = {' x '.join(map(str, shape))} = {math.prod(shape)} "
         f"devices, but {len(devices)} are available: set --config.mesh.* so the product is "
         f"{len(devices)}")
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
@@ -52,13 +54,13 @@ def _check_divisible(name, shape, pspec, mesh):
                        f"or the model size")
 
 
-def param_shardings(mcfg, mesh: Mesh):
-  """NamedSharding per parameter, from its logical axes and RULES."""
+def param_shardings(specs, mesh: Mesh):
+  """NamedSharding per parameter of a parameter table (`k2jax.model.param_specs(cfg)`)."""
   def one(path, s):
     pspec = logical_spec(s.axes)
     _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)
     return NamedSharding(mesh, pspec)
-  return jax.tree_util.tree_map_with_path(one, param_specs(mcfg), is_leaf=spec.is_spec)
+  return jax.tree_util.tree_map_with_path(one, specs, is_leaf=spec.is_spec)
 
 
 def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:
