@@ -26,6 +26,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from k2jax.model import param_specs, spec
+from k2jax.parallel.mesh import logical_spec
 
 
 def _is_dims(x):
@@ -79,6 +80,38 @@ def scale_by_rms_match(weight_dimension_numbers, rms: float = 0.2):
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
+  """Run `inner` (Muon) on momentum gathered to the parameters' own sharding.
+
+  ZeRO-1 splits Muon's momentum over the `data` mesh axis, but Newton-Schulz needs whole
+  matrices. Left alone, XLA partitions its matmuls over the split momentum and exchanges
+  partial products in every iteration; constraining the momentum to the parameter sharding
+  instead all-gathers each matrix once, orthogonalizes it whole, and the train step's
+  output sharding keeps this rank's shard of the new momentum (report 2.4.2, ZeRO-1).
+  A no-op without a mesh or with data = 1.
+  """
+  pspecs = {tuple(getattr(k, "key", k) for k in path): logical_spec(s.axes)
+            for path, s in jax.tree_util.tree_flatten_with_path(
+                param_specs(cfg), is_leaf=spec.is_spec)[0]}
+
+  def gather(tree):
+    def one(path, x):
+      if isinstance(x, optax.MaskedNode):
+        return x
+      keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+      return jax.lax.with_sharding_constraint(x, pspecs[keys])
+    return jax.tree_util.tree_map_with_path(one, tree,
+                                            is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+  def update_fn(updates, state, params=None):
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("data", 1) > 1:
+      state = state._replace(mu=gather(state.mu))
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update_fn)
+
+
 def _as_tuple(a):
   return (a,) if isinstance(a, int) else tuple(a)
 
@@ -94,8 +127,9 @@ def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
   """
   dims = _align(dimension_numbers(cfg))
   muon_chain = optax.chain(
-      scale_by_muon(ns_steps=ns_steps, beta=momentum, nesterov=nesterov, mu_dtype=mu_dtype,
-                    weight_dimension_numbers=dims),
+      whole_matrix_momentum(
+          scale_by_muon(ns_steps=ns_steps, beta=momentum, nesterov=nesterov, mu_dtype=mu_dtype,
+                        weight_dimension_numbers=dims), cfg),
       scale_by_rms_match(dims, rms_scale),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),

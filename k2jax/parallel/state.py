@@ -37,9 +37,10 @@ def zero1(sharding: NamedSharding, shape) -> NamedSharding:
   return NamedSharding(mesh, P(*spec))
 
 
-def state_shardings(specs, mesh, abstract_state):
+def state_shardings(specs, mesh, abstract_state, shard_optimizer: bool = True):
   """specs: the parameter table (`k2jax.model.param_specs(cfg)`); abstract_state: a TrainState
-  of ShapeDtypeStructs. Returns a TrainState of NamedShardings."""
+  of ShapeDtypeStructs. Returns a TrainState of NamedShardings. shard_optimizer=False keeps
+  optimizer state sharded like the params (plain data parallelism, for comparison)."""
   params = param_shardings(specs, mesh)
   by_path = {_key_path(p): s for p, s in jax.tree_util.tree_flatten_with_path(params)[0]}
   shapes = {_key_path(p): a.shape
@@ -49,7 +50,8 @@ def state_shardings(specs, mesh, abstract_state):
     keys = _key_path(path)
     for start in range(len(keys)):  # the longest dict-key suffix naming a parameter
       if keys[start:] in by_path and shapes[keys[start:]] == leaf.shape:
-        return zero1(by_path[keys[start:]], leaf.shape)
+        param = by_path[keys[start:]]
+        return zero1(param, leaf.shape) if shard_optimizer else param
     return replicated(mesh)
 
   opt = jax.tree_util.tree_map_with_path(opt_leaf, abstract_state.opt_state)

@@ -1,0 +1,176 @@
+"""Per-device memory of a config on a mesh, from abstract shapes and the real sharding rules.
+
+    python -m k2jax.plan --config kimi_k2 --mesh pipeline=16,expert=16,data=1
+    python -m k2jax.plan --config kimi_k2 --mesh pipeline=16,expert=16 --devices 2048
+
+Nothing is allocated: every parameter's logical axes go through k2jax.parallel.RULES to a
+PartitionSpec, and its shard on the fullest device is its shape divided (rounded up, as an
+uneven layer split puts the extra layer on some stage) by the mesh axes it is split over.
+States, per device:
+  params        --param_bytes per element (bf16 = 2, as K2 stores them)
+  grads         --grad_bytes per element (K2's fp32 accumulation buffer = 4)
+  optimizer     ZeRO-1 (split over `data` too): fp32 master copy + Muon momentum for Muon
+                matrices, fp32 master + Adam m, v for the rest
+  activations   an estimate, see `activation_bytes`
+"""
+
+import argparse
+import math
+import sys
+
+import jax
+from jax.sharding import AbstractMesh, NamedSharding
+
+from k2jax import configs, model
+from k2jax.model import spec
+from k2jax.parallel import MESH_AXES, logical_spec
+from k2jax.parallel.state import zero1
+
+GB = 1e9
+
+
+def shard_elements(shape, pspec, mesh_shape) -> int:
+  n = 1
+  for size, axes in zip(shape, tuple(pspec) + (None,) * (len(shape) - len(pspec))):
+    axes = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
+    n *= math.ceil(size / math.prod(mesh_shape[a] for a in axes))
+  return n
+
+
+def state_bytes(mcfg, mesh_shape, param_bytes=2, grad_bytes=4):
+  """Bytes of params, grads and ZeRO-1 optimizer state on the fullest device, and in total.
+
+  Layer stacks are split over pipeline stages (rounded up); the embedding sits on the first
+  stage and the head on the last, so with pipeline > 1 the fullest device holds the larger
+  of the two, not both.
+  """
+  mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
+  per_elem = {"params": param_bytes, "grads": grad_bytes}
+  layers = dict(params=0, grads=0, optimizer=0)
+  ends = {}  # non-layer parameters by pipeline end: first (embed) | last (head, final norm)
+  totals = dict(params=0, grads=0)
+  for path, s in _leaves_with_path(model.param_specs(mcfg)):
+    pspec = logical_spec(s.axes)
+    n = shard_elements(s.shape, pspec, mesh_shape)
+    n_opt = shard_elements(s.shape, zero1(NamedSharding(mesh, pspec), s.shape).spec, mesh_shape)
+    # fp32 master + Muon momentum | fp32 master + Adam m, v | frozen router bias: fp32 only
+    b = dict(params=n * param_bytes, grads=n * grad_bytes,
+             optimizer=n_opt * 4 * {"muon": 2, "adamw": 3, "frozen": 1}[s.group])
+    if "layers" in s.axes or mesh_shape["pipeline"] == 1:
+      target = layers
+    else:
+      target = ends.setdefault("first" if path[0] == "embed" else "last",
+                               dict(params=0, grads=0, optimizer=0))
+    for k in b:
+      target[k] += b[k]
+    for k in totals:
+      totals[k] += spec.size(s) * per_elem[k]
+  end = max(ends.values(), key=lambda e: e["params"], default=dict(params=0, grads=0, optimizer=0))
+  out = {k: layers[k] + end[k] for k in layers}
+  out.update(total_params=totals["params"], total_grads=totals["grads"])
+  return out
+
+
+def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, act_bytes=2,
+                     selective=True, fp8=True):
+  """Rough activation memory of the first pipeline stage, the one holding the most.
+
+  Per token and layer, what the backward pass keeps (report 2.4.3): layer inputs (2 d), the
+  MLA latents (q_lora + kv_lora + rope), the attention context (H v) and softmax stats (H,
+  fp32), the router scores (E, fp32), the MoE dispatch and SwiGLU inputs (k d + 2 k f, in
+  FP8 when `fp8`), shared-expert inputs; without `selective` also the norms, MLA
+  up-projections (H (2 nope + rope + v)), SwiGLU outputs and MoE down-projections.
+  Interleaved 1F1B keeps up to `pipeline` microbatches in flight on the first stage; each
+  device holds micro_batch sequences of its own (tokens are split over data x expert).
+  """
+  m = mcfg
+  d, H, k = m.hidden_size, m.num_attention_heads, m.num_experts_per_tok
+  f, E = m.moe_intermediate_size, m.n_routed_experts
+  lat = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+  up = H * (2 * m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+  per_tok = act_bytes * (2 * d + lat + H * m.v_head_dim) + 4 * H + 4 * E
+  moe_in = (k + m.n_shared_experts) * (d + 2 * f)
+  per_tok += moe_in * (1 if fp8 else act_bytes)
+  if not selective:
+    per_tok += act_bytes * (2 * d + lat + up + (k + m.n_shared_experts) * (f + d))
+  stages = mesh_shape["pipeline"]
+  layers_per_stage = math.ceil(m.num_hidden_layers / stages)
+  return per_tok * seq_len * micro_batch * layers_per_stage * stages
+
+
+def _leaves_with_path(tree):
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=spec.is_spec)
+  return [(tuple(getattr(k, "key", k) for k in path), s) for path, s in flat]
+
+
+def parse_mesh(text: str, devices: int | None) -> dict:
+  mesh = {a: 1 for a in MESH_AXES}
+  given = set()
+  for part in filter(None, text.split(",")):
+    key, _, value = part.partition("=")
+    if key not in mesh or not value.isdigit() or int(value) < 1:
+      raise ValueError(f"--mesh {text!r}: expected pipeline=P,expert=E,data=D with positive "
+                       f"integers, got {part!r}")
+    mesh[key] = int(value)
+    given.add(key)
+  if devices is not None:
+    rest = devices // (mesh["pipeline"] * mesh["expert"])
+    if "data" not in given and rest * mesh["pipeline"] * mesh["expert"] == devices:
+      mesh["data"] = rest
+    if math.prod(mesh.values()) != devices:
+      raise ValueError(f"--devices {devices} is not pipeline x expert x data = "
+                       f"{mesh['pipeline']} x {mesh['expert']} x {mesh['data']}")
+  return mesh
+
+
+def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4) -> str:
+  cfg = configs.get_config(name)
+  seq_len = seq_len or cfg.train.seq_len
+  st = state_bytes(cfg.model, mesh, param_bytes, grad_bytes)
+  act = activation_bytes(cfg.model, mesh, seq_len, micro_batch,
+                         selective=cfg.model.remat != "none")
+  n = math.prod(mesh.values())
+  lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
+           f"params {param_bytes} B, grads {grad_bytes} B, seq_len {seq_len}, "
+           f"micro_batch {micro_batch}",
+           f"{'per device':<26}{'GB':>10}"]
+  for key, label in (("params", "params"), ("grads", "grads / accumulation"),
+                     ("optimizer", "optimizer (ZeRO-1)")):
+    lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
+  states = st["params"] + st["grads"] + st["optimizer"]
+  lines.append(f"  {'all states':<24}{states / GB:>10.2f}")
+  lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}")
+  lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
+  group = mesh["pipeline"] * mesh["expert"]
+  tb = (st["total_params"] + st["total_grads"]) / 1e12
+  lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "
+               f"model-parallel group: {tb * 1e12 / group / GB:.1f} GB per device on average, "
+               f"{(st['params'] + st['grads']) / GB:.1f} GB on the fullest")
+  if name == "kimi_k2":
+    lines.append("report 2.4.2: ~6 TB (bf16 params + fp32 grad buffer) over 256 GPUs, ~30 GB "
+                 "per GPU for all states; optimizer states distributed when nodes are many")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m k2jax.plan", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help=f"preset: {', '.join(configs.PRESETS)}")
+  p.add_argument("--mesh", default="", help="pipeline=P,expert=E,data=D (missing axes = 1)")
+  p.add_argument("--devices", type=int, default=None, help="total devices; fills in data")
+  p.add_argument("--seq_len", type=int, default=None)
+  p.add_argument("--micro_batch", type=int, default=1, help="sequences per device per microbatch")
+  p.add_argument("--param_bytes", type=int, default=2)
+  p.add_argument("--grad_bytes", type=int, default=4)
+  args = p.parse_args(argv)
+  try:
+    mesh = parse_mesh(args.mesh, args.devices)
+    print(report(args.config, mesh, args.seq_len, args.micro_batch, args.param_bytes,
+                 args.grad_bytes))
+  except ValueError as e:
+    print(f"k2jax.plan: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,56 @@
+"""The memory planner against the report's numbers and a direct count."""
+
+import subprocess
+import sys
+
+import pytest
+
+from k2jax import configs, model, plan
+
+
+def test_k2_states_match_report_scale():
+  mesh = {"pipeline": 16, "data": 1, "expert": 16}
+  st = plan.state_bytes(configs.get_config("kimi_k2").model, mesh, param_bytes=2, grad_bytes=4)
+  n = model.count_params(configs.get_config("kimi_k2").model)["total"]
+  assert st["total_params"] + st["total_grads"] == 6 * n            # bf16 + fp32 per parameter
+  assert 5.9e12 < 6 * n < 6.3e12                                     # report 2.4.2: ~6 TB
+  average = 6 * n / 256
+  assert 20e9 < average < 30e9                                       # ~30 GB per GPU in the report
+  # The fullest device holds more than the average (uneven stage split, embedding on stage 0),
+  # but less than 2x.
+  assert average < st["params"] + st["grads"] < 2 * average
+  # ZeRO-1: optimizer state shrinks with data parallelism, params and grads do not.
+  st8 = plan.state_bytes(configs.get_config("kimi_k2").model, dict(mesh, data=8))
+  assert st8["params"] == st["params"] and st8["optimizer"] < st["optimizer"] / 7
+
+
+def test_single_device_bytes_equal_parameter_count():
+  cfg = configs.get_config("tiny").model
+  st = plan.state_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, param_bytes=4, grad_bytes=4)
+  assert st["params"] == 4 * model.count_params(cfg)["total"]
+
+
+def test_experts_split_over_expert_axis():
+  cfg = configs.get_config("tiny").model
+  one = plan.state_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, param_bytes=1)
+  four = plan.state_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 4}, param_bytes=1)
+  experts = model.count_params(cfg)["routed_experts"]
+  assert one["params"] - four["params"] == experts - experts // 4
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--mesh", "pipeline=16,expert=x"], "expected pipeline=P,expert=E,data=D"),
+    (["--mesh", "pipeline=16,expert=16", "--devices", "100"], "--devices 100 is not"),
+])
+def test_cli_errors(args, fragment):
+  p = subprocess.run([sys.executable, "-m", "k2jax.plan", "--config", "kimi_k2", *args],
+                     capture_output=True, text=True)
+  assert p.returncode == 2 and fragment in p.stderr
+
+
+def test_cli_prints_the_comparison():
+  p = subprocess.run([sys.executable, "-m", "k2jax.plan", "--config", "kimi_k2", "--mesh",
+                      "pipeline=16,expert=16,data=1"], capture_output=True, text=True)
+  assert p.returncode == 0
+  assert "6.16 TB over a 256-device model-parallel group" in p.stdout
+  assert "report 2.4.2" in p.stdout

@@ -1,0 +1,15 @@
+"""README's Python examples run as written (every ```python block, in order, one namespace)."""
+
+import os
+import re
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def test_readme_python_blocks_run():
+  text = open(README).read()
+  blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+  assert blocks, "README has no python examples"
+  namespace = {}
+  for block in blocks:
+    exec(compile(block, README, "exec"), namespace)
