@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from k2jax import configs, data as data_lib, model, optim, parallel
+from k2jax import configs, data as data_lib, metrics as metrics_lib, model, optim, parallel
 from k2jax.checkpoint import Checkpointer
 from k2jax.metrics import MetricsWriter
 from k2jax.step import TrainState, eval_step, init_state, train_step
@@ -60,13 +61,25 @@ class TrainingDiverged(RuntimeError):
 
 
 class _StopFlag:
-  """Set by SIGTERM / SIGINT; the loop saves a checkpoint after the current step and exits."""
+  """Set by SIGTERM / SIGINT; the loop saves a checkpoint after the current step and exits.
+
+  With several processes the checkpoint is written collectively, so they must stop at the
+  same step: they compare flags at log steps (a tiny all-gather), and stop when any was set.
+  """
 
   def __init__(self):
     self.signum = None
 
   def __call__(self, signum, frame):
     self.signum = signum
+
+  def agreed(self, log_step: bool):
+    if jax.process_count() == 1:
+      return self.signum
+    if not log_step:
+      return None
+    flags_seen = multihost_utils.process_allgather(np.int32(self.signum or 0))
+    return int(np.max(flags_seen)) or None
 
 
 def _setup_logging(workdir):
@@ -161,13 +174,15 @@ def _run(config, workdir, mesh, data):
   row, eval_loss = {}, meta.get("eval_loss", float("nan"))
   bar = tqdm(total=t.steps, initial=start, disable=not main_process, dynamic_ncols=True,
              desc="train")
-  step = start
+  step, stop_signal = start, None
   try:
     while step < t.steps:
       state, metrics = step_fn(state, _device_batch(next(train_iter), batch_sharding))
       step += 1
       bar.update(1)
-      if step % t.log_every == 0 or step == t.steps:
+      log_step = step % t.log_every == 0 or step == t.steps
+      stop_signal = stop.agreed(log_step)
+      if log_step:
         row = {k: v.item() if np.ndim(v) == 0 else v for k, v in jax.device_get(metrics).items()}
         streak, skipped = (int(x) for x in jax.device_get((state.nan_streak, state.skipped)))
         if streak >= t.max_nan_steps:
@@ -190,11 +205,11 @@ def _run(config, workdir, mesh, data):
                         max_logit=f"{row.get('max_logit', float('nan')):.1f}")
         row = {}
       if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps
-                                 or stop.signum is not None):
+                                 or stop_signal is not None):
         ckpt.save(step, state, train_iter, {"step": step, "eval_loss": eval_loss,
                                             "seed": int(t.seed)})
-      if stop.signum is not None:
-        log.warning("received signal %d: saved checkpoint at step %d; exiting", stop.signum, step)
+      if stop_signal is not None:
+        log.warning("received signal %d: saved checkpoint at step %d; exiting", stop_signal, step)
         break
   finally:
     bar.close()
@@ -204,15 +219,15 @@ def _run(config, workdir, mesh, data):
     for s, h in old_handlers.items():
       signal.signal(s, h)
 
-  summary = _summary(workdir, step, t.steps, eval_loss, data.unigram_baseline, stop.signum)
+  stopped = stop_signal if step < t.steps else None
+  summary = _summary(workdir, step, t.steps, eval_loss, data.unigram_baseline, stopped)
   log.info("%s", summary["line"])
-  if stop.signum is not None:
-    raise SystemExit(128 + stop.signum)
+  if stopped is not None:
+    raise SystemExit(128 + stopped)
   return summary
 
 
 def _summary(workdir, step, steps, eval_loss, baseline, signum):
-  from k2jax import metrics as metrics_lib
   rows = metrics_lib.read(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else []
   last = next((r for r in reversed(rows) if "loss" in r), {})
   max_logit = max((r["max_logit"] for r in rows if "max_logit" in r), default=float("nan"))

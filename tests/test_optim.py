@@ -39,8 +39,9 @@ def test_newton_schulz_shares_singular_vectors_and_flattens_singular_values():
 
 def _steps(tx, params, grads_seq):
   state = tx.init(params)
+  update = jax.jit(tx.update)
   for g in grads_seq:
-    u, state = tx.update(g, state, params)
+    u, state = update(g, state, params)
     params = optax.apply_updates(params, u)
   return params
 
@@ -113,16 +114,18 @@ def test_qk_clip_brings_recomputed_max_logits_to_tau(base):
   params = jax.tree.map(lambda x: x * 6 if x.ndim == 4 and x.shape[-2] == cfg.num_attention_heads
                         else x, params)  # q_b / kv_b x6: logits x36
   tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
-  (_, aux), grads = jax.value_and_grad(lambda p: _lm_loss(cfg, p, tokens), has_aux=True)(params)
+  (_, aux), grads = jax.jit(jax.value_and_grad(lambda p: _lm_loss(cfg, p, tokens),
+                                               has_aux=True))(params)
   S = np.asarray(aux["max_logits"])
   tau = float(np.median(S[0]))  # some heads of layer 0 above tau, some below
   if base == "muonclip":
     tx = optim.muonclip(cfg, 0.0, tau=tau)
   else:
     tx = optax.chain(optim.adamw(cfg, 0.0), optim.qk_clip(cfg, tau))
-  u, state = tx.update(grads, tx.init(params), params, max_logits=aux["max_logits"])
+  u, state = jax.jit(lambda g, s, p, m: tx.update(g, s, p, max_logits=m))(
+      grads, tx.init(params), params, aux["max_logits"])
   new = optax.apply_updates(params, u)
-  _, aux2 = model.forward(cfg, new, tokens[:, :-1])
+  _, aux2 = jax.jit(lambda p: model.forward(cfg, p, tokens[:, :-1]))(new)
   np.testing.assert_allclose(aux2["max_logits"][0], np.minimum(S[0], tau), rtol=1e-5)
   assert (S > tau).any() and (S <= tau).any()
 

@@ -17,7 +17,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A constant learning rate from step 1 (warmup 1, no decay): every update matters, and the
 # first steps do not depend on train.steps, so a long run's prefix equals a short run.
-CLI = ["--config=tiny", "--config.model.num_hidden_layers=3", "--config.train.batch_size=8",
+CLI = ["--config=tiny", "--config.model.num_hidden_layers=2", "--config.train.batch_size=8",
        "--config.train.seq_len=32", "--config.train.log_every=1", "--config.train.steps=4",
        "--config.train.eval_batches=0", "--config.data.max_corpus_bytes=300000",
        "--config.optimizer.warmup_steps=1", "--config.optimizer.decay_steps=0",
@@ -31,11 +31,20 @@ def env(devices):
   return e
 
 
+def start_worker(devices, *args):
+  return subprocess.Popen([sys.executable, "-m", "tests.parallel_worker", *args], cwd=REPO,
+                          env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def result(proc):
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err[-3000:]
+  return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
+
+
 def worker(devices, *args):
-  p = subprocess.run([sys.executable, "-m", "tests.parallel_worker", *args], cwd=REPO,
-                     env=env(devices), capture_output=True, text=True, timeout=900)
-  assert p.returncode == 0, p.stderr[-3000:]
-  return json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+  return result(start_worker(devices, *args))
 
 
 def cli(devices, workdir, *extra):
@@ -64,10 +73,10 @@ def assert_close(got, want, rtol=1e-5, steps=None):
 def runs(tmp_path_factory):
   """One device, and four 8-device meshes, trained for 4 steps: {mesh: {step: [loss, max]}}."""
   out = tmp_path_factory.mktemp("meshes")
-  r = worker(1, "meshes", str(out / "one"), "1x1", "--", *CLI, *NO_CHECKPOINTS)
-  r.update(worker(8, "meshes", str(out / "eight"), "2x4", "8x1", "1x8", "4x2", "--", *CLI,
-                  *NO_CHECKPOINTS))
-  return r
+  one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *CLI, *NO_CHECKPOINTS)
+  eight = start_worker(8, "meshes", str(out / "eight"), "2x4", "8x1", "1x8", "4x2", "--", *CLI,
+                       *NO_CHECKPOINTS)
+  return {**result(one), **result(eight)}  # the two compile concurrently, one per core
 
 
 def test_meshes_match_one_device(runs):
@@ -104,26 +113,50 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_and_a_dead_peer_ends_the_run(tmp_path, runs):
-  """2 processes x 4 devices train like one process with 8; then SIGKILL one of them: the
-  other must exit with an error in bounded time instead of hanging in a collective."""
-  port = _free_port()
-  procs = [cli(4, tmp_path, f"--coordinator_address=localhost:{port}", "--num_processes=2",
-               f"--process_id={i}", "--heartbeat_timeout=10", "--config.mesh.data=2",
-               "--config.mesh.expert=4", "--config.train.steps=100000", *NO_CHECKPOINTS)
-           for i in range(2)]
-  metrics = tmp_path / "metrics.jsonl"
-  deadline = time.time() + 600
-  while time.time() < deadline and not (metrics.exists()
-                                        and len(metrics.read_text().splitlines()) >= 5):
-    assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-3000:]
+def _wait_for_rows(path, n, procs, timeout=600):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if path.exists() and len(path.read_text().splitlines()) >= n:
+      return
+    for p in procs:
+      if p.poll() is not None:
+        raise AssertionError(f"process exited early: {p.stderr.read()[-3000:]}")
     time.sleep(0.2)
+  raise AssertionError(f"{path} did not reach {n} rows")
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_stop_together_and_survive_a_dead_peer(tmp_path, runs):
+  """2 processes x 4 devices train like one process with 8. SIGTERM to one process stops both
+  at the same step with one checkpoint; the same command resumes both; SIGKILL of one then
+  ends the other with an error in bounded time instead of a hang in a collective."""
+  port = _free_port()
+
+  def launch():
+    return [cli(4, tmp_path, f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                f"--process_id={i}", "--heartbeat_timeout=10", "--config.mesh.data=2",
+                "--config.mesh.expert=4", "--config.train.steps=100000",
+                "--config.train.checkpoint_every=100000") for i in range(2)]
+
+  metrics = tmp_path / "metrics.jsonl"
+  procs = launch()
+  _wait_for_rows(metrics, 5, procs)
+  procs[0].send_signal(signal.SIGTERM)          # only one host gets the signal
+  errs = [p.communicate(timeout=300)[1] for p in procs]
+  assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, errs[1][-2000:]
+  saved = [d for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+  assert len(saved) == 1
+  assert sorted(os.listdir(tmp_path / "checkpoints" / saved[0] / "data")) == [
+      "commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
+  assert_close(losses(tmp_path), runs["2x4"], steps=["1", "2", "3", "4"])
+
+  procs = launch()                              # same command: both resume
+  _wait_for_rows(metrics, int(saved[0]) + 3, procs)
   procs[1].send_signal(signal.SIGKILL)
   t0 = time.time()
   _, err = procs[0].communicate(timeout=120)
   elapsed = time.time() - t0
   procs[1].communicate()
-  assert_close(losses(tmp_path), runs["2x4"], steps=["1", "2", "3", "4"])
+  assert f"resumed from checkpoint step {saved[0]}" in err
   assert procs[0].returncode != 0 and elapsed < 60, (elapsed, err[-2000:])
   assert "another process of the run died" in err or "heartbeat" in err, err[-2000:]
