@@ -42,7 +42,7 @@ def logical_spec(axes) -> P:
   return nn.logical_to_mesh_axes(tuple(axes), RULES)
 
 
-def _check_divisible(name, shape, pspec, mesh):
+def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model size"):
   for dim, (size, axes) in enumerate(zip(shape, pspec)):
     if axes is None:
       continue
@@ -50,8 +50,7 @@ def _check_divisible(name, shape, pspec, mesh):
     n = math.prod(mesh.shape[a] for a in axes)
     if size % n:
       raise ValueError(f"{name}: dim {dim} of size {size} is sharded over mesh axes "
-                       f"{'x'.join(axes)} = {n}, which does not divide it: change the mesh "
-                       f"or the model size")
+                       f"{' x '.join(axes)} = {n}, which does not divide it: {fix}")
 
 
 def param_shardings(specs, mesh: Mesh):
@@ -65,7 +64,8 @@ def param_shardings(specs, mesh: Mesh):
 
 def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:
   pspec = logical_spec(("batch", None))
-  _check_divisible("train.batch_size", (global_batch, 1), pspec, mesh)
+  _check_divisible("train.batch_size", (global_batch, 1), pspec, mesh,
+                   fix="make train.batch_size a multiple of it")
   return NamedSharding(mesh, pspec)
 
 

@@ -1,0 +1,34 @@
+"""Sharding rules: what each parameter is split over, and clear errors when sizes don't divide."""
+
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from k2jax import configs, model, parallel
+
+
+def mesh(pipeline=1, data=1, expert=1):
+  return AbstractMesh((pipeline, data, expert), parallel.MESH_AXES)
+
+
+def test_rules_split_experts_and_layers_and_keep_the_rest_whole():
+  cfg = configs.get_config("tiny").model
+  sh = parallel.param_shardings(model.param_specs(cfg), mesh(data=2, expert=4))
+  assert sh["moe_layers"]["moe"]["experts"]["gate"].spec == P("pipeline", "expert", None, None)
+  assert sh["moe_layers"]["moe"]["router"].spec == P("pipeline", None, None)
+  assert sh["embed"].spec == P(None, None)
+  assert all("data" not in str(s.spec) for s in parallel.param_shardings(
+      model.param_specs(cfg), mesh(data=8)).values() if hasattr(s, "spec"))
+
+
+def test_indivisible_expert_count_names_the_parameter_axis_and_divisor():
+  cfg = configs.get_config("tiny").model  # 16 experts
+  with pytest.raises(ValueError, match=r"moe_layers/moe/experts/\w+: dim 1 of size 16 is "
+                                       r"sharded over mesh axes expert = 3, which does not "
+                                       r"divide it: change the mesh"):
+    parallel.param_shardings(model.param_specs(cfg), mesh(expert=3))
+
+
+def test_batch_must_divide_over_data_times_expert():
+  with pytest.raises(ValueError, match=r"train.batch_size: dim 0 of size 12 is sharded over "
+                                       r"mesh axes data x expert = 8"):
+    parallel.batch_sharding(mesh(data=2, expert=4), 12)
