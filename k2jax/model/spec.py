@@ -75,10 +75,5 @@ def init_params(specs, rng, std: float, dtype=jnp.float32):
   return jax.tree.unflatten(treedef, out)
 
 
-def abstract_params(specs, dtype=jnp.float32):
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-      s.shape, jnp.float32 if s.group == "frozen" else dtype), specs, is_leaf=is_spec)
-
-
 def size(s: ParamSpec) -> int:
   return int(np.prod(s.shape, dtype=np.int64))
