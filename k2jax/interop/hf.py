@@ -91,7 +91,7 @@ def config_to_hf(cfg, torch_dtype: str = "float32") -> dict:
 # --------------------------------------------------------------------------- name map
 
 
-def _layer_entries(cfg, stack_specs, prefix):
+def _layer_entries(cfg, stack_specs):
   """(hf suffix, path inside one layer, expert index or None) for one decoder layer."""
   yield "input_layernorm.weight", ("attn_norm",), None
   yield "post_attention_layernorm.weight", ("mlp_norm",), None
@@ -124,7 +124,7 @@ def tensor_map(cfg) -> Iterator[tuple]:
   n_dense, _ = num_layers(cfg)
   for i in range(cfg.num_hidden_layers):
     stack, j = ("dense_layers", i) if i < n_dense else ("moe_layers", i - n_dense)
-    for suffix, path, e in _layer_entries(cfg, specs[stack], f"model.layers.{i}."):
+    for suffix, path, e in _layer_entries(cfg, specs[stack]):
       s = specs[stack]
       for k in path:
         s = s[k]
