@@ -33,7 +33,7 @@ def child(layers: int, dense: int) -> dict:
 
   def loss(p, t):
     logits, aux = model.forward(cfg, p, t)
-    return jnp.mean(jax.nn.logsumexp(logits, -1)) + aux["aux_loss"]
+    return jnp.mean(jax.nn.logsumexp(logits, -1)) + aux.aux_loss
 
   t0 = time.perf_counter()
   lowered = jax.jit(jax.grad(loss)).lower(params, tokens)

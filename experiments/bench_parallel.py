@@ -38,7 +38,7 @@ def measure(mesh_spec, zero1, steps):
   data = data_lib.build(cfg.data, cfg.train, cfg.model.vocab_size)
   with jax.set_mesh(mesh):
     abstract = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
-    sh = parallel.state_shardings(model.param_specs(cfg.model), mesh, abstract, zero1)
+    sh = parallel.state_shardings(model.param_specs(cfg.model), mesh, abstract, tx, zero1)
     bsh = parallel.batch_sharding(mesh, cfg.train.batch_size)
     state = jax.jit(functools.partial(init_state, cfg, tx), out_shardings=sh)(jax.random.key(0))
     step = jax.jit(functools.partial(train_step, cfg, tx, schedule), donate_argnums=0,

@@ -44,7 +44,7 @@ def _grads(mcfg, params, batch, grad_accum):
   def micro(mb):
     def f(p):
       ce_sum, n, aux = lm_loss(mcfg, p, mb)
-      return ce_sum + aux["aux_loss"] * n, (ce_sum, n, aux)
+      return ce_sum + aux.aux_loss * n, (ce_sum, n, aux)
     return jax.grad(f, has_aux=True)(params)
 
   if grad_accum == 1:
@@ -56,15 +56,15 @@ def _grads(mcfg, params, batch, grad_accum):
       g, (ce_sum, n, aux) = micro(mb)
       acc_g, acc_ce, acc_n, acc_max, acc_load = carry
       return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g), acc_ce + ce_sum,
-              acc_n + n, jnp.maximum(acc_max, aux["max_logits"]),
-              acc_load + aux["expert_load"]), None
+              acc_n + n, jnp.maximum(acc_max, aux.max_logits),
+              acc_load + aux.expert_load), None
 
     shapes = jax.eval_shape(lambda: model.forward(mcfg, params, batch["inputs"][:1])[1])
     init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-            jnp.zeros(()), jnp.zeros(()), jnp.full(shapes["max_logits"].shape, -jnp.inf),
-            jnp.zeros(shapes["expert_load"].shape))
+            jnp.zeros(()), jnp.zeros(()), jnp.full(shapes.max_logits.shape, -jnp.inf),
+            jnp.zeros(shapes.expert_load.shape))
     (g, ce_sum, n, max_logits, load), _ = jax.lax.scan(body, init, split)
-    aux = {"max_logits": max_logits, "expert_load": load}
+    aux = model.ForwardStats(max_logits, load, jnp.zeros(()))
   n = jnp.maximum(n, 1.0)
   return jax.tree.map(lambda x: x / n, g), ce_sum / n, aux
 
@@ -76,9 +76,9 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params,
-                                 max_logits=aux["max_logits"])
+                                 max_logits=aux.max_logits)
   params = optax.apply_updates(state.params, updates)
-  params = balance.update_router_bias(params, aux["expert_load"], mcfg.bias_update_speed)
+  params = balance.update_router_bias(params, aux.expert_load, mcfg.bias_update_speed)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
   clips = ocfg.name in ("muonclip", "adamw_qk_clip")
   new_state = TrainState(
@@ -87,7 +87,7 @@ def train_step(config, tx, schedule, state: TrainState, batch):
       opt_state=keep(opt_state, state.opt_state),
       nan_streak=jnp.where(finite, 0, state.nan_streak + 1),
       skipped=state.skipped + (~finite).astype(jnp.int32))
-  max_logits = aux["max_logits"]
+  max_logits = aux.max_logits
   metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
@@ -96,8 +96,8 @@ def train_step(config, tx, schedule, state: TrainState, batch):
       "max_logits_per_layer": jnp.max(max_logits, axis=-1),
       "clipped_heads": jnp.sum(max_logits > ocfg.tau) if clips else jnp.zeros((), jnp.int32),
       "clipped_heads_ever_frac": _ever_clipped_fraction(opt_state) if clips else jnp.zeros(()),
-      "expert_load_imbalance": (jnp.mean(balance.load_imbalance(aux["expert_load"]))
-                                if aux["expert_load"].size else jnp.ones(())),
+      "expert_load_imbalance": (jnp.mean(balance.load_imbalance(aux.expert_load))
+                                if aux.expert_load.size else jnp.ones(())),
       "finite": finite,
   }
   return new_state, metrics

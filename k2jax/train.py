@@ -132,7 +132,7 @@ def _run(config, workdir, mesh, data):
   schedule = optim.learning_rate_schedule(config)
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, config, tx), rng)
-  shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract)
+  shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract, tx)
   batch_sharding = parallel.batch_sharding(mesh, t.batch_size)
 
   ckpt = Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)

@@ -36,7 +36,7 @@ def zero1():
   mesh = parallel.make_mesh(cfg.mesh)
   tx = optim.optimizer(cfg)
   abstract = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
-  sh = parallel.state_shardings(model.param_specs(cfg.model), mesh, abstract)
+  sh = parallel.state_shardings(model.param_specs(cfg.model), mesh, abstract, tx)
 
   def per_device(tree, shardings):
     return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize

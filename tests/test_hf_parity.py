@@ -62,8 +62,8 @@ def test_logits_and_max_logits_match_reference(name, tmp_path, monkeypatch):
   cfg, params = hf.load_checkpoint(str(tmp_path))
   logits, aux = model.forward(cfg, params, tokens)
   np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=0, atol=1e-4)
-  assert aux["max_logits"].shape == (a["num_hidden_layers"], a["num_attention_heads"])
-  np.testing.assert_allclose(np.asarray(aux["max_logits"]), want_max, rtol=1e-5, atol=1e-5)
+  assert aux.max_logits.shape == (a["num_hidden_layers"], a["num_attention_heads"])
+  np.testing.assert_allclose(np.asarray(aux.max_logits), want_max, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_checkpoint_matches_dequantized_reference(tmp_path, monkeypatch):

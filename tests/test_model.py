@@ -78,7 +78,7 @@ def test_max_logits_equal_brute_force(with_segments):
 
 def test_model_max_logits_per_layer_equal_brute_force_on_materialized_logits():
   """Recompute each layer's q, k by hand from its input (captured by running the layers one at
-  a time) and take the float64 max; compare with aux["max_logits"] [layers, heads]."""
+  a time) and take the float64 max; compare with aux.max_logits [layers, heads]."""
   cfg = tiny(num_hidden_layers=3, first_k_dense_replace=1)
   params = model.init(cfg, jax.random.key(0))
   params = jax.tree.map(lambda x: x * 4 if x.ndim == 4 else x, params)  # bigger logits
@@ -89,7 +89,7 @@ def test_model_max_logits_per_layer_equal_brute_force_on_materialized_logits():
   x = params["embed"][tokens]
   pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
   want = []
-  for stack, kind in transformer.STACKS:
+  for stack, kind in ((st.name, st.ffn) for st in transformer.stacks(cfg)):
     for j in range(params[stack]["attn_norm"].shape[0]):
       p = jax.tree.map(lambda a: a[j], params[stack])
       h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -105,14 +105,14 @@ def test_model_max_logits_per_layer_equal_brute_force_on_materialized_logits():
       kf = jnp.concatenate([kv[..., :n], jnp.broadcast_to(kr[:, :, None], kv.shape[:3] + kr.shape[-1:])], -1)
       want.append(_brute_force_max_logits(qf, kf, rope.softmax_scale(cfg), None))
       x, _ = transformer._block(cfg, kind, x, p, pos, None)
-  np.testing.assert_allclose(aux["max_logits"], np.stack(want), rtol=1e-5)
+  np.testing.assert_allclose(aux.max_logits, np.stack(want), rtol=1e-5)
 
 
 def test_max_logits_carry_no_gradient():
   cfg = tiny(num_hidden_layers=2)
   params = model.init(cfg, jax.random.key(0))
   tokens = jnp.zeros((1, 5), jnp.int32)
-  g = jax.grad(lambda p: model.forward(cfg, p, tokens)[1]["max_logits"].sum())(params)
+  g = jax.grad(lambda p: model.forward(cfg, p, tokens)[1].max_logits.sum())(params)
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(g))
 
 
@@ -136,7 +136,7 @@ def test_ragged_dispatch_equals_dense_reference(groups):
   (_, (y_r, s_r)), g_r = jax.value_and_grad(run, argnums=(1, 2), has_aux=True)("ragged", p, x)
   (_, (y_d, s_d)), g_d = jax.value_and_grad(run, argnums=(1, 2), has_aux=True)("dense", p, x)
   np.testing.assert_allclose(y_r, y_d, atol=1e-5)
-  np.testing.assert_array_equal(s_r["expert_load"], s_d["expert_load"])
+  np.testing.assert_array_equal(s_r.expert_load, s_d.expert_load)
   for a, b in zip(jax.tree.leaves(g_r), jax.tree.leaves(g_d)):
     np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -197,7 +197,7 @@ def test_bfloat16_compute_stays_close_to_float32(moe_layers):
   l32, _ = model.forward(cfg, params, tokens)
   cfg.dtype = "bfloat16"
   l16, a16 = model.forward(cfg, params, tokens)
-  assert l16.dtype == jnp.float32 and a16["max_logits"].dtype == jnp.float32
+  assert l16.dtype == jnp.float32 and a16.max_logits.dtype == jnp.float32
   err, scale = jnp.abs(l16 - l32), float(jnp.abs(l32).mean())
   if moe_layers:  # at init router scores are near-ties, so a few tokens switch experts
     assert float(err.mean()) < 0.05 * scale

@@ -116,17 +116,17 @@ def test_qk_clip_brings_recomputed_max_logits_to_tau(base):
   tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, cfg.vocab_size)
   (_, aux), grads = jax.jit(jax.value_and_grad(lambda p: _lm_loss(cfg, p, tokens),
                                                has_aux=True))(params)
-  S = np.asarray(aux["max_logits"])
+  S = np.asarray(aux.max_logits)
   tau = float(np.median(S[0]))  # some heads of layer 0 above tau, some below
   if base == "muonclip":
     tx = optim.muonclip(cfg, 0.0, tau=tau)
   else:
     tx = optax.chain(optim.adamw(cfg, 0.0), optim.qk_clip(cfg, tau))
   u, state = jax.jit(lambda g, s, p, m: tx.update(g, s, p, max_logits=m))(
-      grads, tx.init(params), params, aux["max_logits"])
+      grads, tx.init(params), params, aux.max_logits)
   new = optax.apply_updates(params, u)
   _, aux2 = jax.jit(lambda p: model.forward(cfg, p, tokens[:, :-1]))(new)
-  np.testing.assert_allclose(aux2["max_logits"][0], np.minimum(S[0], tau), rtol=1e-5)
+  np.testing.assert_allclose(aux2.max_logits[0], np.minimum(S[0], tau), rtol=1e-5)
   assert (S > tau).any() and (S <= tau).any()
 
   clipped = S > tau

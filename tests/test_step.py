@@ -39,8 +39,8 @@ def test_grad_accumulation_equals_one_batch():
   g1, loss1, aux1 = jax.jit(lambda p, b: _grads(cfg.model, p, b, 1))(params, batch)
   g2, loss2, aux2 = jax.jit(lambda p, b: _grads(cfg.model, p, b, 2))(params, batch)
   np.testing.assert_allclose(loss1, loss2, rtol=1e-6)
-  np.testing.assert_allclose(aux1["max_logits"], aux2["max_logits"], rtol=1e-6)
-  np.testing.assert_array_equal(aux1["expert_load"], aux2["expert_load"])
+  np.testing.assert_allclose(aux1.max_logits, aux2.max_logits, rtol=1e-6)
+  np.testing.assert_array_equal(aux1.expert_load, aux2.expert_load)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 

@@ -23,7 +23,7 @@ from ml_collections import config_dict
 from k2jax.configs import base, validate_model
 from k2jax.interop import safetensors_io
 from k2jax.model import spec
-from k2jax.model.transformer import num_layers, param_specs
+from k2jax.model.transformer import param_specs, stacks
 
 FP8_BLOCK = 128
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -121,15 +121,14 @@ def tensor_map(cfg) -> Iterator[tuple]:
   yield "model.embed_tokens.weight", ("embed",), (), specs["embed"]
   yield "model.norm.weight", ("final_norm",), (), specs["final_norm"]
   yield "lm_head.weight", ("lm_head",), (), specs["lm_head"]
-  n_dense, _ = num_layers(cfg)
-  for i in range(cfg.num_hidden_layers):
-    stack, j = ("dense_layers", i) if i < n_dense else ("moe_layers", i - n_dense)
-    for suffix, path, e in _layer_entries(cfg, specs[stack]):
-      s = specs[stack]
-      for k in path:
-        s = s[k]
-      index = (j,) if e is None else (j, e)
-      yield f"model.layers.{i}.{suffix}", (stack,) + path, index, s
+  for st in stacks(cfg):
+    for j, i in enumerate(range(st.rows.start, st.rows.stop)):
+      for suffix, path, e in _layer_entries(cfg, specs[st.name]):
+        s = specs[st.name]
+        for k in path:
+          s = s[k]
+        index = (j,) if e is None else (j, e)
+        yield f"model.layers.{i}.{suffix}", (st.name,) + path, index, s
 
 
 def _slice_shape(s: spec.ParamSpec, index):

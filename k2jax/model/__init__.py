@@ -1,9 +1,12 @@
 """The K2 model as pure functions of (model config, params)."""
 
 from k2jax.model.counting import count_params, flops_per_token
-from k2jax.model.transformer import forward, init, num_layers, param_specs
+from k2jax.model.moe import MoEStats
+from k2jax.model.transformer import (ForwardStats, Stack, forward, init, num_layers, param_specs,
+                                     stacks)
 
-__all__ = ["init", "forward", "param_specs", "num_layers", "count_params", "flops_per_token"]
+__all__ = ["init", "forward", "param_specs", "num_layers", "stacks", "Stack", "ForwardStats",
+           "MoEStats", "count_params", "flops_per_token"]
 from k2jax.model.balance import load_imbalance, update_router_bias  # noqa: E402
 
 __all__ += ["update_router_bias", "load_imbalance"]

@@ -60,7 +60,7 @@ def dot_product_attention(q, k, v, scale, segment_ids=None):
   """Causal softmax attention that also returns the per-head max scaled logit.
 
   q, k: [B, T, H, Dqk]; v: [B, T, H, Dv]; segment_ids: [B, T] or None (packed documents
-  attend only within themselves). Returns (out [B, T, H, Dv], max_logits [H] float32).
+  attend only within themselves; id 0 marks padding, left out of max_logits). Returns (out [B, T, H, Dv], max_logits [H] float32).
   This is the XLA reference; a fused kernel must keep the same signature.
   """
   T = q.shape[1]
@@ -68,10 +68,15 @@ def dot_product_attention(q, k, v, scale, segment_ids=None):
   q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))              # [B, H, T, D]
   logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
   mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
+  counted = mask
   if segment_ids is not None:
     mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    # Padding (segment 0) attends among itself so its rows stay finite, but its logits are
+    # not QK-Clip's business.
+    counted = mask & (segment_ids > 0)[:, None, :, None]
   logits = jnp.where(mask, logits, -jnp.inf)
-  max_logits = jax.lax.stop_gradient(jnp.max(logits, axis=(0, 2, 3)))
+  max_logits = jax.lax.stop_gradient(jnp.max(jnp.where(counted, logits, -jnp.inf),
+                                             axis=(0, 2, 3)))
   probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
   return jnp.swapaxes(out, 1, 2), max_logits

@@ -17,7 +17,7 @@ def update_router_bias(params, expert_load, gamma):
   """Return params with moe_layers.moe.router_bias moved by the rule above.
 
   expert_load: [moe_layers, n_routed_experts] tokens routed per expert in this step
-  (aux["expert_load"], summed over microbatches). A no-op for models without MoE layers.
+  (aux.expert_load, summed over microbatches). A no-op for models without MoE layers.
   """
   if "moe_layers" not in params:
     return params

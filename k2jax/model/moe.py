@@ -14,16 +14,18 @@ grouped matmuls (`k2jax.kernels.grouped_matmul`: `jax.lax.ragged_dot` on acceler
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from k2jax.configs import sharding_rules as rules
 from k2jax.kernels import grouped_matmul
 from k2jax.model import spec
+from k2jax.model.expert_parallel import experts_all_to_all
 from k2jax.model.layers import mlp, mlp_specs, swiglu
-from k2jax.parallel.expert import experts_all_to_all
 
 
 def moe_specs(cfg):
@@ -31,8 +33,9 @@ def moe_specs(cfg):
   s = {
       # The router is small and trained with AdamW (Moonlight recipe); "router" is its own
       # logical axis so expert sharding does not split it.
-      "router": spec.ParamSpec((d, E), ("embed", "router"), "normal", "adamw", 1, True),
-      "router_bias": spec.ParamSpec((E,), ("router",), "zeros", "frozen", 0, False),
+      "router": spec.ParamSpec(shape=(d, E), axes=("embed", "router"), group="adamw"),
+      "router_bias": spec.ParamSpec(shape=(E,), axes=("router",), init="zeros", group="frozen",
+                                    n_in=0, decay=False),
       "experts": {"gate": spec.matrix((E, d, f), ("experts", "embed", "mlp")),
                   "up": spec.matrix((E, d, f), ("experts", "embed", "mlp")),
                   "down": spec.matrix((E, f, d), ("experts", "mlp", "embed"))},
@@ -96,58 +99,78 @@ def experts_ragged(p, x, idx, w):
 EXPERT_IMPLS = {"ragged": experts_ragged, "dense": experts_dense}
 
 
-def balance_loss(scores, idx, num_experts, batch):
+def balance_loss(scores, idx, num_experts, batch, valid=None):
   """DeepSeek-V3's complementary sequence-wise balance loss (without its alpha).
 
-  Per sequence: f_i = E / (k T) * #tokens routed to i, P_i = mean_t s_{i,t} / sum_j s_{j,t};
-  loss = mean over sequences of sum_i f_i P_i (1 when perfectly balanced).
+  Per sequence over its T' valid (non-padding) tokens: f_i = E / (k T') * #tokens routed to i,
+  P_i = mean_t s_{i,t} / sum_j s_{j,t}; loss = mean over sequences of sum_i f_i P_i (1 when
+  perfectly balanced). scores [N, E] and idx [N, k] hold `batch` rows of N / batch tokens;
+  valid [N] bool (None = all tokens count).
   """
   N, k = idx.shape
-  T = N // batch
-  counts = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32).sum(1).reshape(batch, T, -1)
-  f = counts.sum(1) * num_experts / (k * T)                            # [B, E]
-  probs = scores / scores.sum(-1, keepdims=True)
-  P = probs.reshape(batch, T, -1).mean(1)                              # [B, E]
+  v = (jnp.ones((N,), jnp.float32) if valid is None else valid.astype(jnp.float32))
+  v = v.reshape(batch, -1, 1)                                           # [B, T, 1]
+  n = jnp.maximum(v.sum(1), 1.0)                                        # [B, 1]
+  counts = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32).sum(1).reshape(batch, -1,
+                                                                           num_experts)
+  f = (counts * v).sum(1) * num_experts / (k * n)                       # [B, E]
+  probs = (scores / scores.sum(-1, keepdims=True)).reshape(batch, -1, num_experts)
+  P = (probs * v).sum(1) / n                                            # [B, E]
   return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * P, -1))
 
 
-def _routed(cfg, ep: bool, axes: tuple, p, x):
-  """Router + routed experts on (this shard's) tokens x [B, T, d] -> (y, load [E], aux_loss)."""
+class MoEStats(NamedTuple):
+  expert_load: jax.Array  # f32 [E]: valid (non-padding) tokens routed to each expert
+  aux_loss: jax.Array     # f32 scalar: aux_loss_alpha * balance_loss (0 when alpha = 0)
+
+
+def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
+  """Router + routed experts on (this shard's) tokens x [B, T, d] -> (y, MoEStats)."""
   B, T, d = x.shape
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
-  if ep:
-    y = experts_all_to_all(_expert_mlp, p["experts"], x2d, idx, w, "expert")
+  if ep_axis:
+    y = experts_all_to_all(_expert_mlp, p["experts"], x2d, idx, w, ep_axis)
   else:
     y = EXPERT_IMPLS[cfg.moe_impl](p["experts"], x2d, idx, w)
-  load = jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts).astype(jnp.float32)
-  aux = (cfg.aux_loss_alpha * balance_loss(scores, idx, cfg.n_routed_experts, B)
+  k = cfg.num_experts_per_tok
+  weights = jnp.repeat(valid.reshape(-1), k).astype(jnp.float32)
+  load = jnp.zeros((cfg.n_routed_experts,), jnp.float32).at[idx.reshape(-1)].add(weights)
+  aux = (cfg.aux_loss_alpha * balance_loss(scores, idx, cfg.n_routed_experts, B,
+                                           valid.reshape(-1))
          if cfg.aux_loss_alpha else jnp.zeros((), jnp.float32))
-  if axes:
-    load, aux = jax.lax.psum(load, axes), jax.lax.pmean(aux, axes)
-  return y.reshape(B, T, d), load, aux
+  if batch_axes:
+    load, aux = jax.lax.psum(load, batch_axes), jax.lax.pmean(aux, batch_axes)
+  return y.reshape(B, T, d), MoEStats(load, aux)
 
 
-def moe(cfg, p, x):
-  """x [B, T, d] -> (y [B, T, d], {"expert_load": [E] tokens per expert, "aux_loss": scalar}).
+def moe(cfg, p, x, valid=None):
+  """x [B, T, d], valid [B, T] bool (None = all tokens) -> (y [B, T, d], MoEStats).
 
-  Under a mesh (`jax.set_mesh`) with `data` / `expert` axes, the router and routed experts
-  run per shard in `shard_map` (each shard sorts only its own tokens) and, when the
-  `expert` axis is larger than 1, tokens reach the shard holding their expert through
-  all-to-all (k2jax.parallel.expert). Without a mesh everything is local.
+  Under a mesh (`jax.set_mesh`) whose axes the logical `batch` axis maps to (see
+  k2jax.configs.sharding_rules) are larger than 1, the router and routed experts run per
+  shard in `shard_map` (each shard sorts only its own tokens) and, when the `experts` axis
+  is split too, tokens reach the shard holding their expert through all-to-all
+  (k2jax.model.expert_parallel). Without a mesh everything is local.
   """
+  if valid is None:
+    valid = jnp.ones(x.shape[:2], bool)
   routed = {k: p[k] for k in ("router", "router_bias", "experts")}
   mesh = jax.sharding.get_abstract_mesh()
-  axes = () if mesh.empty else tuple(a for a in ("data", "expert") if a in mesh.axis_names)
-  if axes:
-    ep = mesh.shape.get("expert", 1) > 1
-    specs = {"router": P(), "router_bias": P(),
-             "experts": jax.tree.map(lambda _: P("expert" if ep else None), routed["experts"])}
-    fn = jax.shard_map(functools.partial(_routed, cfg, ep, axes), in_specs=(specs, P(axes)),
-                       out_specs=(P(axes), P(), P()), axis_names=set(axes))
-    y, load, aux = fn(routed, x)
+  batch_axes = rules.active_mesh_axes("batch", mesh)
+  if batch_axes:
+    ep = rules.active_mesh_axes("experts", mesh)
+    ep_axis = ep[0] if ep else None
+    # Specs of one layer's routed params (the scan removed the `layers` axis), from the table.
+    specs = jax.tree.map(lambda s: rules.logical_spec(s.axes) if ep_axis else P(),
+                         moe_specs(cfg), is_leaf=spec.is_spec)
+    specs = {k: specs[k] for k in routed}
+    fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes, ep_axis),
+                       in_specs=(specs, P(batch_axes), P(batch_axes)),
+                       out_specs=(P(batch_axes), MoEStats(P(), P())), axis_names=set(batch_axes))
+    y, stats = fn(routed, x, valid)
   else:
-    y, load, aux = _routed(cfg, False, (), routed, x)
+    y, stats = _routed(cfg, (), None, routed, x, valid)
   if "shared" in p:
     y = y + mlp(p["shared"], x)
-  return y, {"expert_load": load, "aux_loss": aux}
+  return y, stats

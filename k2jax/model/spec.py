@@ -31,11 +31,14 @@ class ParamSpec(NamedTuple):
 
 
 def matrix(shape, axes, n_in=1):
-  return ParamSpec(tuple(shape), tuple(axes), "normal", "muon", n_in, True)
+  """A Muon-trained weight matrix (decayed), `n_in` fan-in axes after any batch axes."""
+  return ParamSpec(shape=tuple(shape), axes=tuple(axes), init="normal", group="muon", n_in=n_in,
+                   decay=True)
 
 
 def vector(size, axis, init="ones", group="adamw"):
-  return ParamSpec((size,), (axis,), init, group, 0, False)
+  """A norm weight or similar vector: AdamW, no weight decay."""
+  return ParamSpec(shape=(size,), axes=(axis,), init=init, group=group, n_in=0, decay=False)
 
 
 def stack(tree, n: int):

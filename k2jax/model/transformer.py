@@ -10,16 +10,47 @@ time does not grow with depth. Public face: pure `init(cfg, rng)` and
 `forward(cfg, params, tokens)`, where `cfg` is the `model` group of a k2jax config.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from k2jax.model import spec
 from k2jax.model.attention import attention_specs, mla
 from k2jax.model.layers import mlp, mlp_specs, rms_norm
-from k2jax.model.moe import moe, moe_specs
+from k2jax.model.moe import MoEStats, moe, moe_specs
 from k2jax.model.remat import remat_policy
 
-STACKS = (("dense_layers", "mlp"), ("moe_layers", "moe"))
+
+class Stack(NamedTuple):
+  """One scanned stack of identical layers: params[name] has a leading `layers` axis."""
+  name: str        # params key: "dense_layers" | "moe_layers"
+  ffn: str         # the layer's feed-forward: "mlp" (dense SwiGLU) | "moe"
+  first: int       # global index of its first layer
+  size: int        # layers in the stack
+
+  @property
+  def rows(self) -> slice:
+    """Its rows in per-layer arrays of all layers ([num_hidden_layers, ...], e.g. max_logits)."""
+    return slice(self.first, self.first + self.size)
+
+
+def stacks(cfg) -> tuple[Stack, ...]:
+  """The model's non-empty layer stacks in layer order: the first `first_k_dense_replace`
+  layers are dense, the rest MoE. Everything that maps per-layer rows to parameters (QK-Clip,
+  HF interop, balancing, pipeline stages) goes through this one function."""
+  n_dense = cfg.first_k_dense_replace
+  all_stacks = (Stack("dense_layers", "mlp", 0, n_dense),
+                Stack("moe_layers", "moe", n_dense, cfg.num_hidden_layers - n_dense))
+  return tuple(s for s in all_stacks if s.size)
+
+
+class ForwardStats(NamedTuple):
+  """Statistics of one forward pass, reduced over the batch (and across devices)."""
+  max_logits: jax.Array   # f32 [num_hidden_layers, heads]: max scaled pre-softmax logit over
+                          # valid (causal, same-document, non-padding) pairs; QK-Clip's S_max
+  expert_load: jax.Array  # f32 [moe_layers, n_routed_experts]: non-padding tokens per expert
+  aux_loss: jax.Array     # f32 scalar: aux_loss_alpha * sequence-wise balance loss, all layers
 
 
 def num_layers(cfg):
@@ -29,19 +60,17 @@ def num_layers(cfg):
 
 def param_specs(cfg):
   d, V = cfg.hidden_size, cfg.vocab_size
-  n_dense, n_moe = num_layers(cfg)
 
   def layer(kind, ffn):
     return {"attn_norm": spec.vector(d, "embed"), "attn": attention_specs(cfg),
             "mlp_norm": spec.vector(d, "embed"), kind: ffn}
 
-  s = {"embed": spec.ParamSpec((V, d), ("vocab", "embed"), "normal", "adamw", 1, True)}
-  if n_dense:
-    s["dense_layers"] = spec.stack(layer("mlp", mlp_specs(d, cfg.intermediate_size)), n_dense)
-  if n_moe:
-    s["moe_layers"] = spec.stack(layer("moe", moe_specs(cfg)), n_moe)
+  ffn = {"mlp": lambda: mlp_specs(d, cfg.intermediate_size), "moe": lambda: moe_specs(cfg)}
+  s = {"embed": spec.ParamSpec(shape=(V, d), axes=("vocab", "embed"), group="adamw")}
+  for st in stacks(cfg):
+    s[st.name] = spec.stack(layer(st.ffn, ffn[st.ffn]()), st.size)
   s["final_norm"] = spec.vector(d, "embed")
-  s["lm_head"] = spec.ParamSpec((d, V), ("embed", "vocab"), "normal", "adamw", 1, True)
+  s["lm_head"] = spec.ParamSpec(shape=(d, V), axes=("embed", "vocab"), group="adamw")
   return s
 
 
@@ -51,20 +80,22 @@ def init(cfg, rng):
                           jnp.dtype(cfg.param_dtype))
 
 
-def _block(cfg, kind, x, p, positions, segment_ids):
+def _block(cfg, ffn, x, p, positions, segment_ids):
+  """One pre-norm layer -> (x, (max_logits [H], MoEStats or None for a dense layer))."""
   eps = cfg.rms_norm_eps
   h, max_logits = mla(cfg, p["attn"], rms_norm(x, p["attn_norm"], eps), positions, segment_ids)
   x = x + h
   h = rms_norm(x, p["mlp_norm"], eps)
-  if kind == "mlp":
-    return x + mlp(p["mlp"], h), {"max_logits": max_logits}
-  y, stats = moe(cfg, p["moe"], h)
-  return x + y, {"max_logits": max_logits, **stats}
+  if ffn == "mlp":
+    return x + mlp(p["mlp"], h), (max_logits, None)
+  valid = None if segment_ids is None else segment_ids > 0   # segment 0 = padding
+  y, moe_stats = moe(cfg, p["moe"], h, valid)
+  return x + y, (max_logits, moe_stats)
 
 
-def _run_stack(cfg, kind, stacked, x, positions, segment_ids):
+def _run_stack(cfg, ffn, stacked, x, positions, segment_ids):
   def body(x, p):
-    return _block(cfg, kind, x, p, positions, segment_ids)
+    return _block(cfg, ffn, x, p, positions, segment_ids)
   policy = remat_policy(cfg.remat)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -72,32 +103,29 @@ def _run_stack(cfg, kind, stacked, x, positions, segment_ids):
 
 
 def forward(cfg, params, tokens, *, positions=None, segment_ids=None):
-  """tokens [B, T] int -> (logits [B, T, vocab] float32, aux).
+  """tokens [B, T] int -> (logits [B, T, vocab] float32, ForwardStats).
 
-  positions [B, T] (default 0..T-1) and segment_ids [B, T] (packed documents; None = one
-  document per row) are optional. aux holds:
-    max_logits   [num_layers, heads] f32: per layer and head, the max scaled pre-softmax
-                 logit over batch and valid positions (stop-gradient), for QK-Clip;
-    expert_load  [moe_layers, n_routed_experts] f32: tokens routed to each expert;
-    aux_loss     scalar: aux_loss_alpha * sequence-wise balance loss, summed over layers.
+  positions [B, T] (default 0..T-1) and segment_ids [B, T] are optional. segment_ids mark
+  packed documents (attention stays within a document) and padding (id 0: such tokens count
+  for nothing in max_logits, expert_load and the balance loss); None = one document per row.
   """
   dt = jnp.dtype(cfg.dtype)
   B, T = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
-  max_logits, aux = [], {}
-  for name, kind in STACKS:
-    if name in params:
-      x, stats = _run_stack(cfg, kind, params[name], x, positions, segment_ids)
-      max_logits.append(stats["max_logits"])
-      if kind == "moe":
-        aux["expert_load"] = stats["expert_load"]
-        aux["aux_loss"] = stats["aux_loss"].sum()
+  max_logits, moe_stats = [], None
+  for st in stacks(cfg):
+    x, (layer_max, layer_moe) = _run_stack(cfg, st.ffn, params[st.name], x, positions,
+                                           segment_ids)
+    max_logits.append(layer_max)
+    moe_stats = layer_moe if layer_moe is not None else moe_stats
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt),
                       preferred_element_type=jnp.float32)
-  aux["max_logits"] = jnp.concatenate(max_logits, axis=0)
-  aux.setdefault("expert_load", jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
-  aux.setdefault("aux_loss", jnp.zeros((), jnp.float32))
-  return logits, aux
+  if moe_stats is None:  # an all-dense model
+    moe_stats = MoEStats(jnp.zeros((0, cfg.n_routed_experts), jnp.float32),
+                         jnp.zeros((0,), jnp.float32))
+  return logits, ForwardStats(max_logits=jnp.concatenate(max_logits, axis=0),
+                              expert_load=moe_stats.expert_load,
+                              aux_loss=moe_stats.aux_loss.sum())

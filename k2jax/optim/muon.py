@@ -26,7 +26,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from k2jax.model import param_specs, spec
-from k2jax.parallel.mesh import logical_spec
+from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec
 
 
 def _is_dims(x):
@@ -83,12 +83,12 @@ def scale_by_rms_match(weight_dimension_numbers, rms: float = 0.2):
 def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
   """Run `inner` (Muon) on momentum gathered to the parameters' own sharding.
 
-  ZeRO-1 splits Muon's momentum over the `data` mesh axis, but Newton-Schulz needs whole
+  ZeRO-1 splits Muon's momentum over the `opt_state` mesh axes, but Newton-Schulz needs whole
   matrices. Left alone, XLA partitions its matmuls over the split momentum and exchanges
   partial products in every iteration; constraining the momentum to the parameter sharding
   instead all-gathers each matrix once, orthogonalizes it whole, and the train step's
   output sharding keeps this rank's shard of the new momentum (report 2.4.2, ZeRO-1).
-  A no-op without a mesh or with data = 1.
+  A no-op without a mesh or when those axes have size 1.
   """
   pspecs = {tuple(getattr(k, "key", k) for k in path): logical_spec(s.axes)
             for path, s in jax.tree_util.tree_flatten_with_path(
@@ -105,7 +105,7 @@ def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.Gra
 
   def update_fn(updates, state, params=None):
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get("data", 1) > 1:
+    if active_mesh_axes("opt_state", mesh):
       state = state._replace(mu=gather(state.mu))
     return inner.update(updates, state, params)
 

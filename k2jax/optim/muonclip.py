@@ -1,7 +1,7 @@
 """MuonClip (report 2.1, Algorithm 1): Muon with weight decay and RMS matching, then QK-Clip.
 
     tx = muonclip(cfg, learning_rate=wsd(...), tau=100.0)
-    updates, state = tx.update(grads, state, params, max_logits=aux["max_logits"])
+    updates, state = tx.update(grads, state, params, max_logits=aux.max_logits)
     params = optax.apply_updates(params, updates)
 
 `optimizer(config)` builds any of the trainer's choices from a full k2jax config.

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from k2jax.model import num_layers
+from k2jax.model import stacks
 from k2jax.model.attention import qk_clip_scales
 
 
@@ -34,10 +34,9 @@ def clip_factors(max_logits, tau):
 
 
 def qk_clip(cfg, tau: float = 100.0) -> optax.GradientTransformationExtraArgs:
-  """`tx.update(updates, state, params, max_logits=aux["max_logits"])`; cfg = model config."""
+  """`tx.update(updates, state, params, max_logits=aux.max_logits)`; cfg = model config."""
   if not tau > 0:
     raise ValueError(f"optimizer.tau = {tau!r}: must be positive")
-  n_dense, n_moe = num_layers(cfg)
   heads = cfg.num_attention_heads
 
   def init_fn(params):
@@ -48,22 +47,20 @@ def qk_clip(cfg, tau: float = 100.0) -> optax.GradientTransformationExtraArgs:
     del extra
     if params is None or max_logits is None:
       raise ValueError("qk_clip needs the params and this step's max logits: call "
-                       "tx.update(grads, state, params, max_logits=aux['max_logits'])")
+                       "tx.update(grads, state, params, max_logits=aux.max_logits)")
     if max_logits.shape != (cfg.num_hidden_layers, heads):
       raise ValueError(f"max_logits has shape {max_logits.shape}, expected "
                        f"[num_hidden_layers, num_attention_heads] = "
                        f"{(cfg.num_hidden_layers, heads)}")
     gamma = clip_factors(max_logits, tau)
     updates = dict(updates)
-    for stack, rows in (("dense_layers", slice(0, n_dense)), ("moe_layers", slice(n_dense, None))):
-      if stack not in updates:
-        continue
-      attn_u = dict(updates[stack]["attn"])
-      for name, s in qk_clip_scales(cfg, gamma[rows]).items():
-        p, u = params[stack]["attn"][name], attn_u[name]
+    for st in stacks(cfg):
+      attn_u = dict(updates[st.name]["attn"])
+      for name, s in qk_clip_scales(cfg, gamma[st.rows]).items():
+        p, u = params[st.name]["attn"][name], attn_u[name]
         clipped = s * (p + u) - p
         attn_u[name] = jnp.where(s == 1, u, clipped.astype(u.dtype))  # unclipped: bit-exact
-      updates[stack] = {**updates[stack], "attn": attn_u}
+      updates[st.name] = {**updates[st.name], "attn": attn_u}
     return updates, QKClipState(state.ever_clipped | (max_logits > tau))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,29 +1,18 @@
-"""Device mesh and the one table mapping logical axis names to mesh axes.
+"""Device meshes and the shardings the logical-axis rules give parameters and batches.
 
-Mesh axes, slowest-varying first over the device list: pipeline, data, expert. Expert
-parallelism wants the fastest links, so `expert` is innermost; and each host's devices
-then hold a contiguous slab of the ("data", "expert")-sharded batch. Changing the parallel layout means editing RULES (or
-the mesh sizes in the config), not the model: every parameter's logical axes come from the
-parameter table (k2jax.model.spec) and every batch is ("batch", "length").
+The rules themselves (logical axis -> mesh axes) are the one table in
+k2jax.configs.sharding_rules; every parameter's logical axes come from the parameter table
+(k2jax.model.spec) and every batch is ("batch", "length").
 """
 
 import math
 
 import jax
 import numpy as np
-from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from k2jax.configs.sharding_rules import MESH_AXES, RULES, logical_spec  # noqa: F401
 from k2jax.model import spec
-
-MESH_AXES = ("pipeline", "data", "expert")
-
-# logical axis -> mesh axes. A mesh axis is used at most once per array; an earlier rule wins.
-RULES = (
-    ("batch", ("data", "expert")),   # tokens are split over every non-pipeline device
-    ("experts", "expert"),           # expert parallelism
-    ("layers", "pipeline"),          # each pipeline stage holds its layers
-)
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
@@ -36,10 +25,6 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
         f"devices, but {len(devices)} are available: set --config.mesh.* so the product is "
         f"{len(devices)}")
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
-
-
-def logical_spec(axes) -> P:
-  return nn.logical_to_mesh_axes(tuple(axes), RULES)
 
 
 def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model size"):

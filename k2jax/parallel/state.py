@@ -1,60 +1,65 @@
 """Shardings of the whole training state: ZeRO-1 (report 2.4.2).
 
 Parameters follow the logical-axis rules (replicated over `data`). Optimizer-state leaves
-that mirror a parameter (Muon momentum, Adam moments) take that parameter's sharding and
-are additionally split over `data` along their largest dimension that is still unsharded
-and divisible by the data-axis size; everything else (counts, flags) is replicated.
+that mirror a parameter (Muon momentum, Adam moments; optax identifies them for us with
+`optax.tree_utils.tree_map_params`) take that parameter's sharding and are additionally split
+over the mesh axes of the logical `opt_state` axis (k2jax.configs.sharding_rules: `data`)
+along their largest dimension that is still unsharded and divisible; everything else
+(counts, flags) is replicated.
 
 Muon needs whole matrices: under jit the momentum shard of each data rank is gathered where
-Newton-Schulz needs it, the orthogonalized update is formed on the full matrix, and each
-rank keeps its shard of the new momentum (GSPMD inserts the all-gather from these
-shardings; experiments/bench_parallel.py measures what it costs).
+Newton-Schulz needs it (k2jax.optim.muon.whole_matrix_momentum), the orthogonalized update is
+formed on the full matrix, and each rank keeps its shard of the new momentum;
+experiments/bench_parallel.py measures what it costs.
 """
 
-import jax
+import math
+
+import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k2jax.configs.sharding_rules import mesh_axes
 from k2jax.parallel.mesh import param_shardings, replicated
 
 
-def _key_path(path):
-  return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
 def zero1(sharding: NamedSharding, shape) -> NamedSharding:
-  """`sharding` with the `data` mesh axis added on the largest free divisible dimension."""
+  """`sharding` with the ZeRO-1 mesh axes added on the largest free divisible dimension."""
   mesh = sharding.mesh
-  n = mesh.shape.get("data", 1)
   spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
   used = {a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)}
-  if n == 1 or "data" in used:
-    return sharding
+  axes = tuple(a for a in mesh_axes("opt_state") if mesh.shape.get(a, 1) > 1 and a not in used)
+  n = math.prod(mesh.shape[a] for a in axes)
   free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0]
-  if not free:
+  if n == 1 or not free:
     return sharding
   dim = max(free, key=lambda d: shape[d])
-  spec[dim] = "data"
+  spec[dim] = axes[0] if len(axes) == 1 else axes
   return NamedSharding(mesh, P(*spec))
 
 
-def state_shardings(specs, mesh, abstract_state, shard_optimizer: bool = True):
-  """specs: the parameter table (`k2jax.model.param_specs(cfg)`); abstract_state: a TrainState
-  of ShapeDtypeStructs. Returns a TrainState of NamedShardings. shard_optimizer=False keeps
-  optimizer state sharded like the params (plain data parallelism, for comparison)."""
+def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = True):
+  """NamedShardings for a TrainState.
+
+  Args:
+    specs: the parameter table (`k2jax.model.param_specs(cfg)`).
+    mesh: the device mesh.
+    abstract_state: a TrainState of ShapeDtypeStructs (`jax.eval_shape` of its init).
+    tx: the optax transformation whose `init` made `abstract_state.opt_state`.
+    shard_optimizer: False keeps optimizer state sharded like the params (plain data
+      parallelism, for comparison).
+  Returns:
+    A TrainState of NamedShardings.
+  """
   params = param_shardings(specs, mesh)
-  by_path = {_key_path(p): s for p, s in jax.tree_util.tree_flatten_with_path(params)[0]}
-  shapes = {_key_path(p): a.shape
-            for p, a in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]}
-
-  def opt_leaf(path, leaf):
-    keys = _key_path(path)
-    for start in range(len(keys)):  # the longest dict-key suffix naming a parameter
-      if keys[start:] in by_path and shapes[keys[start:]] == leaf.shape:
-        param = by_path[keys[start:]]
-        return zero1(param, leaf.shape) if shard_optimizer else param
-    return replicated(mesh)
-
-  opt = jax.tree_util.tree_map_with_path(opt_leaf, abstract_state.opt_state)
   rep = replicated(mesh)
+
+  def param_leaf(leaf, param_sharding):
+    if isinstance(leaf, optax.MaskedNode):  # partition() leaves holes for other groups
+      return leaf
+    return zero1(param_sharding, leaf.shape) if shard_optimizer else param_sharding
+
+  opt = optax.tree_utils.tree_map_params(
+      tx, param_leaf, abstract_state.opt_state, params, transform_non_params=lambda _: rep,
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   return abstract_state._replace(step=rep, params=params, opt_state=opt, nan_streak=rep,
                                  skipped=rep)
