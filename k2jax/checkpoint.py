@@ -2,9 +2,13 @@
 
 DIR/checkpoints/<step>/{state, data, meta} via `orbax.checkpoint.CheckpointManager`
 (keep-last-K, async). A step directory is committed atomically by orbax (a killed save
-leaves only a `*.orbax-checkpoint-tmp` directory, which orbax ignores). A committed step
-that fails to restore (damaged files) is reported, moved to DIR/corrupt_checkpoints/ so
-later saves of that step are not skipped, and the previous step is tried.
+leaves only a `*.orbax-checkpoint-tmp` directory, which orbax ignores).
+
+Restoring tells two failures apart. A checkpoint whose saved tree (read from its metadata)
+is not the train state this config builds is a mismatch: nothing is moved and
+`CheckpointMismatch` names the first difference. A checkpoint that cannot be read (damaged
+or partial files) is reported, moved to DIR/corrupt_checkpoints/ so later saves of that step
+are not skipped, and the previous step is tried.
 """
 
 import logging
@@ -18,6 +22,31 @@ import orbax.checkpoint as ocp
 log = logging.getLogger(__name__)
 
 
+class CheckpointMismatch(ValueError):
+  """A readable checkpoint that holds a different train state than the one being restored."""
+
+
+def _path_str(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _leaves(tree) -> dict:
+  """{path: (shape, dtype)} with NamedTuple fields, dict keys and indices as plain names (the
+  form orbax's tree metadata uses)."""
+  return {_path_str(p): (tuple(a.shape), str(a.dtype))
+          for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def first_difference(saved: dict, expected: dict) -> str | None:
+  """A readable description of the first leaf that differs, or None."""
+  for key in sorted(set(saved) | set(expected)):
+    a, b = saved.get(key), expected.get(key)
+    if a != b:
+      show = lambda x: "absent" if x is None else f"{x[1]}{list(x[0])}"
+      return f"{key}: saved {show(a)}, expected {show(b)}"
+  return None
+
+
 class Checkpointer:
 
   def __init__(self, workdir: str, keep: int, use_async: bool):
@@ -26,7 +55,11 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
-                                             cleanup_tmp_directories=True))
+                                             cleanup_tmp_directories=True),
+        # Known handlers let item_metadata read a checkpoint's tree before restoring it.
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "data": grain.checkpoint.CheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def save(self, step: int, state, data_iter, meta: dict) -> None:
     if step in self.manager.all_steps():
@@ -37,8 +70,24 @@ class Checkpointer:
         meta=ocp.args.JsonSave(meta)), force=True)
 
   def restore_latest(self, abstract_state, make_iter):
-    """-> (state, data iterator, meta) of the newest restorable step, or None if none."""
+    """-> (state, data iterator, meta) of the newest restorable step, or None if none.
+
+    Raises CheckpointMismatch (touching nothing) when the newest readable checkpoint holds a
+    different tree than `abstract_state`.
+    """
+    expected = _leaves(abstract_state)
     for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        saved = _leaves(self.manager.item_metadata(step)["state"])
+      except Exception as e:  # no or damaged metadata: the checkpoint cannot be read
+        self._quarantine(step, e)
+        continue
+      diff = first_difference(saved, expected)
+      if diff:
+        raise CheckpointMismatch(
+            f"checkpoint step {step} in {self.directory} holds a different train state than "
+            f"this config and code build ({diff}); resume with the code and config that wrote "
+            "it, or use a new --workdir")
       data_iter = make_iter()  # restore moves the iterator in place: a fresh one per attempt
       try:
         r = self.manager.restore(step, args=ocp.args.Composite(

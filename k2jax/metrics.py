@@ -5,10 +5,13 @@ from, so the file reads as one uninterrupted run.
 """
 
 import json
+import logging
 import os
 
 import numpy as np
 from tensorboardX import SummaryWriter
+
+log = logging.getLogger(__name__)
 
 
 def _plain(v):
@@ -51,12 +54,25 @@ class MetricsWriter:
 
 
 def _truncate_after(path: str, step: int) -> None:
+  """Drop rows past `step` (a resumed run writes them again). A run that starts over from
+  step 0 with rows on file keeps them: the old file is renamed metrics.<n>.jsonl."""
   if not os.path.exists(path):
     return
   with open(path) as f:
-    rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-  with open(path, "w") as f:
-    f.writelines(rows)
+    rows = [line for line in f if line.strip()]
+  keep = [line for line in rows if json.loads(line).get("step", 0) <= step]
+  if step == 0 and rows:
+    n = 1
+    while os.path.exists(f"{path[:-len('.jsonl')]}.{n}.jsonl"):
+      n += 1
+    backup = f"{path[:-len('.jsonl')]}.{n}.jsonl"
+    os.replace(path, backup)
+    log.warning("no checkpoint to resume from: starting at step 0; the earlier metrics are "
+                "kept in %s", backup)
+    return
+  if len(keep) < len(rows):
+    with open(path, "w") as f:
+      f.writelines(keep)
 
 
 def read(workdir_or_file: str) -> list[dict]:

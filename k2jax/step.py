@@ -1,8 +1,14 @@
 """One training step and one eval step, as pure functions to jit.
 
-The train step: forward + backward (optionally over microbatches), skip the update if the
-loss or a gradient is not finite, otherwise apply the optimizer (MuonClip reads this step's
-max logits) and then the router-bias balancing rule with this step's expert load.
+A train step is forward, backward, update, gate:
+
+    grads, loss, stats = mean over microbatches of d(token loss)/d(params)   (forward, backward)
+    updates = tx.update(grads, ..., max_logits=stats.max_logits,            (update: MuonClip
+                        expert_load=stats.expert_load)                        + balancing)
+    keep the new params and optimizer state only if loss and grads are finite (gate)
+
+Skipped (non-finite) steps leave params and optimizer moments as they were but still advance
+optax's step counters, so the schedule has one clock: the trainer's step.
 """
 
 from typing import NamedTuple
@@ -12,11 +18,11 @@ import jax.numpy as jnp
 import optax
 
 from k2jax import model
-from k2jax.model import balance
+from k2jax.optim import load_imbalance
 
 
 class TrainState(NamedTuple):
-  step: jax.Array          # int32: optimizer steps taken (skipped steps included)
+  step: jax.Array          # int32: steps taken (skipped steps included) = optax's counts
   params: dict
   opt_state: optax.OptState
   nan_streak: jax.Array    # int32: consecutive non-finite steps so far
@@ -30,7 +36,7 @@ def init_state(cfg, tx, rng) -> TrainState:
 
 
 def lm_loss(mcfg, params, batch):
-  """Summed next-token cross entropy over unmasked targets, its token count, and aux."""
+  """Summed next-token cross entropy over unmasked targets, its token count, and stats."""
   logits, aux = model.forward(mcfg, params, batch["inputs"], positions=batch["positions"],
                               segment_ids=batch["segment_ids"])
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
@@ -38,8 +44,23 @@ def lm_loss(mcfg, params, batch):
   return jnp.sum(ce * mask), jnp.sum(mask), aux
 
 
+def microbatches(batch, n: int):
+  """[B, ...] arrays -> [n, B / n, ...]: microbatch i takes rows i, i + n, i + 2n, ...
+
+  The batch is sharded over devices in contiguous blocks of rows, so a strided split gives
+  every microbatch rows on every device (a contiguous split would leave devices idle); with
+  B divisible by n x devices this is a local reshape, no communication.
+  """
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1),
+                      batch)
+
+
 def _grads(mcfg, params, batch, grad_accum):
-  """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32."""
+  """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32.
+
+  -> (grads, mean loss, ForwardStats: max_logits maxed and expert_load summed over
+  microbatches). Accumulator shapes come from the config, not from a trial forward pass.
+  """
 
   def micro(mb):
     def f(p):
@@ -50,23 +71,39 @@ def _grads(mcfg, params, batch, grad_accum):
   if grad_accum == 1:
     g, (ce_sum, n, aux) = micro(batch)
   else:
-    split = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch)
-
-    def body(carry, mb):
+    def body(acc, mb):
       g, (ce_sum, n, aux) = micro(mb)
-      acc_g, acc_ce, acc_n, acc_max, acc_load = carry
+      acc_g, acc_ce, acc_n, acc_stats = acc
+      stats = model.ForwardStats(max_logits=jnp.maximum(acc_stats.max_logits, aux.max_logits),
+                                 expert_load=acc_stats.expert_load + aux.expert_load,
+                                 aux_loss=acc_stats.aux_loss + aux.aux_loss * n)
       return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g), acc_ce + ce_sum,
-              acc_n + n, jnp.maximum(acc_max, aux.max_logits),
-              acc_load + aux.expert_load), None
+              acc_n + n, stats), None
 
-    shapes = jax.eval_shape(lambda: model.forward(mcfg, params, batch["inputs"][:1])[1])
-    init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-            jnp.zeros(()), jnp.zeros(()), jnp.full(shapes.max_logits.shape, -jnp.inf),
-            jnp.zeros(shapes.expert_load.shape))
-    (g, ce_sum, n, max_logits, load), _ = jax.lax.scan(body, init, split)
-    aux = model.ForwardStats(max_logits, load, jnp.zeros(()))
+    n_moe = sum(s.size for s in model.stacks(mcfg) if s.ffn == "moe")
+    zero = jnp.zeros((), jnp.float32)
+    init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), zero, zero,
+            model.ForwardStats(
+                max_logits=jnp.full((mcfg.num_hidden_layers, mcfg.num_attention_heads),
+                                    -jnp.inf, jnp.float32),
+                expert_load=jnp.zeros((n_moe, mcfg.n_routed_experts), jnp.float32),
+                aux_loss=zero))
+    (g, ce_sum, n, aux), _ = jax.lax.scan(body, init, microbatches(batch, grad_accum))
+    aux = aux._replace(aux_loss=aux.aux_loss / jnp.maximum(n, 1.0))
   n = jnp.maximum(n, 1.0)
   return jax.tree.map(lambda x: x / n, g), ce_sum / n, aux
+
+
+def _is_count(path) -> bool:
+  return bool(path) and getattr(path[-1], "name", None) == "count"
+
+
+def _gate(finite, new_state, old_state):
+  """new where the step was finite, else old, except optax's step counters, which always
+  advance (one clock for every schedule in the chain, whatever was skipped)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, new, old: new if _is_count(path) else jnp.where(finite, new, old),
+      new_state, old_state)
 
 
 def train_step(config, tx, schedule, state: TrainState, batch):
@@ -76,36 +113,33 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params,
-                                 max_logits=aux.max_logits)
+                                 max_logits=aux.max_logits, expert_load=aux.expert_load)
   params = optax.apply_updates(state.params, updates)
-  params = balance.update_router_bias(params, aux.expert_load, mcfg.bias_update_speed)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-  clips = ocfg.name in ("muonclip", "adamw_qk_clip")
+  nan_streak = jnp.where(finite, 0, state.nan_streak + 1)
   new_state = TrainState(
       step=state.step + 1,
-      params=keep(params, state.params),
-      opt_state=keep(opt_state, state.opt_state),
-      nan_streak=jnp.where(finite, 0, state.nan_streak + 1),
+      params=_gate(finite, params, state.params),
+      opt_state=_gate(finite, opt_state, state.opt_state),
+      nan_streak=nan_streak,
       skipped=state.skipped + (~finite).astype(jnp.int32))
   max_logits = aux.max_logits
+  ever = optax.tree_utils.tree_get(opt_state, "ever_clipped")  # None without QK-Clip
   metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
-      "learning_rate": schedule(state.step),
+      "learning_rate": schedule(state.step),   # the rate optax applied: its count == step
       "max_logit": jnp.max(max_logits),
       "max_logits_per_layer": jnp.max(max_logits, axis=-1),
-      "clipped_heads": jnp.sum(max_logits > ocfg.tau) if clips else jnp.zeros((), jnp.int32),
-      "clipped_heads_ever_frac": _ever_clipped_fraction(opt_state) if clips else jnp.zeros(()),
-      "expert_load_imbalance": (jnp.mean(balance.load_imbalance(aux.expert_load))
+      "clipped_heads": (jnp.sum(max_logits > ocfg.tau) if ever is not None
+                        else jnp.zeros((), jnp.int32)),
+      "clipped_heads_ever_frac": (jnp.mean(ever.astype(jnp.float32)) if ever is not None
+                                  else jnp.zeros(())),
+      "expert_load_imbalance": (jnp.mean(load_imbalance(aux.expert_load))
                                 if aux.expert_load.size else jnp.ones(())),
       "finite": finite,
+      "nan_streak": nan_streak,
   }
   return new_state, metrics
-
-
-def _ever_clipped_fraction(opt_state):
-  ever = optax.tree_utils.tree_get(opt_state, "ever_clipped")
-  return jnp.mean(ever.astype(jnp.float32))
 
 
 def eval_step(config, params, batch):

@@ -28,7 +28,8 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from k2jax import configs, data as data_lib, metrics as metrics_lib, model, optim, parallel
-from k2jax.checkpoint import Checkpointer
+from k2jax import resume
+from k2jax.checkpoint import Checkpointer, CheckpointMismatch
 from k2jax.metrics import MetricsWriter
 from k2jax.step import TrainState, eval_step, init_state, train_step
 
@@ -82,8 +83,24 @@ class _StopFlag:
     return int(np.max(flags_seen)) or None
 
 
+def _writable_workdir(workdir: str) -> str:
+  """The absolute workdir, created if needed; UserError if it cannot hold a run."""
+  workdir = os.path.abspath(workdir)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise UserError(f"--workdir {workdir} is a file, not a directory: choose a directory")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".k2jax-write-test-{os.getpid()}")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"--workdir {workdir} is not a writable directory ({e.strerror or e}): "
+                    "choose a directory you can write to") from None
+  return workdir
+
+
 def _setup_logging(workdir):
-  os.makedirs(workdir, exist_ok=True)
   root = logging.getLogger()
   root.setLevel(logging.INFO)
   for h in list(root.handlers):  # an imported library may have called basicConfig
@@ -102,25 +119,39 @@ def _device_batch(batch, sharding):
 
 
 def train(config, workdir: str) -> dict:
-  """Train (or resume) the run in `workdir`; returns the summary dict it logs at the end."""
-  configs.validate(config)
-  workdir = os.path.abspath(workdir)
+  """Train (or resume) the run in `workdir`; returns the summary dict it logs at the end.
+
+  Raises UserError (one line) for mistakes in the config, the workdir or the data, before
+  any file of an existing run is touched.
+  """
+  try:
+    configs.validate(config)
+    optim.validate(config)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  workdir = _writable_workdir(workdir)
+  try:  # before anything is written: a changed config must not disturb the saved run
+    changes = resume.check(workdir, config)
+  except ValueError as e:
+    raise UserError(str(e)) from None
   main_process = jax.process_index() == 0
   _setup_logging(workdir)
+  if changes:
+    log.info("resuming with changed settings: %s", "; ".join(changes))
   t, m = config.train, config.model
-  if main_process:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-
-  try:  # mistakes in the mesh or the data files are the user's: one line, exit 2
-    mesh = parallel.make_mesh(config.mesh)
-    data = data_lib.build(config.data, t, m.vocab_size, process_index=jax.process_index(),
-                          process_count=jax.process_count())
-  except (ValueError, FileNotFoundError) as e:
-    raise UserError(str(e).splitlines()[0]) from None
   if config.mesh.pipeline > 1:
     raise UserError(f"mesh.pipeline = {config.mesh.pipeline}: pipeline parallelism is not "
                     "implemented yet; train with mesh.pipeline=1 (k2jax.plan accepts any mesh)")
+  try:  # mistakes in the mesh or the data files are the user's: one line, exit 2
+    mesh = parallel.make_mesh(config.mesh)
+    parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
+    data = data_lib.build(config.data, t, m.vocab_size, process_index=jax.process_index(),
+                          process_count=jax.process_count())
+  except (ValueError, OSError) as e:
+    raise UserError(str(e).splitlines()[0]) from None
+  if main_process:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   with jax.set_mesh(mesh):  # the model's MoE reads the mesh for its shard_map dispatch
     return _run(config, workdir, mesh, data)
 
@@ -133,12 +164,16 @@ def _run(config, workdir, mesh, data):
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, config, tx), rng)
   shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract, tx)
-  batch_sharding = parallel.batch_sharding(mesh, t.batch_size)
+  batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
 
   ckpt = Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
-  restored = ckpt.restore_latest(
-      jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                   abstract, shardings), data.train_iter)
+  try:
+    restored = ckpt.restore_latest(
+        jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                     abstract, shardings), data.train_iter)
+  except CheckpointMismatch as e:
+    ckpt.close()
+    raise UserError(str(e)) from None
   if restored:
     state, train_iter, meta = restored
     state = TrainState(*state) if not isinstance(state, TrainState) else state
@@ -176,20 +211,20 @@ def _run(config, workdir, mesh, data):
              desc="train")
   step, stop_signal = start, None
   try:
+    previous = None  # the last step's (number, nan streak), read once the next step is queued
     while step < t.steps:
       state, metrics = step_fn(state, _device_batch(next(train_iter), batch_sharding))
       step += 1
+      if previous is not None:  # waits for the previous step only: the device stays busy
+        _check_divergence(*previous, t.max_nan_steps)
+      previous = (step, metrics["nan_streak"])
       bar.update(1)
       log_step = step % t.log_every == 0 or step == t.steps
       stop_signal = stop.agreed(log_step)
       if log_step:
         row = {k: v.item() if np.ndim(v) == 0 else v for k, v in jax.device_get(metrics).items()}
-        streak, skipped = (int(x) for x in jax.device_get((state.nan_streak, state.skipped)))
-        if streak >= t.max_nan_steps:
-          raise TrainingDiverged(
-              f"loss or gradients were NaN/Inf for {streak} consecutive steps (step {step}); the "
-              f"updates were skipped and the run stopped. Resume from the last checkpoint with "
-              f"a lower --config.optimizer.learning_rate or a lower --config.optimizer.tau")
+        _check_divergence(step, row.pop("nan_streak"), t.max_nan_steps)
+        skipped = int(jax.device_get(state.skipped))
         now = time.perf_counter()
         tps = tokens_per_step * (step - last["step"]) / (now - last["time"])
         last.update(time=now, step=step)
@@ -211,6 +246,8 @@ def _run(config, workdir, mesh, data):
       if stop_signal is not None:
         log.warning("received signal %d: saved checkpoint at step %d; exiting", stop_signal, step)
         break
+    if previous is not None:
+      _check_divergence(*previous, t.max_nan_steps)
   finally:
     bar.close()
     ckpt.wait()
@@ -225,6 +262,15 @@ def _run(config, workdir, mesh, data):
   if stopped is not None:
     raise SystemExit(128 + stopped)
   return summary
+
+
+def _check_divergence(step: int, nan_streak, max_nan_steps: int) -> None:
+  streak = int(nan_streak)
+  if streak >= max_nan_steps:
+    raise TrainingDiverged(
+        f"loss or gradients were NaN/Inf for {streak} consecutive steps (step {step}); the "
+        f"updates were skipped and the run stopped. Resume from the last checkpoint with "
+        f"a lower --config.optimizer.learning_rate or a lower --config.optimizer.tau")
 
 
 def _summary(workdir, step, steps, eval_loss, baseline, signum):

@@ -171,6 +171,26 @@ def test_qk_clip_scales_each_head_component_as_the_report_says():
   assert np.isfinite(np.asarray(optim.clip_factors(S, 100.0))).all()
 
 
+def test_router_bias_balancing_rule():
+  """b_i += gamma sign(mean load - load_i) per MoE layer, on top of the optimizer's (zero)
+  bias update; every other update passes through."""
+  cfg = tiny()
+  params = model.init(cfg, jax.random.key(0))
+  load = jnp.asarray([[0.0] * 15 + [32.0]] * 3)  # expert 15 overloaded in every layer
+  tx = optax.chain(optim.adamw(cfg, 0.0), optim.router_bias_balancing(cfg, 0.001))
+  grads = jax.tree.map(jnp.ones_like, params)
+  u, _ = tx.update(grads, tx.init(params), params, expert_load=load)
+  new = optax.apply_updates(params, u)
+  b = new["moe_layers"]["moe"]["router_bias"]
+  np.testing.assert_allclose(b[:, 15], -0.001)
+  np.testing.assert_allclose(b[:, :15], 0.001)
+  for (path, a), c in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(new)):
+    if "router_bias" not in jax.tree_util.keystr(path):
+      np.testing.assert_array_equal(a, c)  # lr 0: nothing else moves
+  with pytest.raises(ValueError, match="expert_load=aux.expert_load"):
+    tx.update(grads, tx.init(params), params)
+
+
 def test_qk_clip_demands_max_logits():
   cfg = tiny()
   params = model.init(cfg, jax.random.key(0))

@@ -128,10 +128,12 @@ def file_documents(files: str, text_field: str = "text", max_bytes: int = 0) -> 
   """Documents from the files `files` matches: a text file is one document, a JSONL line or a
   Parquet row is one document (its `text_field`)."""
   paths = match_files(files)
-  docs = _capped((d for p in paths for d in _file_documents(p, text_field)), max_bytes)
+  texts = (d for p in paths for d in _file_documents(p, text_field) if d.strip())
+  docs = _capped(texts, max_bytes)
   if not docs:
-    raise ValueError(f"data.files = {files!r}: no documents (empty files, or "
-                     "data.max_corpus_bytes below the first document); check the files")
+    raise ValueError(f"data.files = {files!r}: the {len(paths)} matched file(s) hold no text "
+                     "(empty or whitespace only, or data.max_corpus_bytes below the first "
+                     "document); point data.files at files with text")
   return docs
 
 

@@ -119,9 +119,18 @@ def build(data_cfg, train_cfg, vocab_size: int, *, process_index: int = 0,
   streams = {"train": _stream(tok, train_docs), "eval": _stream(tok, eval_docs)}
   rows = {k: packing.PackedRows(s, train_cfg.seq_len, tok.bos_id, tok.pad_id)
           for k, s in streams.items()}
-  if len(rows["train"]) == 0:
-    raise ValueError(f"data: the train split has no full token pair (data.files = "
-                     f"{data_cfg.files!r}); add documents or lower data.eval_fraction")
+  bs = train_cfg.batch_size
+  if len(rows["train"]) < bs:
+    raise ValueError(
+        f"data: the train split ({len(train_docs)} documents, {len(streams['train'])} tokens) "
+        f"packs into {len(rows['train'])} rows of train.seq_len = {train_cfg.seq_len}, fewer than "
+        f"one batch of train.batch_size = {bs}: it needs at least "
+        f"{bs * train_cfg.seq_len + 1} tokens; add text or lower train.batch_size / seq_len")
+  if train_cfg.eval_batches and data_cfg.eval_fraction > 0 and not len(rows["eval"]):
+    raise ValueError(
+        f"data: no eval split: {len(train_docs) + len(eval_docs)} document(s) cannot be split "
+        f"into train and eval (data.eval_fraction = {data_cfg.eval_fraction}); add documents "
+        "(a held-out split needs at least 2), or set --config.train.eval_batches=0")
   baseline = packing.unigram_cross_entropy(streams["train"], streams["eval"], tok.vocab_size,
                                            ignore_ids=(tok.bos_id,))
   for name, docs in (("train", train_docs), ("eval", eval_docs)):

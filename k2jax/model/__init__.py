@@ -7,6 +7,3 @@ from k2jax.model.transformer import (ForwardStats, Stack, forward, init, num_lay
 
 __all__ = ["init", "forward", "param_specs", "num_layers", "stacks", "Stack", "ForwardStats",
            "MoEStats", "count_params", "flops_per_token"]
-from k2jax.model.balance import load_imbalance, update_router_bias  # noqa: E402
-
-__all__ += ["update_router_bias", "load_imbalance"]

@@ -1,9 +1,12 @@
 """MuonClip and friends as optax transforms (report 2.1)."""
 
+from k2jax.optim.balancing import load_imbalance, router_bias_balancing
 from k2jax.optim.muon import adamw, dimension_numbers, labels, muon, scale_by_rms_match
-from k2jax.optim.muonclip import learning_rate_schedule, muonclip, optimizer
+from k2jax.optim.muonclip import (OPTIMIZERS, learning_rate_schedule, muonclip, optimizer,
+                                  validate)
 from k2jax.optim.qk_clip import QKClipState, clip_factors, qk_clip
 from k2jax.optim.schedules import wsd
 
-__all__ = ["adamw", "muon", "muonclip", "qk_clip", "QKClipState", "clip_factors", "wsd", "optimizer",
+__all__ = ["adamw", "muon", "muonclip", "qk_clip", "QKClipState", "clip_factors", "wsd",
+           "router_bias_balancing", "load_imbalance", "optimizer", "OPTIMIZERS", "validate",
            "learning_rate_schedule", "dimension_numbers", "labels", "scale_by_rms_match"]

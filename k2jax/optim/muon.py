@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from k2jax.model import param_specs, spec
 from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec
+from k2jax.model import param_specs, spec
 
 
 def _is_dims(x):
@@ -34,12 +34,15 @@ def _is_dims(x):
 
 
 def labels(cfg):
-  """Optimizer group of every parameter: "muon" | "adamw" | "frozen"."""
+  """Optimizer group of every parameter of `cfg` (a model config), from the parameter table:
+  "muon" (weight matrices) | "adamw" (embedding, head, router, norms) | "frozen" (router
+  bias, moved by balancing only)."""
   return jax.tree.map(lambda s: s.group, param_specs(cfg), is_leaf=spec.is_spec)
 
 
 def dimension_numbers(cfg):
-  """MuonDimensionNumbers per parameter (None outside Muon)."""
+  """optax MuonDimensionNumbers per parameter of `cfg` (None outside Muon): stacked `layers`
+  / `experts` axes are batch axes, the table's `n_in` axes after them the fan-in."""
   return jax.tree.map(spec.muon_dims, param_specs(cfg), is_leaf=spec.is_spec)
 
 
@@ -60,7 +63,15 @@ def scale_by_rms_match(weight_dimension_numbers, rms: float = 0.2):
 
   An orthogonal n x m matrix has RMS 1/sqrt(max(n, m)); this gives every Muon update the RMS
   `rms`, close to AdamW's typical 0.2-0.4, so AdamW learning rates and weight decay carry
-  over. (optax implements this as a private helper of contrib.muon, not a public transform.)
+  over (report 2.1, Algorithm 1 line 6). optax implements this only as a private helper of
+  contrib.muon, not as a public transform, hence our own.
+
+  Args:
+    weight_dimension_numbers: a tree of MuonDimensionNumbers (None = leave the leaf alone),
+      or a callable giving it from the updates (inside optax.partition).
+    rms: the target update RMS.
+  Returns:
+    A stateless optax.GradientTransformation.
   """
   def update_fn(updates, state, params=None):
     del params
@@ -81,7 +92,7 @@ def scale_by_rms_match(weight_dimension_numbers, rms: float = 0.2):
 
 
 def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
-  """Run `inner` (Muon) on momentum gathered to the parameters' own sharding.
+  """Run `inner` (optax's scale_by_muon) on momentum gathered to the parameters' own sharding.
 
   ZeRO-1 splits Muon's momentum over the `opt_state` mesh axes, but Newton-Schulz needs whole
   matrices. Left alone, XLA partitions its matmuls over the split momentum and exchanges
@@ -89,19 +100,19 @@ def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.Gra
   instead all-gathers each matrix once, orthogonalizes it whole, and the train step's
   output sharding keeps this rank's shard of the new momentum (report 2.4.2, ZeRO-1).
   A no-op without a mesh or when those axes have size 1.
-  """
-  pspecs = {tuple(getattr(k, "key", k) for k in path): logical_spec(s.axes)
-            for path, s in jax.tree_util.tree_flatten_with_path(
-                param_specs(cfg), is_leaf=spec.is_spec)[0]}
 
-  def gather(tree):
-    def one(path, x):
-      if isinstance(x, optax.MaskedNode):
-        return x
-      keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-      return jax.lax.with_sharding_constraint(x, pspecs[keys])
-    return jax.tree_util.tree_map_with_path(one, tree,
-                                            is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  Args:
+    inner: a transformation whose state has a `mu` field (optax.contrib.scale_by_muon).
+    cfg: the model config (parameter shardings come from its table and the rules).
+  Returns:
+    `inner` with its momentum constrained before each update.
+  """
+  pspecs = jax.tree.map(lambda s: logical_spec(s.axes), param_specs(cfg), is_leaf=spec.is_spec)
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+
+  def gather(mu):  # mu mirrors the params tree, with MaskedNode outside the Muon group
+    return jax.tree.map(lambda x, p: x if masked(x) else jax.lax.with_sharding_constraint(x, p),
+                        mu, pspecs, is_leaf=masked)
 
   def update_fn(updates, state, params=None):
     mesh = jax.sharding.get_abstract_mesh()
@@ -119,11 +130,26 @@ def _as_tuple(a):
 def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
          rms_scale=0.2, ns_steps=5, adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8,
          adam_learning_rate=None, mu_dtype=None) -> optax.GradientTransformation:
-  """Muon on matrices + AdamW elsewhere + nothing for the router bias, for `cfg`'s params.
+  """Muon on matrices + AdamW elsewhere + nothing for the router bias (report 2.1).
 
-  cfg: the model config. learning_rate: a float or an optax schedule (shared by both groups
-  unless adam_learning_rate is given). Weight decay is decoupled and scaled by the learning
-  rate, W -= lr (update + wd W), as in Algorithm 1.
+  For every Muon matrix W (each layer's and each expert's separately) with gradient G:
+
+      M = mu M + G;  O = NewtonSchulz5(M) sqrt(max(n, m)) rms_scale;  W -= lr (O + wd W)
+
+  AdamW (Moonlight recipe) trains the embedding, lm_head, router and norms (norms without
+  weight decay); the router bias gets a zero update (it follows router_bias_balancing).
+
+  Args:
+    cfg: the model config.
+    learning_rate: a float or an optax schedule, shared by both groups unless
+      `adam_learning_rate` is given.
+    weight_decay: decoupled and scaled by the learning rate, as in Algorithm 1.
+    momentum, nesterov, ns_steps, mu_dtype: Muon's mu, Nesterov flag, Newton-Schulz
+      iterations and momentum dtype (optax.contrib.scale_by_muon).
+    rms_scale: update RMS after matching (scale_by_rms_match).
+    adam_b1, adam_b2, adam_eps, adam_learning_rate: the AdamW group's settings.
+  Returns:
+    An optax.GradientTransformation over the whole parameter tree.
   """
   dims = _align(dimension_numbers(cfg))
   muon_chain = optax.chain(
@@ -148,8 +174,18 @@ def _adamw(cfg, learning_rate, b1, b2, eps, weight_decay, mu_dtype):
 
 def adamw(cfg, learning_rate, *, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
           mu_dtype=None) -> optax.GradientTransformation:
-  """AdamW on every trained parameter of `cfg` (the baseline): same groups as `muon` for weight
-  decay (none on norms) and the router bias (not trained by gradients)."""
+  """AdamW on every trained parameter of `cfg` (the baseline of report Fig. 2 / 3).
+
+  Same treatment as `muon` of weight decay (none on norms) and of the router bias (zero
+  update: it follows router_bias_balancing).
+
+  Args:
+    cfg: the model config.
+    learning_rate: a float or an optax schedule.
+    weight_decay, b1, b2, eps, mu_dtype: optax.adamw's.
+  Returns:
+    An optax.GradientTransformation over the whole parameter tree.
+  """
   groups = jax.tree.map(lambda g: "frozen" if g == "frozen" else "train", labels(cfg))
   return optax.partition(
       {"train": _adamw(cfg, learning_rate, b1, b2, eps, weight_decay, mu_dtype),

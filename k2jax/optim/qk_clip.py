@@ -28,13 +28,32 @@ class QKClipState(NamedTuple):
 
 
 def clip_factors(max_logits, tau):
-  """gamma = min(1, tau / S), computed so S <= tau (or S <= 0) gives exactly 1, never NaN."""
+  """gamma = min(1, tau / S), computed so S <= tau (or S <= 0) gives exactly 1, never NaN.
+
+  Args:
+    max_logits: S, any shape (usually [layers, heads]).
+    tau: the threshold (> 0).
+  Returns:
+    f32 gamma with the shape of `max_logits`.
+  """
   s = max_logits.astype(jnp.float32)
   return tau / jnp.maximum(s, tau)
 
 
 def qk_clip(cfg, tau: float = 100.0) -> optax.GradientTransformationExtraArgs:
-  """`tx.update(updates, state, params, max_logits=aux.max_logits)`; cfg = model config."""
+  """Per-head QK-Clip as the last link of a chain (the math is in the module docstring).
+
+      tx = optax.chain(any_optimizer, qk_clip(cfg, tau))
+      updates, state = tx.update(grads, state, params, max_logits=aux.max_logits)
+
+  Args:
+    cfg: the model config (heads, head dims, layer stacks).
+    tau: the threshold on the max scaled logit (K2: 100).
+  Returns:
+    An optax.GradientTransformationExtraArgs; `update` needs `params` and `max_logits=` f32
+    [num_hidden_layers, num_attention_heads]. Its state (QKClipState) records which heads
+    were ever clipped.
+  """
   if not tau > 0:
     raise ValueError(f"optimizer.tau = {tau!r}: must be positive")
   heads = cfg.num_attention_heads

@@ -10,6 +10,15 @@ def wsd(peak_value: float, total_steps: int, warmup_steps: int, decay_steps: int
 
   K2: peak 2e-4, 500 warmup steps, ~10T tokens stable, cosine to 2e-5 over ~5.5T tokens.
   With decay_steps = 0 it is warmup + constant.
+
+  Args:
+    peak_value: the stable learning rate.
+    total_steps: steps of the whole run (the decay ends here).
+    warmup_steps: linear warmup from 0.
+    decay_steps: cosine decay length at the end of the run (0 = none).
+    end_value: the floor the decay reaches and keeps.
+  Returns:
+    An optax.Schedule (step -> learning rate).
   """
   warmup_steps = min(warmup_steps, total_steps)
   decay_steps = min(decay_steps, max(total_steps - warmup_steps, 0))

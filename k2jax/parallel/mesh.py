@@ -47,10 +47,19 @@ def param_shardings(specs, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(one, specs, is_leaf=spec.is_spec)
 
 
-def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:
+def batch_sharding(mesh: Mesh, global_batch: int, grad_accum: int = 1) -> NamedSharding:
+  """Rows split over the mesh axes of the logical `batch` axis. With grad_accum microbatches
+  (k2jax.step.microbatches takes every grad_accum-th row) each microbatch must split evenly
+  too, so every device works on every microbatch."""
   pspec = logical_spec(("batch", None))
-  _check_divisible("train.batch_size", (global_batch, 1), pspec, mesh,
-                   fix="make train.batch_size a multiple of it")
+  fix = "make train.batch_size a multiple of it"
+  if grad_accum > 1:
+    axes = [a for a in pspec[0]] if isinstance(pspec[0], tuple) else [pspec[0]]
+    n = math.prod(mesh.shape[a] for a in axes if a)
+    fix = (f"each of the train.grad_accum = {grad_accum} microbatches must split evenly too: "
+           f"make train.batch_size a multiple of {grad_accum * n}")
+  name = "train.batch_size" if grad_accum == 1 else "train.batch_size / train.grad_accum"
+  _check_divisible(name, (global_batch // grad_accum, 1), pspec, mesh, fix=fix)
   return NamedSharding(mesh, pspec)
 
 

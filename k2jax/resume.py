@@ -1,0 +1,118 @@
+"""What may change between a run and its resumption.
+
+A workdir remembers the config it was trained with (DIR/config.json). Before the trainer
+touches any file of an existing run it compares that config with the new one, key by key:
+
+  * changes that cannot resume (the model's shape, the optimizer kind, the tokenizer or data
+    source, the seed, the batch geometry) stop the run with one line naming every such key
+    with its old -> new value, and leave every file as it was;
+  * changes that can resume (steps, logging / eval / checkpoint cadence, mesh layout,
+    learning-rate and other optimizer values, computation choices such as remat) resume, and
+    the trainer logs them.
+
+The table below is the whole policy: a key is resumable iff a rule says so.
+"""
+
+import json
+import os
+
+from ml_collections import config_dict
+
+# (group.key prefix, reason it can change). Everything not matched cannot change.
+RESUMABLE = (
+    ("train.steps", "run length"),
+    ("train.log_every", "logging cadence"),
+    ("train.eval_every", "eval cadence"),
+    ("train.eval_batches", "eval size"),
+    ("train.checkpoint_every", "checkpoint cadence"),
+    ("train.keep_checkpoints", "checkpoint retention"),
+    ("train.async_checkpoint", "checkpoint mode"),
+    ("train.max_nan_steps", "divergence guard"),
+    ("train.profile", "profiling"),
+    ("train.grad_accum", "microbatching (same step, split differently)"),
+    ("mesh.", "mesh layout (checkpoints reshard on restore)"),
+    ("data.worker_count", "data loading workers"),
+    ("model.remat", "recomputation policy"),
+    ("model.dtype", "compute dtype"),
+    ("model.moe_impl", "MoE implementation"),
+    ("model.attention_impl", "attention implementation"),
+    ("model.activation_storage", "activation storage"),
+    ("model.offload", "activation offload"),
+    ("model.bias_update_speed", "router-bias speed"),
+    ("optimizer.learning_rate", "learning rate"),
+    ("optimizer.end_learning_rate", "learning rate"),
+    ("optimizer.warmup_steps", "learning-rate schedule"),
+    ("optimizer.decay_steps", "learning-rate schedule"),
+    ("optimizer.weight_decay", "optimizer value"),
+    ("optimizer.tau", "QK-Clip threshold"),
+    ("optimizer.momentum", "optimizer value"),
+    ("optimizer.nesterov", "optimizer value"),
+    ("optimizer.rms_scale", "optimizer value"),
+    ("optimizer.ns_steps", "optimizer value"),
+    ("optimizer.adam_", "optimizer value"),
+    ("optimizer.grad_clip_norm", "gradient clipping value"),
+)
+
+
+def flatten(config) -> dict:
+  """{"group.key.sub": value} of a ConfigDict or the dict read from config.json, with values
+  normalised through JSON so a saved and a live config compare equal."""
+  d = config.to_dict() if isinstance(config, config_dict.ConfigDict) else config
+  d = json.loads(json.dumps(d, default=str))
+  out = {}
+
+  def walk(prefix, node):
+    if isinstance(node, dict):
+      for k, v in node.items():
+        walk(f"{prefix}.{k}" if prefix else k, v)
+    else:
+      out[prefix] = node
+  walk("", d)
+  return out
+
+
+def _resumable(key: str, old, new) -> bool:
+  if key == "optimizer.grad_clip_norm" and ((old or 0) > 0) != ((new or 0) > 0):
+    return False  # switching clipping on or off changes the optimizer state's structure
+  return any(key == p or (p.endswith((".", "_")) and key.startswith(p)) for p, _ in RESUMABLE)
+
+
+def saved_config(workdir: str) -> dict | None:
+  """The flattened config of the run in `workdir`, or None if there is none (a new run)."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path) as f:
+      return flatten(json.load(f))
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{path} cannot be read ({e}); it records the run's config: restore it, "
+                     "or use a new --workdir") from None
+
+
+def compare(saved: dict | None, config) -> tuple[list[str], list[str]]:
+  """-> (resumable changes, blocking changes), each as "key: old -> new" strings."""
+  if saved is None:
+    return [], []
+  new = flatten(config)
+  resumable, blocking = [], []
+  for key in sorted(set(saved) | set(new)):
+    old_v, new_v = saved.get(key, "<absent>"), new.get(key, "<absent>")
+    if old_v == new_v:
+      continue
+    change = f"{key}: {old_v!r} -> {new_v!r}"
+    (resumable if _resumable(key, old_v, new_v) else blocking).append(change)
+  return resumable, blocking
+
+
+def check(workdir: str, config) -> list[str]:
+  """The resumable changes of `config` against the run in `workdir` (empty for a new run).
+
+  Raises ValueError (one line) naming every change that cannot resume.
+  """
+  resumable, blocking = compare(saved_config(workdir), config)
+  if blocking:
+    raise ValueError(f"{workdir} holds a run whose config differs in what a resumed run cannot "
+                     f"change: {'; '.join(blocking)}. Rerun with the original values, or use a "
+                     "new --workdir")
+  return resumable
