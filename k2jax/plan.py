@@ -11,7 +11,8 @@ States, per device:
   grads         --grad_bytes per element (K2's fp32 accumulation buffer = 4)
   optimizer     ZeRO-1 (split over `data` too): fp32 master copy + Muon momentum for Muon
                 matrices, fp32 master + Adam m, v for the rest
-  activations   an estimate, see `activation_bytes`
+  activations   an estimate of what the configured implementation keeps (remat policy,
+                attention implementation, activation storage), see `activation_bytes`
 """
 
 import argparse
@@ -22,7 +23,7 @@ import jax
 from jax.sharding import AbstractMesh, NamedSharding
 
 from k2jax import configs, model
-from k2jax.model import spec
+from k2jax.model import remat as remat_lib, spec
 from k2jax.parallel import MESH_AXES, logical_spec
 from k2jax.parallel.state import zero1
 
@@ -71,31 +72,30 @@ def state_bytes(mcfg, mesh_shape, param_bytes=2, grad_bytes=4):
   return out
 
 
-def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, act_bytes=2,
-                     selective=True, fp8=True):
-  """Rough activation memory of the first pipeline stage, the one holding the most.
+def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
+                     attention_impl=None, storage=None):
+  """Activation memory of the first pipeline stage, the one holding the most.
 
-  Per token and layer, what the backward pass keeps (report 2.4.3): layer inputs (2 d), the
-  MLA latents (q_lora + kv_lora + rope), the attention context (H v) and softmax stats (H,
-  fp32), the router scores (E, fp32), the MoE dispatch and SwiGLU inputs (k d + 2 k f, in
-  FP8 when `fp8`), shared-expert inputs; without `selective` also the norms, MLA
-  up-projections (H (2 nope + rope + v)), SwiGLU outputs and MoE down-projections.
-  Interleaved 1F1B keeps up to `pipeline` microbatches in flight on the first stage; each
-  device holds micro_batch sequences of its own (tokens are split over data x expert).
+  Per layer and token, what the configured implementation keeps for the backward pass
+  (k2jax.model.remat.saved_bytes_per_token: the remat policy, the attention implementation
+  and the activation storage), for every layer of the stage; plus the working set of the
+  layer being differentiated (all its activations, recomputed ones included) and of the
+  head (f32 logits and their gradient). Per device, micro_batch sequences of seq_len tokens
+  (tokens are split over data x expert), with up to `pipeline` microbatches in flight on the
+  first stage (1F1B). Settings default to the config's. Returns (bytes, the settings used).
   """
   m = mcfg
-  d, H, k = m.hidden_size, m.num_attention_heads, m.num_experts_per_tok
-  f, E = m.moe_intermediate_size, m.n_routed_experts
-  lat = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
-  up = H * (2 * m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-  per_tok = act_bytes * (2 * d + lat + H * m.v_head_dim) + 4 * H + 4 * E
-  moe_in = (k + m.n_shared_experts) * (d + 2 * f)
-  per_tok += moe_in * (1 if fp8 else act_bytes)
-  if not selective:
-    per_tok += act_bytes * (2 * d + lat + up + (k + m.n_shared_experts) * (f + d))
+  settings = dict(remat=remat or m.remat,
+                  attention_impl=attention_impl or m.get("attention_impl", "xla"),
+                  storage=storage or m.get("activation_storage", "model"))
   stages = mesh_shape["pipeline"]
-  layers_per_stage = math.ceil(m.num_hidden_layers / stages)
-  return per_tok * seq_len * micro_batch * layers_per_stage * stages
+  per_stage = math.ceil(m.num_hidden_layers / stages)
+  dense = min(m.first_k_dense_replace, per_stage)    # the first stage starts with dense layers
+  layer = lambda ffn, **kw: sum(remat_lib.saved_bytes_per_token(m, ffn, seq_len, **{
+      **settings, **kw}).values())
+  saved = sum(layer(ffn) * n for ffn, n in (("mlp", dense), ("moe", per_stage - dense)))
+  working = max(layer(ffn, remat="none") for ffn in ("mlp", "moe")) + 8 * m.vocab_size
+  return (saved * stages + working) * seq_len * micro_batch, settings
 
 
 def _leaves_with_path(tree):
@@ -127,8 +127,7 @@ def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4)
   cfg = configs.get_config(name)
   seq_len = seq_len or cfg.train.seq_len
   st = state_bytes(cfg.model, mesh, param_bytes, grad_bytes)
-  act = activation_bytes(cfg.model, mesh, seq_len, micro_batch,
-                         selective=cfg.model.remat != "none")
+  act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch)
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
            f"params {param_bytes} B, grads {grad_bytes} B, seq_len {seq_len}, "
@@ -139,16 +138,16 @@ def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4)
     lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
   states = st["params"] + st["grads"] + st["optimizer"]
   lines.append(f"  {'all states':<24}{states / GB:>10.2f}")
-  lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}")
+  lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}   remat={used['remat']}, "
+               f"attention={used['attention_impl']}, storage={used['storage']}")
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "
                f"model-parallel group: {tb * 1e12 / group / GB:.1f} GB per device on average, "
                f"{(st['params'] + st['grads']) / GB:.1f} GB on the fullest")
-  if name == "kimi_k2":
-    lines.append("report 2.4.2: ~6 TB (bf16 params + fp32 grad buffer) over 256 GPUs, ~30 GB "
-                 "per GPU for all states; optimizer states distributed when nodes are many")
+  lines.append("for scale, report 2.4.2 (K2 on 256 GPUs): ~6 TB of bf16 params + fp32 grad "
+               "buffer, ~30 GB per GPU for all states")
   return "\n".join(lines)
 
 

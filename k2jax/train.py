@@ -3,7 +3,7 @@
     python -m k2jax.train --config k2jax/configs/tiny.py --workdir runs/tiny \
         --config.train.steps=300 --config.optimizer.tau=30
 
-CONFIG is a config file or a preset name (tiny, kimi_k2, deepseek_v3). Writes
+CONFIG is a config file or a preset name (k2jax.configs.PRESETS). Writes
 DIR/metrics.jsonl, TensorBoard events under DIR/tensorboard, orbax checkpoints under
 DIR/checkpoints and DIR/train.log. Running the same command again resumes from the newest
 good checkpoint (data position included) and reproduces the uninterrupted run exactly on
@@ -306,20 +306,56 @@ def _resolve_preset(argv):
   return out
 
 
+def _config_path(argv) -> str | None:
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      return a[len("--config="):]
+    if a == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _config_file_error(path: str | None, e: BaseException) -> str | None:
+  """One line for a config FILE that cannot be loaded, or None if `e` is something else."""
+  if path is None:
+    return None
+  presets = ", ".join(configs.PRESETS)
+  if not os.path.exists(path):
+    return f"--config {path}: no such file; give a config file or a preset ({presets})"
+  if isinstance(e, SyntaxError):
+    return f"--config {path}: syntax error on line {e.lineno}: {e.msg}; fix the file"
+  if isinstance(e, AttributeError) and "get_config" in str(e):
+    return (f"--config {path} defines no get_config(); a config file must define get_config() "
+            "returning a ConfigDict (see k2jax/configs/tiny.py)")
+  return None
+
+
 def parse(argv):
   """-> (config, workdir), or UserError with one line saying what is wrong."""
   argv = _resolve_preset(list(argv))
+  path = _config_path(argv)
+  if path is not None and not os.path.exists(path.split(":")[0]):
+    raise UserError(_config_file_error(path.split(":")[0], FileNotFoundError(path)))
   saved_argv = sys.argv
   sys.argv = argv  # ml_collections registers the --config.* override flags from sys.argv
   try:
     flags.FLAGS(argv)  # once per process: config_flags cannot register its overrides twice
     config = _CONFIG.value
-  except AttributeError as e:  # ml_collections: an override naming a key the config lacks
-    key = str(e).replace("'", "").replace('"', "")
-    bad = next((a for a in argv if a.startswith("--config.") and f".{key}" in a), key)
-    raise UserError(f"unknown config key in {bad}: see the config file for the valid keys") from None
-  except (flags.Error, OSError, KeyError, TypeError, ValueError) as e:
-    raise UserError(str(e).strip().splitlines()[0]) from None
+  except Exception as e:  # the config file runs user code: anything may come out of it
+    cause = e.__cause__ or e.__context__ or e
+    line = _config_file_error(path, e) or _config_file_error(path, cause)
+    if line:
+      raise UserError(line) from None
+    if isinstance(e, AttributeError):  # ml_collections: an override naming a missing key
+      key = str(e).replace("'", "").replace('"', "")
+      bad = next((a for a in argv if a.startswith("--config.") and f".{key}" in a), key)
+      raise UserError(f"unknown config key in {bad}: see the config file for the valid keys"
+                      ) from None
+    if isinstance(e, (flags.Error, OSError, KeyError, TypeError, ValueError)):
+      raise UserError(str(e).strip().splitlines()[0]) from None
+    raise UserError(f"--config {path}: loading it raised {type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the file"
+                    ) from None
   finally:
     sys.argv = saved_argv
   if config is None:
@@ -328,6 +364,7 @@ def parse(argv):
     raise UserError("--workdir is required: the directory for checkpoints and metrics")
   try:
     configs.validate(config)
+    optim.validate(config)
   except ValueError as e:
     raise UserError(str(e)) from None
   return config, _WORKDIR.value

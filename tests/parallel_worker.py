@@ -13,18 +13,23 @@ import numpy as np
 
 
 def meshes(out, *rest):
-  """Train with the k2jax.train command line CLI_ARGS on each (data x expert) mesh."""
+  """Train with the k2jax.train command line CLI_ARGS on each mesh spec: DxE (data x
+  expert), optionally /bB (train.batch_size B) and /aA (train.grad_accum A)."""
   from k2jax import metrics, train
   sep = rest.index("--")
   specs, cli = rest[:sep], list(rest[sep + 1:])
   base, _ = train.parse(["k2jax.train", *cli, f"--workdir={out}"])
   result = {}
   for s in specs:
-    d, e = map(int, s.split("x"))
+    mesh, *opts = s.split("/")
+    d, e = map(int, mesh.split("x"))
     config = base.copy_and_resolve_references()
     config.mesh.update(dict(data=d, expert=e))
-    train.train(config, f"{out}/{s}")
-    result[s] = {r["step"]: [r["loss"], r["max_logit"]] for r in metrics.read(f"{out}/{s}")}
+    for o in opts:
+      config.train[{"b": "batch_size", "a": "grad_accum"}[o[0]]] = int(o[1:])
+    workdir = f"{out}/{s.replace('/', '_')}"
+    train.train(config, workdir)
+    result[s] = {r["step"]: [r["loss"], r["max_logit"]] for r in metrics.read(workdir)}
   print("RESULT " + json.dumps(result))
 
 

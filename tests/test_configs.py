@@ -13,10 +13,24 @@ def test_presets_validate(name):
 
 
 def test_k2_published_values():
-  m = configs.get_config("kimi_k2").model
+  m = configs.get_config("kimi_k2_long_context").model
   assert (m.num_attention_heads, m.n_routed_experts, m.first_k_dense_replace, m.n_group) == (64, 384, 1, 1)
   assert m.routed_scaling_factor == 2.827 and m.rope_theta == 50000.0
   assert (m.rope_scaling.factor, m.rope_scaling.beta_fast, m.rope_scaling.beta_slow) == (32.0, 1.0, 1.0)
+
+
+def test_k2_pretrains_at_4k_without_yarn_and_keeps_tau_in_report_units():
+  """Report 2.5: 4k pre-training with plain RoPE; YaRN arrives with the long-context stage,
+  whose tau carries YaRN's mscale^2 so the clip binds at the same q.k."""
+  from k2jax.model import rope
+  pre, long = configs.get_config("kimi_k2"), configs.get_config("kimi_k2_long_context")
+  assert pre.model.rope_scaling.type == "none" and pre.train.seq_len == 4096
+  assert long.model.rope_scaling.type == "yarn" and long.train.seq_len == 32768
+  base_scale = (pre.model.qk_nope_head_dim + pre.model.qk_rope_head_dim) ** -0.5
+  assert rope.softmax_scale(pre.model) == pytest.approx(base_scale)
+  ratio = rope.softmax_scale(long.model) / base_scale          # mscale^2 = 1.81
+  assert ratio == pytest.approx(1.8133, abs=1e-4)
+  assert long.optimizer.tau == pytest.approx(pre.optimizer.tau * ratio)
 
 
 @pytest.mark.parametrize("key,value,fragment", [

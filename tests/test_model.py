@@ -23,7 +23,7 @@ def tiny(**overrides):
 
 
 def test_yarn_k2_values_from_the_facts_sheet():
-  m = configs.get_config("kimi_k2").model
+  m = configs.get_config("kimi_k2_long_context").model
   assert rope.softmax_scale(m) == pytest.approx(0.13086080, abs=1e-8)
   assert rope.cos_sin_multiplier(m) == 1.0
   inv = rope.inv_frequencies(m)
@@ -177,6 +177,25 @@ def test_balance_loss_is_one_when_balanced():
 
 
 # ----------------------------------------------------------------------------- whole model
+
+
+def test_padding_counts_for_nothing_in_the_statistics():
+  """Rows padded at the end (segment id 0) give the max logits, expert load and balance loss
+  of the same rows without the padding: padding is invisible to QK-Clip and balancing."""
+  cfg = tiny(num_hidden_layers=3, aux_loss_alpha=0.01)
+  params = model.init(cfg, jax.random.key(0))
+  params = jax.tree.map(lambda x: x * 3 if x.ndim == 4 else x, params)   # larger logits
+  T, real = 16, 11
+  tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
+  # Padding tokens chosen to be loud: if they counted, they would set the max logits.
+  tokens = tokens.at[0, real:].set(tokens[0, 0])
+  seg = jnp.where(jnp.arange(T) < real, 1, 0)[None].astype(jnp.int32)
+  _, padded = model.forward(cfg, params, tokens, segment_ids=seg)
+  _, trimmed = model.forward(cfg, params, tokens[:, :real], segment_ids=seg[:, :real])
+  np.testing.assert_allclose(padded.max_logits, trimmed.max_logits, rtol=1e-6)
+  np.testing.assert_array_equal(padded.expert_load, trimmed.expert_load)
+  assert float(padded.expert_load.sum()) == real * cfg.num_experts_per_tok * 2  # 2 MoE layers
+  np.testing.assert_allclose(padded.aux_loss, trimmed.aux_loss, rtol=1e-6)
 
 
 @pytest.mark.parametrize("moe_layers", [False, True])

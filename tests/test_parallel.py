@@ -71,17 +71,25 @@ def assert_close(got, want, rtol=1e-5, steps=None):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """One device, and four 8-device meshes, trained for 4 steps: {mesh: {step: [loss, max]}}."""
+  """One device, and 8-device meshes, trained for 4 steps: {mesh: {step: [loss, max]}}; the
+  /b16 runs use 16-row batches, /a2 two microbatches."""
   out = tmp_path_factory.mktemp("meshes")
-  one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *CLI, *NO_CHECKPOINTS)
-  eight = start_worker(8, "meshes", str(out / "eight"), "2x4", "8x1", "1x8", "4x2", "--", *CLI,
-                       *NO_CHECKPOINTS)
+  one = start_worker(1, "meshes", str(out / "one"), "1x1", "1x1/b16", "--", *CLI,
+                     *NO_CHECKPOINTS)
+  eight = start_worker(8, "meshes", str(out / "eight"), "2x4", "8x1", "1x8", "4x2", "2x4/b16/a2",
+                       "--", *CLI, *NO_CHECKPOINTS)
   return {**result(one), **result(eight)}  # the two compile concurrently, one per core
 
 
 def test_meshes_match_one_device(runs):
   for mesh in ("2x4", "8x1", "1x8", "4x2"):
     assert_close(runs[mesh], runs["1x1"])  # loss and max logit of each step, rel < 1e-5
+
+
+def test_grad_accumulation_on_a_sharded_mesh_matches_one_device(runs):
+  """data=2 x expert=4 with two microbatches (each spanning all 8 devices) gives the losses
+  and max logits of one device with the whole batch at once."""
+  assert_close(runs["2x4/b16/a2"], runs["1x1/b16"])
 
 
 def test_zero1_shards_optimizer_state_not_params():

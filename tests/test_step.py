@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k2jax import configs, optim
 from k2jax.step import init_state, train_step
@@ -51,3 +52,37 @@ def test_bfloat16_step_is_finite_and_keeps_float32_params():
   state, m = _one_step(cfg, _batch(cfg, 2, 16))
   assert bool(m["finite"]) and np.isfinite(float(m["loss"]))
   assert all(x.dtype in (jnp.float32,) for x in jax.tree.leaves(state.params))
+
+
+def test_a_skipped_step_keeps_one_clock(monkeypatch):
+  """A non-finite step is skipped (params and moments kept) but every optax step counter
+  still advances with the trainer's step, so the logged learning rate is the one optax
+  applies (schedule(count)) and a WSD decay still completes on time."""
+  from k2jax import step as step_lib
+  cfg = configs.get_config("tiny")
+  cfg.model.num_hidden_layers = 2
+  cfg.optimizer.update(dict(warmup_steps=2, decay_steps=3))
+  cfg.train.steps = 5
+  original = step_lib.lm_loss
+  monkeypatch.setattr(step_lib, "lm_loss", lambda m, p, b: (lambda ce, n, aux: (
+      ce * b["poison"], n, aux))(*original(m, p, b)))
+  tx, schedule = optim.optimizer(cfg), optim.learning_rate_schedule(cfg)
+  state = init_state(cfg, tx, jax.random.key(0))
+  step = jax.jit(functools.partial(train_step, cfg, tx, schedule))
+  for k in range(cfg.train.steps):
+    batch = dict(_batch(cfg, 2, 16, seed=k), poison=np.float32(np.nan if k == 1 else 1.0))
+    counts = [c for p, c in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+              if getattr(p[-1], "name", None) == "count"]
+    assert counts and all(int(c) == int(state.step) == k for c in counts)
+    old = state.params
+    state, m = step(state, batch)
+    assert float(m["learning_rate"]) == float(schedule(counts[0]))  # logged == applied
+    assert bool(m["finite"]) == (k != 1)
+    if k == 1:  # skipped: nothing moved
+      for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, b)
+  assert int(state.skipped) == 1
+  counts = [c for p, c in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+            if getattr(p[-1], "name", None) == "count"]
+  assert all(int(c) == cfg.train.steps for c in counts)  # the decay ran its full length
+  assert float(schedule(counts[0])) == pytest.approx(cfg.optimizer.end_learning_rate)

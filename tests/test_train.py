@@ -25,7 +25,7 @@ SMALL = ["--config.model.num_hidden_layers=2", "--config.train.batch_size=4",
 def small_config(**train_kw):
   cfg = configs.get_config("tiny")
   cfg.model.num_hidden_layers = 2
-  cfg.train.update(dict(batch_size=4, seq_len=32, log_every=1, eval_batches=2, **train_kw))
+  cfg.train.update(dict(dict(batch_size=4, seq_len=32, log_every=1, eval_batches=2), **train_kw))
   cfg.data.max_corpus_bytes = 400_000
   cfg.optimizer.update(dict(warmup_steps=5, decay_steps=10))
   return cfg
@@ -44,24 +44,144 @@ def losses(workdir):
   return {r["step"]: r["loss"] for r in metrics.read(str(workdir)) if "loss" in r}
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--config.train.nosuchkey=3"], "unknown config key in --config.train.nosuchkey=3"),
-    (["--config.train.steps=abc"], "--config.train.steps=abc"),
-    (["--config.model.num_experts_per_tok=99"],
+# The table of user mistakes: (id, extra files, argv after `python -m k2jax.train`, env, the
+# fragment the one error line must contain). Every case must exit 2 with exactly one
+# "k2jax.train: error:" line and no traceback. {tmp} is the case's temporary directory.
+BAD_INPUTS = [
+    ("unknown-key", ["--config", "tiny", "--workdir={tmp}/w", "--config.train.nosuchkey=3"],
+     "unknown config key in --config.train.nosuchkey=3"),
+    ("not-a-number", ["--config", "tiny", "--workdir={tmp}/w", "--config.train.steps=abc"],
+     "--config.train.steps=abc"),
+    ("invalid-value", ["--config", "tiny", "--workdir={tmp}/w",
+                       "--config.model.num_experts_per_tok=99"],
      "model.num_experts_per_tok = 99: must be <= n_routed_experts (16)"),
-    (["--config.mesh.data=3"], "mesh pipeline x data x expert = 1 x 3 x 1 = 3 devices"),
-    (["--config.data.files=/nonexistent/*.txt"], "data.files"),
-    (["--no-workdir"], "--workdir is required"),
-])
-def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, fragment):
-  if args == ["--no-workdir"]:
-    cmd = [sys.executable, "-m", "k2jax.train", "--config", "tiny"]
-  else:
-    cmd = [sys.executable, "-m", "k2jax.train", "--config", "tiny", f"--workdir={tmp_path}", *args]
-  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    ("unknown-optimizer", ["--config", "tiny", "--workdir={tmp}/w", "--config.optimizer.name=sgd"],
+     "optimizer.name = 'sgd': must be one of muonclip, muon, adamw, adamw_qk_clip"),
+    ("seq-too-long", ["--config", "tiny", "--workdir={tmp}/w", "--config.train.seq_len=4096"],
+     "train.seq_len = 4096: must be <= model.max_position_embeddings (1024)"),
+    ("mesh-devices", ["--config", "tiny", "--workdir={tmp}/w", "--config.mesh.data=3"],
+     "mesh pipeline x data x expert = 1 x 3 x 1 = 3 devices"),
+    ("accum-split", ["--config", "tiny", "--workdir={tmp}/w", "--config.mesh.data=2",
+                     "--config.mesh.expert=4", "--config.train.batch_size=8",
+                     "--config.train.grad_accum=2", "DEVICES=8"],
+     "make train.batch_size a multiple of 16"),
+    ("no-workdir", ["--config", "tiny"], "--workdir is required"),
+    ("unknown-flag", ["--config", "tiny", "--workdir={tmp}/w", "--bogus"],
+     "Unknown command line flag 'bogus'"),
+    ("config-missing", ["--config", "{tmp}/missing.py", "--workdir={tmp}/w"],
+     "missing.py: no such file; give a config file or a preset"),
+    ("config-syntax", ["--config", "{tmp}/syntax.py", "--workdir={tmp}/w"],
+     "syntax.py: syntax error on line 1"),
+    ("config-raises", ["--config", "{tmp}/raises.py", "--workdir={tmp}/w"],
+     "raises.py: loading it raised RuntimeError: boom"),
+    ("config-no-get-config", ["--config", "{tmp}/noget.py", "--workdir={tmp}/w"],
+     "noget.py defines no get_config()"),
+    ("workdir-is-file", ["--config", "tiny", "--workdir={tmp}/afile"],
+     "afile is a file, not a directory"),
+    ("workdir-unwritable", ["--config", "tiny", "--workdir=/proc/k2jax-run"],
+     "--workdir /proc/k2jax-run is not a writable directory"),
+    ("files-missing", ["--config", "tiny", "--workdir={tmp}/w",
+                       "--config.data.files=/nonexistent/*.txt"], "data.files"),
+    ("corpus-empty", ["--config", "tiny", "--workdir={tmp}/w", "--config.data.files={tmp}/empty.txt"],
+     "hold no text"),
+    ("corpus-too-small", ["--config", "tiny", "--workdir={tmp}/w",
+                          "--config.data.files={tmp}/small.txt"],
+     "fewer than one batch of train.batch_size = 16: it needs at least 2049 tokens"),
+    ("no-eval-split", ["--config", "tiny", "--workdir={tmp}/w", "--config.data.files={tmp}/one.txt",
+                       "--config.train.batch_size=4", "--config.train.seq_len=32"],
+     "no eval split: 1 document(s) cannot be split"),
+]
+FILES = {"syntax.py": "def get_config(:\n", "raises.py": "def get_config():\n  raise RuntimeError('boom')\n",
+         "noget.py": "x = 1\n", "afile": "", "empty.txt": "  \n", "small.txt": "hello\n",
+         "one.txt": "one document of plain text. " * 200}
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(tmp_path_factory):
+  """Run every case of BAD_INPUTS at once (each is a short process that fails early)."""
+  procs = {}
+  for name, argv, _ in BAD_INPUTS:
+    tmp = tmp_path_factory.mktemp(name)
+    for f, text in FILES.items():
+      (tmp / f).write_text(text)
+    env = dict(os.environ)
+    args = []
+    for a in argv:
+      if a.startswith("DEVICES="):
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a[8:]}"
+      else:
+        args.append(a.replace("{tmp}", str(tmp)))
+    procs[name] = subprocess.Popen([sys.executable, "-m", "k2jax.train", *args], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return {name: (p.wait(timeout=600), p.stderr.read()) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("name,fragment", [(n, f) for n, _, f in BAD_INPUTS],
+                         ids=[n for n, _, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_code_2(bad_input_results, name, fragment):
+  rc, err = bad_input_results[name]
+  assert rc == 2, err[-2000:]
+  assert "Traceback" not in err, err[-2000:]
+  err_lines = [l for l in err.splitlines() if l.startswith("k2jax.train: error:")]
+  assert len(err_lines) == 1 and fragment in err_lines[0], err[-2000:]
+
+
+def _tree_digest(root):
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for f in files:
+      path = os.path.join(dirpath, f)
+      with open(path, "rb") as fh:
+        out[os.path.relpath(path, root)] = hash(fh.read())
+  return out
+
+
+def test_resume_with_a_changed_config_never_destroys_anything(tmp_path):
+  """Changes that cannot resume end in one line naming each key old -> new, exit 2, every
+  file as it was; changes that can resume do, say so, and continue the same run."""
+  steps = ["--config.train.checkpoint_every=2", "--config.train.eval_every=2"]
+  run_cli(tmp_path, "--config.train.steps=4", *steps)
+  before, want = _tree_digest(tmp_path), losses(tmp_path)
+  p = run_cli(tmp_path, "--config.train.steps=4", *steps, "--config.model.hidden_size=256",
+              "--config.optimizer.name=adamw", check=False)
   assert p.returncode == 2, p.stderr[-2000:]
-  err_lines = [l for l in p.stderr.splitlines() if l.startswith("k2jax.train: error:")]
-  assert len(err_lines) == 1 and fragment in err_lines[0], p.stderr[-2000:]
+  (line,) = [l for l in p.stderr.splitlines() if l.startswith("k2jax.train: error:")]
+  assert "model.hidden_size: 128 -> 256" in line and "optimizer.name: 'muonclip' -> 'adamw'" in line
+  assert _tree_digest(tmp_path) == before      # nothing moved, rewritten or appended
+  p = run_cli(tmp_path, "--config.train.steps=6", *steps, "--config.optimizer.learning_rate=1e-3")
+  assert ("resuming with changed settings: optimizer.learning_rate: 0.002 -> 0.001; "
+          "train.steps: 4 -> 6") in p.stderr
+  assert "resumed from checkpoint step 4" in p.stderr
+  got = losses(tmp_path)
+  assert sorted(got) == list(range(1, 7)) and all(got[s] == want[s] for s in want)
+  assert not os.path.exists(tmp_path / "corrupt_checkpoints")
+
+
+def test_a_checkpoint_of_another_state_is_reported_not_quarantined(tmp_path):
+  """A readable checkpoint whose tree differs (other code or config) is a mismatch: the
+  error names the first differing leaf and the checkpoint stays where it is."""
+  import functools
+  import jax
+  from k2jax import optim
+  from k2jax.checkpoint import Checkpointer, CheckpointMismatch
+  from k2jax.step import init_state
+  cfg = small_config(steps=1)
+  state = init_state(cfg, optim.optimizer(cfg), jax.random.key(0))
+  data = __import__("k2jax.data", fromlist=["build"]).build(cfg.data, cfg.train,
+                                                             cfg.model.vocab_size)
+  ckpt = Checkpointer(str(tmp_path), keep=2, use_async=False)
+  ckpt.save(1, state, data.train_iter(), {"step": 1})
+  ckpt.wait()
+  other = small_config(steps=1)
+  other.model.hidden_size = 64
+  tx = optim.optimizer(other)
+  abstract = jax.eval_shape(functools.partial(init_state, other, tx), jax.random.key(0))
+  with pytest.raises(CheckpointMismatch, match=r"checkpoint step 1 .* \(\S+: saved "
+                                               r"float32\[\d+, 128\], expected float32\[\d+, 64\]"):
+    ckpt.restore_latest(abstract, data.train_iter)
+  ckpt.close()
+  assert os.path.isdir(tmp_path / "checkpoints" / "1")
+  assert not os.path.exists(tmp_path / "corrupt_checkpoints")
 
 
 def test_sigterm_then_resume_reproduces_the_uninterrupted_run(tmp_path):
@@ -135,6 +255,10 @@ def test_persistent_nan_stops_with_a_clear_message(tmp_path, monkeypatch):
                       lambda *a: (lambda ce, n, aux: (ce * jnp.nan, n, aux))(*original(*a)))
   with pytest.raises(train.TrainingDiverged, match="NaN/Inf for 3 consecutive steps"):
     train.train(small_config(steps=20, max_nan_steps=3), str(tmp_path))
+  # Between log steps too: the streak is read every step, not only when metrics are logged.
+  with pytest.raises(train.TrainingDiverged, match=r"NaN/Inf for 3 consecutive steps \(step 3\)"):
+    train.train(small_config(steps=40, max_nan_steps=3, log_every=50, checkpoint_every=0),
+                str(tmp_path / "sparse_logs"))
 
 
 def test_learns_below_the_unigram_baseline(tmp_path):

@@ -1,8 +1,9 @@
-"""DeepSeek-V3 (671B total / 37B activated): the published config.json.
+"""DeepSeek-V3 (671B total / 37B activated) pre-training: the published architecture.
 
-Differs from K2 in heads (128), experts (256), dense layers (3), group-limited routing
-(8 groups, top-4 groups) and YaRN settings. Its multi-token-prediction layer is not
-modelled (the 671B count excludes it too).
+Differs from K2 in heads (128), experts (256), dense layers (3) and group-limited routing
+(8 groups, top-4 groups). Its multi-token-prediction layer is not modelled (the 671B count
+excludes it too). Like K2 it pre-trains at 4k with plain RoPE; the published config.json's
+YaRN (factor 40) comes with its context extension, and a loaded checkpoint keeps it.
 """
 
 from k2jax.configs import base
@@ -30,9 +31,8 @@ def get_config():
       topk_group=4,
       routed_scaling_factor=2.5,
       rope_theta=10000.0,
-      rope_scaling=base.yarn(factor=40.0, original_max_position_embeddings=4096,
-                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-      max_position_embeddings=163840,
+      rope_scaling=base.no_rope_scaling(),
+      max_position_embeddings=4096,
       bos_token_id=0,
       eos_token_id=1,
       aux_loss_alpha=0.0001,          # DeepSeek-V3 report, complementary sequence-wise loss

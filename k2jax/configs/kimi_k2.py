@@ -1,7 +1,11 @@
-"""Kimi K2 (Base / Instruct): the published config.json and the report's recipe (section 2.5).
+"""Kimi K2 pre-training: the published architecture and the report's recipe (section 2.5).
 
 1.04T total / 32.6B activated parameters (report Table 2); `python -m k2jax.params
---config kimi_k2` shows our count and its breakdown.
+--config kimi_k2` shows our count and its breakdown. Pre-training runs at 4k context with
+plain RoPE: YaRN only extends the context afterwards (report 2.5), and with YaRN on the
+softmax scale carries mscale^2 = 1.81, which would make tau = 100 clip at a logit of 55 in
+the report's units. The published config.json (YaRN factor 32 to 128k) is the
+`kimi_k2_long_context` preset, and a loaded checkpoint keeps its own rope_scaling.
 """
 
 from k2jax.configs import base
@@ -29,9 +33,8 @@ def get_config():
       topk_group=1,
       routed_scaling_factor=2.827,
       rope_theta=50000.0,
-      rope_scaling=base.yarn(factor=32.0, original_max_position_embeddings=4096,
-                             beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-      max_position_embeddings=131072,
+      rope_scaling=base.no_rope_scaling(),
+      max_position_embeddings=4096,
       bos_token_id=163584,
       eos_token_id=163585,
       # The published config.json lists 0.001; the report does not discuss a balance loss.
