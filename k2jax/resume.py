@@ -35,6 +35,7 @@ RESUMABLE = (
     ("model.remat", "recomputation policy"),
     ("model.dtype", "compute dtype"),
     ("model.moe_impl", "MoE implementation"),
+    ("model.ep_transport", "expert-parallel transport"),
     ("model.attention_impl", "attention implementation"),
     ("model.activation_storage", "activation storage"),
     ("model.offload", "activation offload"),

@@ -58,5 +58,70 @@ def zero1():
       "param_specs_mention_data": any("data" in str(s.spec) for s in jax.tree.leaves(sh.params))}))
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """lax.ragged_all_to_all as its docstring defines it, built from a dense all_to_all (XLA:CPU
+  has no ragged one): slice j of my operand (input_offsets[j], send_sizes[j] rows) lands on
+  device j at output_offsets[j]; everything else of `output` is kept."""
+  import jax.numpy as jnp
+  n = operand.shape[0]
+  ep = jax.lax.axis_size(axis_name)
+  r = jnp.arange(n)
+  src = jnp.clip(input_offsets[:, None] + r[None, :], 0, n - 1)            # [ep, n]
+  slots = jnp.where((r[None, :] < send_sizes[:, None]).reshape((ep, n) + (1,) * (operand.ndim - 1)),
+                    operand[src], jnp.zeros((), operand.dtype))
+  got = jax.lax.all_to_all(slots, axis_name, 0, 0, tiled=True)           # slot i: from device i
+  offs = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where i wanted it
+  dst = jnp.where(r[None, :] < recv_sizes[:, None], offs[:, None] + r[None, :], output.shape[0])
+  return output.at[dst.reshape(-1)].set(got.reshape((ep * n,) + operand.shape[1:]), mode="drop")
+
+
+def ep_transports():
+  """Every expert-parallel transport on a data=2 x expert=4 mesh equals a float64 per-token
+  reference, for balanced, skewed and all-to-one routings."""
+  import functools
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  from k2jax import configs, parallel
+  from k2jax.model import expert_parallel, moe
+  cfg = configs.get_config("tiny")
+  cfg.mesh.update(dict(data=2, expert=4))
+  m = cfg.model
+  mesh = parallel.make_mesh(cfg.mesh)
+  E, d, f, k, N = m.n_routed_experts, m.hidden_size, m.moe_intermediate_size, 2, 8 * 12
+  keys = jax.random.split(jax.random.key(0), 6)
+  p = {n: 0.2 * jax.random.normal(kk, s) for n, kk, s in
+       (("gate", keys[0], (E, d, f)), ("up", keys[1], (E, d, f)), ("down", keys[2], (E, f, d)))}
+  x = jax.random.normal(keys[3], (N, d))
+  w = jax.random.uniform(keys[4], (N, k))
+  routings = {
+      "balanced": jax.random.randint(keys[5], (N, k), 0, E),
+      "skewed": jnp.stack([jnp.zeros((N,), jnp.int32) + 3, jnp.arange(N) % E], 1),
+      "all_to_one": jnp.full((N, k), 13, jnp.int32).at[:, 1].set(12),
+  }
+  p64 = {n: np.asarray(v, np.float64) for n, v in p.items()}
+  silu = lambda a: a / (1 + np.exp(-a))
+  out = {}
+  for name, idx in routings.items():
+    x64, idx_np, w64 = np.asarray(x, np.float64), np.asarray(idx), np.asarray(w, np.float64)
+    want = np.zeros((N, d))
+    for n in range(N):
+      for j in range(k):
+        e = idx_np[n, j]
+        h = silu(x64[n] @ p64["gate"][e]) * (x64[n] @ p64["up"][e])
+        want[n] += w64[n, j] * (h @ p64["down"][e])
+    for transport in ("padded", "bucketed", "ragged"):
+      fn = functools.partial(expert_parallel.experts_all_to_all, moe._expert_mlp, axis="expert",
+                             sync_axes=("data",), transport=transport,
+                             ragged_all_to_all=emulated_ragged_all_to_all)
+      run = jax.jit(jax.shard_map(lambda p, x, i, w: fn(p, x, i, w),
+                                  mesh=mesh, in_specs=(P("expert"), P(("data", "expert")),
+                                                       P(("data", "expert")), P(("data", "expert"))),
+                                  out_specs=P(("data", "expert"))))
+      got = np.asarray(run(p, x, idx, w), np.float64)
+      out[f"{name}/{transport}"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+  print("RESULT " + json.dumps(out))
+
+
 if __name__ == "__main__":
-  {"meshes": meshes, "zero1": zero1}[sys.argv[1]](*sys.argv[2:])
+  {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports}[sys.argv[1]](*sys.argv[2:])

@@ -61,7 +61,8 @@ def model_config():
       # --- ours -------------------------------------------------------------------
       dtype="float32",                # compute dtype: float32 | bfloat16 (softmax, norms, router stay f32)
       param_dtype="float32",
-      moe_impl="ragged",              # ragged (sorted dispatch + lax.ragged_dot) | dense (reference)
+      moe_impl="ragged",              # ragged (sorted dispatch + grouped matmul) | dense (reference)
+      ep_transport="auto",            # expert-parallel all-to-all: auto | ragged | bucketed | padded
       remat="none",                   # none | selective (report 2.4.3) | full
       bias_update_speed=0.001,        # gamma of the aux-loss-free balancing rule
   ))

@@ -130,7 +130,9 @@ def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
   if ep_axis:
-    y = experts_all_to_all(_expert_mlp, p["experts"], x2d, idx, w, ep_axis)
+    y = experts_all_to_all(_expert_mlp, p["experts"], x2d, idx, w, ep_axis,
+                           sync_axes=tuple(a for a in batch_axes if a != ep_axis),
+                           transport=cfg.ep_transport)
   else:
     y = EXPERT_IMPLS[cfg.moe_impl](p["experts"], x2d, idx, w)
   k = cfg.num_experts_per_tok

@@ -1,0 +1,120 @@
+"""Expert-parallel dispatch: bytes moved per device vs the ideal, and time, per transport.
+
+    python experiments/bench_ep.py [--devices 8] [--mesh 2x4] [--tokens 4096] [--experts 64]
+
+Runs itself in a subprocess with simulated CPU devices. For a MoE layer of the tiny model
+with `--experts` experts (top-2) on a data x expert mesh, it routes `--tokens` tokens
+through the router (random init, then with a trained-like balanced bias) and reports, per
+transport (padded / bucketed / ragged):
+  bytes     sent per device per layer, there and back (k2jax.model.expert_parallel.bytes_moved)
+  x ideal   over the ideal 2 * (N k / devices) * d * itemsize
+  fwd+bwd   time of the layer's routed experts under shard_map, relative to `padded`
+            (simulated devices share this machine's cores: ratios show the work each
+            transport does, not network time; ragged is emulated here, XLA:CPU has none).
+Writes experiments/results/ep/ep.csv.
+"""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "results", "ep")
+
+
+def child(args):
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+
+  sys.path.insert(0, os.path.dirname(HERE))
+  from k2jax import configs, parallel
+  from k2jax.model import expert_parallel as xp, moe
+  from tests.parallel_worker import emulated_ragged_all_to_all
+
+  cfg = configs.get_config("tiny")
+  d_, e_ = map(int, args.mesh.split("x"))
+  cfg.mesh.update(dict(data=d_, expert=e_))
+  m = cfg.model
+  m.n_routed_experts = args.experts
+  mesh = parallel.make_mesh(cfg.mesh)
+  E, d, f, k, N = m.n_routed_experts, m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok, args.tokens
+  keys = jax.random.split(jax.random.key(0), 5)
+  p = {"router": 0.02 * jax.random.normal(keys[0], (d, E)), "router_bias": jnp.zeros((E,)),
+       "experts": {n: 0.02 * jax.random.normal(kk, s) for n, kk, s in (
+           ("gate", keys[1], (E, d, f)), ("up", keys[2], (E, d, f)), ("down", keys[3], (E, f, d)))}}
+  x = jax.random.normal(keys[4], (N, d))
+  w, idx, _ = moe.route(m, p, x)
+  devices = d_ * e_
+  idx_np = np.asarray(idx).reshape(devices, -1, k)         # rows are sharded in blocks
+  # counts matrix of each expert group: [ep_src, ep_dst] from the shards' own assignments
+  e_loc = E // e_
+  rows = []
+  ideal = 2 * (N * k // devices) * d * 4
+  for transport in ("padded", "bucketed", "ragged"):
+    worst = 0
+    for g in range(d_):
+      group = idx_np[g * e_:(g + 1) * e_]
+      counts = np.stack([np.bincount(a.reshape(-1) // e_loc, minlength=e_) for a in group])
+      worst = max(worst, xp.bytes_moved(counts, d, 4, transport))
+    fn = functools.partial(xp.experts_all_to_all, moe._expert_mlp, axis="expert",
+                           sync_axes=("data",), transport=transport,
+                           ragged_all_to_all=emulated_ragged_all_to_all)
+    batch = P(("data", "expert"))
+    run = jax.shard_map(lambda pe, x, i, w: fn(pe, x, i, w), mesh=mesh,
+                        in_specs=(P("expert"), batch, batch, batch), out_specs=batch)
+    loss = jax.jit(jax.value_and_grad(lambda pe, x: jnp.sum(run(pe, x, idx, w) ** 2),
+                                      argnums=(0, 1)))
+    jax.block_until_ready(loss(p["experts"], x))
+    times = []
+    for _ in range(args.repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(loss(p["experts"], x))
+      times.append(time.perf_counter() - t0)
+    rows.append(dict(transport=transport, bytes_per_device=worst, x_ideal=worst / ideal,
+                     fwd_bwd_ms=1e3 * float(np.median(times))))
+  print("RESULT " + json.dumps(dict(rows=rows, ideal=ideal)))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--devices", type=int, default=8)
+  ap.add_argument("--mesh", default="2x4", help="data x expert")
+  ap.add_argument("--tokens", type=int, default=4096)
+  ap.add_argument("--experts", type=int, default=64)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--child", action="store_true")
+  args = ap.parse_args()
+  if args.child:
+    return child(args)
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
+  p = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env,
+                     capture_output=True, text=True, cwd=os.path.dirname(HERE))
+  if p.returncode:
+    sys.exit(p.stderr[-3000:])
+  res = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+  base = next(r["fwd_bwd_ms"] for r in res["rows"] if r["transport"] == "padded")
+  os.makedirs(OUT, exist_ok=True)
+  with open(os.path.join(OUT, "ep.csv"), "w", newline="") as fh:
+    wr = csv.DictWriter(fh, fieldnames=["transport", "bytes_per_device", "x_ideal", "fwd_bwd_ms",
+                                        "time_vs_padded"])
+    wr.writeheader()
+    print(f"mesh data x expert = {args.mesh}, {args.tokens} tokens, {args.experts} experts top-2,"
+          f" ideal {res['ideal'] / 1e6:.2f} MB per device per layer (there and back)")
+    print(f"{'transport':<10}{'MB/device':>11}{'x ideal':>9}{'fwd+bwd ms':>12}{'vs padded':>11}")
+    for r in res["rows"]:
+      r["time_vs_padded"] = r["fwd_bwd_ms"] / base
+      wr.writerow(r)
+      print(f"{r['transport']:<10}{r['bytes_per_device'] / 1e6:>11.2f}{r['x_ideal']:>9.2f}"
+            f"{r['fwd_bwd_ms']:>12.1f}{r['time_vs_padded']:>11.2f}")
+
+
+if __name__ == "__main__":
+  main()
