@@ -118,11 +118,19 @@ def _device_batch(batch, sharding):
           for k, v in batch.items()}
 
 
-def train(config, workdir: str) -> dict:
+def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
   """Train (or resume) the run in `workdir`; returns the summary dict it logs at the end.
 
   Raises UserError (one line) for mistakes in the config, the workdir or the data, before
   any file of an existing run is touched.
+
+  Args:
+    config: a full config.
+    workdir: the run's directory.
+    build_data: fn(config, process_index, process_count) -> k2jax.data.Data; default: the
+      pre-training corpus of config.data (k2jax.sft passes its chat data).
+    init_params: fn() -> params (host arrays of the model's parameter tree) to start from
+      instead of a random init (fine-tuning); unused when a checkpoint is resumed.
   """
   try:
     configs.validate(config)
@@ -145,18 +153,21 @@ def train(config, workdir: str) -> dict:
   try:  # mistakes in the mesh or the data files are the user's: one line, exit 2
     mesh = parallel.make_mesh(config.mesh)
     parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
-    data = data_lib.build(config.data, t, m.vocab_size, process_index=jax.process_index(),
-                          process_count=jax.process_count())
+    if build_data is None:
+      data = data_lib.build(config.data, t, m.vocab_size, process_index=jax.process_index(),
+                            process_count=jax.process_count())
+    else:
+      data = build_data(config, jax.process_index(), jax.process_count())
   except (ValueError, OSError) as e:
     raise UserError(str(e).splitlines()[0]) from None
   if main_process:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
   with jax.set_mesh(mesh):  # the model's MoE reads the mesh for its shard_map dispatch
-    return _run(config, workdir, mesh, data)
+    return _run(config, workdir, mesh, data, init_params)
 
 
-def _run(config, workdir, mesh, data):
+def _run(config, workdir, mesh, data, init_params=None):
   t, m = config.train, config.model
   main_process = jax.process_index() == 0
   tx = optim.optimizer(config)
@@ -179,6 +190,10 @@ def _run(config, workdir, mesh, data):
     state = TrainState(*state) if not isinstance(state, TrainState) else state
   else:
     state = jax.jit(functools.partial(init_state, config, tx), out_shardings=shardings)(rng)
+    if init_params is not None:  # fine-tuning: the given weights, fresh optimizer state
+      params = jax.device_put(init_params(), shardings.params)
+      state = jax.jit(lambda s, p: s._replace(params=p, opt_state=tx.init(p)),
+                      out_shardings=shardings, donate_argnums=0)(state, params)
     train_iter, meta = data.train_iter(), {}
   start = int(state.step)
   counts = model.count_params(m)
