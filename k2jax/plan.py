@@ -86,7 +86,7 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   """
   m = mcfg
   settings = dict(remat=remat or m.remat,
-                  attention_impl=attention_impl or m.get("attention_impl", "xla"),
+                  attention_impl=attention_impl or m.attention_impl,
                   storage=storage or m.get("activation_storage", "model"))
   stages = mesh_shape["pipeline"]
   per_stage = math.ceil(m.num_hidden_layers / stages)

@@ -12,7 +12,6 @@ end in one line naming the problem and exit code 2.
 """
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -20,7 +19,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from jax.experimental import multihost_utils

@@ -1,15 +1,14 @@
 """Model pieces against independent results: float64 brute force, the report's numbers,
 the dense MoE reference and YaRN values from the facts sheet."""
 
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax import configs, model
-from k2jax.model import attention, moe, rope
+from k2jax import configs, kernels, model
+from k2jax.model import moe, rope
 
 
 def tiny(**overrides):
@@ -72,7 +71,8 @@ def test_max_logits_equal_brute_force(with_segments):
   k = 3 * jax.random.normal(ks[1], (B, T, H, D))
   v = jax.random.normal(ks[2], (B, T, H, 5))
   seg = np.array([[1] * 4 + [2] * 5, [1] * 9]) if with_segments else None
-  _, got = attention.dot_product_attention(q, k, v, 0.3, None if seg is None else jnp.asarray(seg))
+  _, got = kernels.attention(q, k, v, scale=0.3,
+                             segment_ids=None if seg is None else jnp.asarray(seg))
   np.testing.assert_allclose(got, _brute_force_max_logits(q, k, 0.3, seg), rtol=1e-5)
 
 

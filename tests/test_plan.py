@@ -56,16 +56,18 @@ def test_cli_prints_the_comparison():
   assert "report 2.4.2" in p.stdout
 
 
-@pytest.mark.parametrize("remat", ["none", "selective"])
-def test_activation_estimate_follows_the_compiled_program(remat):
+@pytest.mark.parametrize("remat,impl", [("none", "xla"), ("selective", "xla"),
+                                         ("none", "chunked")])
+def test_activation_estimate_follows_the_compiled_program(remat, impl):
   """The estimate models what the configured implementation keeps: for the tiny model at
-  T = 1024 (materialized attention dominates) it lands within 0.7-1.4x of XLA's own
-  temporary-memory figure for forward + backward, and it says which settings it used."""
+  T = 1024 it lands within 0.5-1.5x of XLA's own temporary-memory figure for forward +
+  backward (materialized attention dominates with `xla`; the flash kernel's O(T) residuals
+  with `chunked`), and it says which settings it used."""
   import jax
   import jax.numpy as jnp
   import optax
   cfg = configs.get_config("tiny").model
-  cfg.update(dict(max_position_embeddings=1024, remat=remat))
+  cfg.update(dict(max_position_embeddings=1024, remat=remat, attention_impl=impl))
   T = 1024
   params = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
 
@@ -76,5 +78,5 @@ def test_activation_estimate_follows_the_compiled_program(remat):
   compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, T), jnp.int32)).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   est, used = plan.activation_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, T)
-  assert used["remat"] == remat and used["attention_impl"] == cfg.get("attention_impl", "xla")
-  assert 0.7 < est / temp < 1.4, (est, temp)
+  assert used == dict(remat=remat, attention_impl=impl, storage="model")
+  assert 0.5 < est / temp < 1.5, (est, temp)

@@ -1,9 +1,7 @@
 """The training CLI end to end: errors, resume exactness after SIGTERM and after a corrupt
 checkpoint, NaN skipping, learning on the embedded corpus."""
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -84,7 +84,8 @@ def validate_model(m: config_dict.ConfigDict, group: str = "model") -> None:
           "tied embeddings are not implemented")
   for key, allowed in (("dtype", ("float32", "bfloat16")), ("param_dtype", ("float32", "bfloat16")),
                        ("moe_impl", ("ragged", "dense")), ("remat", ("none", "selective", "full")),
-                       ("ep_transport", ("auto", "ragged", "bucketed", "padded"))):
+                       ("ep_transport", ("auto", "ragged", "bucketed", "padded")),
+                       ("attention_impl", ("auto", "xla", "chunked", "pallas_gpu", "pallas_tpu"))):
     if m[key] not in allowed:
       _fail(f"{group}.{key}", m[key], f"must be one of {', '.join(allowed)}")
 

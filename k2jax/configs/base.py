@@ -64,6 +64,7 @@ def model_config():
       moe_impl="ragged",              # ragged (sorted dispatch + grouped matmul) | dense (reference)
       ep_transport="auto",            # expert-parallel all-to-all: auto | ragged | bucketed | padded
       remat="none",                   # none | selective (report 2.4.3) | full
+      attention_impl="auto",          # k2jax.kernels.attention: auto | xla | chunked | pallas_gpu | pallas_tpu
       bias_update_speed=0.001,        # gamma of the aux-loss-free balancing rule
   ))
 

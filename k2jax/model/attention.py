@@ -7,13 +7,15 @@
     out    = o(concat_h softmax_j(logit_h) v)
 
 The per-head maximum of the scaled logit over the batch and all valid (causal, same
-document) pairs is returned for QK-Clip (report 2.1, S_max^h).
+document, non-padding) pairs is returned for QK-Clip (report 2.1, S_max^h). The attention
+itself is `k2jax.kernels.attention` (`model.attention_impl`: a flash kernel on GPU / TPU,
+the chunked flash algorithm on CPU, or the materialized reference).
 """
 
-import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from k2jax.kernels import attention
 from k2jax.model import rope, spec
 from k2jax.model.layers import rms_norm
 
@@ -56,32 +58,6 @@ def qk_clip_scales(cfg, gamma):
   return {q_proj_name(cfg): q, "kv_b": kv}
 
 
-def dot_product_attention(q, k, v, scale, segment_ids=None):
-  """Causal softmax attention that also returns the per-head max scaled logit.
-
-  q, k: [B, T, H, Dqk]; v: [B, T, H, Dv]; segment_ids: [B, T] or None (packed documents
-  attend only within themselves; id 0 marks padding, left out of max_logits). Returns (out [B, T, H, Dv], max_logits [H] float32).
-  This is the XLA reference; a fused kernel must keep the same signature.
-  """
-  T = q.shape[1]
-  # Head-major layout: XLA:CPU runs the batched matmuls ~2x faster than with heads inside.
-  q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))              # [B, H, T, D]
-  logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-  mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
-  counted = mask
-  if segment_ids is not None:
-    mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    # Padding (segment 0) attends among itself so its rows stay finite, but its logits are
-    # not QK-Clip's business.
-    counted = mask & (segment_ids > 0)[:, None, :, None]
-  logits = jnp.where(mask, logits, -jnp.inf)
-  max_logits = jax.lax.stop_gradient(jnp.max(jnp.where(counted, logits, -jnp.inf),
-                                             axis=(0, 2, 3)))
-  probs = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
-  return jnp.swapaxes(out, 1, 2), max_logits
-
-
 def mla(cfg, p, x, positions, segment_ids=None):
   """x [B, T, d] -> (out [B, T, d], max_logits [H])."""
   dt = x.dtype
@@ -103,5 +79,6 @@ def mla(cfg, p, x, positions, segment_ids=None):
   k_rope = rope.apply_rope(k_rope, cos, sin)                        # [B, T, r], shared
   k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:-1] + (r,))],
                       axis=-1)
-  out, max_logits = dot_product_attention(q, k, v, rope.softmax_scale(cfg), segment_ids)
+  out, max_logits = attention(q, k, v, scale=rope.softmax_scale(cfg), segment_ids=segment_ids,
+                              impl=cfg.attention_impl)
   return jnp.einsum("bthv,hvd->btd", out, p["o"].astype(dt)), max_logits

@@ -12,6 +12,8 @@ so recomputation is a policy choice in `model.remat`, not a model change.
 
 import jax
 
+from k2jax.kernels import flash
+
 # Report 2.4.3, selective recomputation: cheap but large activations are recomputed.
 SELECTIVE_RECOMPUTE = ("norm", "swiglu", "mla_up", "moe_down")
 
@@ -35,8 +37,8 @@ def saved_bytes_per_token(cfg, ffn: str, seq_len: int, *, remat: str, attention_
   the model tags it with, kept or dropped by the `remat` policy above. Untagged tensors
   (MLA's low-rank projections, roped q / k, the attention output, router scores) are kept
   by `none` and `selective`. `attention_impl` "xla" materializes the f32 logits, the f32
-  probabilities and their cast per query and key (O(T) per token); the fused / chunked
-  kernels keep the output and a log-sum-exp per head (O(1)). `storage` "fp8" keeps the MoE
+  probabilities and their cast per query and key (O(T) per token); the flash kernels
+  ("auto", "chunked", Pallas) keep the output and a log-sum-exp per head (O(1)). `storage` "fp8" keeps the MoE
   inputs and SwiGLU inputs in E4M3 with one f32 scale per 128 values (report 2.4.3);
   "model" keeps everything in the compute dtype.
 
@@ -60,8 +62,7 @@ def saved_bytes_per_token(cfg, ffn: str, seq_len: int, *, remat: str, attention_
       "norm": a * (2 * d + ql + kvl),
       "mla_up": a * H * (dq + cfg.qk_nope_head_dim + dv),
       "mla_other": a * (ql + kvl + r + 2 * H * dq + H * dv),   # q_a, kv_a, roped q / k, out
-      "attention": (H * seq_len * (4 + 4 + a) if attention_impl == "xla"
-                    else a * H * dv + 4 * H),
+      "attention": flash.activation_bytes_per_token(attention_impl, H, seq_len, dq, dv, a),
   }
   if ffn == "mlp":
     f = cfg.intermediate_size

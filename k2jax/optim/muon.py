@@ -21,7 +21,6 @@ gradients at all (it follows k2jax.model.balance).
 import math
 
 import jax
-import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 

@@ -1,0 +1,255 @@
+"""Flash attention for MLA shapes as Triton-lowered Pallas kernels, with per-head S_max.
+
+Three kernels, each over a grid of (block, batch, head) programs; rows of a head are
+contiguous in [B, T, H, D] arrays, read through BlockSpecs:
+
+  forward   program (i, b, h): one q block against kv blocks 0..i (causal), online softmax
+            in f32; writes out, the log-sum-exp and the final running max per row. That
+            running max is, for a real row, the max of its counted scaled logits, so S_max
+            costs one extra [B, H, T] f32 store, reduced outside (k2jax.kernels.flash.finish).
+  dk, dv    program (j, b, h): one kv block against q blocks j.. (causal); recomputes
+            p = exp(s - lse) and accumulates dv += p^T do, dk += (p (do v^T - delta))^T q.
+  dq        program (i, b, h): one q block against its kv blocks; dq += ds k.
+
+MLA's q / k head dim is 192 = 128 + 64: Triton tiles must be powers of two, so q.k is summed
+over power-of-two column slices (`_parts`) instead of zero-padding 192 to 256 (which would
+waste a quarter of the QK^T FLOPs). Block pairs that are fully masked are skipped: the causal
+bound limits each loop, and a per-pair segment test (disjoint segment ranges -> no valid
+pair) skips blocks of other documents under `lax.cond`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from k2jax.kernels import flash
+from k2jax.kernels.pallas_utils import pallas_call
+
+NEG_INF = float("-inf")
+
+
+def _parts(d: int) -> tuple[tuple[int, int], ...]:
+  """(offset, width) power-of-two column slices covering d (a multiple of 16), widest first."""
+  out, off = [], 0
+  for bit in reversed(range(d.bit_length())):
+    w = 1 << bit
+    if d - off >= w and w >= 16:
+      out.append((off, w))
+      off += w
+  assert off == d, d
+  return tuple(out)
+
+
+def _pow2(n: int) -> int:
+  return 1 << (n - 1).bit_length()
+
+
+def _dot(a, b, trans_b=False):
+  """f32-accumulated tile product; exact f32 (no TF32) for f32 operands, so S_max equals the
+  reference's logits."""
+  return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=a.dtype != jnp.float32)
+
+
+def _load_cols(ref, rows, parts):
+  return [ref[rows, pl.ds(off, w)] for off, w in parts]
+
+
+def _scores(qs, ks, scale, seg_q, seg_k, q_pos, k_pos, causal):
+  s = sum(_dot(qp, kp, trans_b=True) for qp, kp in zip(qs, ks)) * scale
+  valid = seg_q[:, None] == seg_k[None, :]
+  if causal:
+    valid = valid & (q_pos[:, None] >= k_pos[None, :])
+  return jnp.where(valid, s, NEG_INF)
+
+
+def _overlap(seg_q, seg_k):
+  """False only if no pair of the two blocks can share a segment (disjoint id ranges)."""
+  return (jnp.max(seg_k) >= jnp.min(seg_q)) & (jnp.min(seg_k) <= jnp.max(seg_q))
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, m_ref, *, scale, causal, bq, bk,
+                parts, nk):
+  i = pl.program_id(0)
+  rows = pl.ds(i * bq, bq)
+  qs = _load_cols(q_ref, slice(None), parts)
+  seg_q = seg_ref[rows]
+  q_pos = i * bq + jnp.arange(bq)
+  dv = o_ref.shape[-1]
+
+  def body(j, carry):
+    def compute(carry):
+      acc, m, l = carry
+      cols = pl.ds(j * bk, bk)
+      s = _scores(qs, _load_cols(k_ref, cols, parts), scale, seg_q, seg_ref[cols], q_pos,
+                  j * bk + jnp.arange(bk), causal)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+      p = jnp.exp(s - safe[:, None])
+      corr = jnp.exp(m - safe)
+      v = v_ref[cols, :]
+      acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
+      return acc, m_new, l * corr + jnp.sum(p, axis=1)
+    return jax.lax.cond(_overlap(seg_q, seg_ref[pl.ds(j * bk, bk)]), compute, lambda c: c, carry)
+
+  hi = jax.lax.div((i + 1) * bq + bk - 1, bk) if causal else nk
+  init = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
+          jnp.zeros((bq,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(0, hi, body, init)
+  l_safe = jnp.where(l == 0, 1.0, l)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log(l_safe)
+  m_ref[...] = m
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dk_ref, dv_ref, *,
+                 scale, causal, bq, bk, parts, nq):
+  j = pl.program_id(0)
+  cols = pl.ds(j * bk, bk)
+  ks = _load_cols(k_ref, cols, parts)
+  v = v_ref[cols, :]
+  seg_k = seg_ref[cols]
+  k_pos = j * bk + jnp.arange(bk)
+
+  def body(i, carry):
+    def compute(carry):
+      dks, dv = carry
+      rows = pl.ds(i * bq, bq)
+      qs = _load_cols(q_ref, rows, parts)
+      s = _scores(qs, ks, scale, seg_ref[rows], seg_k, i * bq + jnp.arange(bq), k_pos, causal)
+      p = jnp.exp(s - lse_ref[rows][:, None])                          # 0 where masked
+      do = do_ref[rows, :]
+      dv = dv + _dot(p.astype(do.dtype).T, do)
+      ds = p * (_dot(do, v, trans_b=True) - delta_ref[rows][:, None])
+      dsT = ds.astype(qs[0].dtype).T
+      return [a + _dot(dsT, qp) for a, qp in zip(dks, qs)], dv
+    return jax.lax.cond(_overlap(seg_ref[pl.ds(i * bq, bq)], seg_k), compute, lambda c: c, carry)
+
+  lo = jax.lax.div(j * bk, bq) if causal else 0
+  init = ([jnp.zeros((bk, w), jnp.float32) for _, w in parts],
+          jnp.zeros((bk, v.shape[-1]), jnp.float32))
+  dks, dv = jax.lax.fori_loop(lo, nq, body, init)
+  for (off, w), a in zip(parts, dks):
+    dk_ref[:, pl.ds(off, w)] = (a * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dq_ref, *, scale,
+               causal, bq, bk, parts, nk):
+  i = pl.program_id(0)
+  rows = pl.ds(i * bq, bq)
+  qs = _load_cols(q_ref, slice(None), parts)
+  seg_q = seg_ref[rows]
+  q_pos = i * bq + jnp.arange(bq)
+  do = do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+
+  def body(j, dqs):
+    def compute(dqs):
+      cols = pl.ds(j * bk, bk)
+      ks = _load_cols(k_ref, cols, parts)
+      s = _scores(qs, ks, scale, seg_q, seg_ref[cols], q_pos, j * bk + jnp.arange(bk), causal)
+      p = jnp.exp(s - lse[:, None])
+      ds = (p * (_dot(do, v_ref[cols, :], trans_b=True) - delta[:, None])).astype(ks[0].dtype)
+      return [a + _dot(ds, kp) for a, kp in zip(dqs, ks)]
+    return jax.lax.cond(_overlap(seg_q, seg_ref[pl.ds(j * bk, bk)]), compute, lambda c: c, dqs)
+
+  hi = jax.lax.div((i + 1) * bq + bk - 1, bk) if causal else nk
+  dqs = jax.lax.fori_loop(0, hi, body, [jnp.zeros((bq, w), jnp.float32) for _, w in parts])
+  for (off, w), a in zip(parts, dqs):
+    dq_ref[:, pl.ds(off, w)] = (a * scale).astype(dq_ref.dtype)
+
+
+def _specs(B, H, Tp, bq, dq_pad, dv_pad):
+  """BlockSpecs over grid (block, b, h): a q-sized block, the whole sequence, rows of [B,H,T]."""
+  block = lambda n, d: pl.BlockSpec((None, n, None, d), lambda i, b, h: (b, i, h, 0))
+  whole = lambda d: pl.BlockSpec((None, Tp, None, d), lambda i, b, h: (b, 0, h, 0))
+  row_block = lambda n: pl.BlockSpec((None, None, n), lambda i, b, h: (b, h, i))
+  row_whole = pl.BlockSpec((None, None, Tp), lambda i, b, h: (b, h, 0))
+  seg = pl.BlockSpec((None, Tp), lambda i, b, h: (b, 0))
+  return block, whole, row_block, row_whole, seg
+
+
+def _params(interpret, num_warps):
+  return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attn(q, k, v, seg, scale, causal, bq, bk, interpret):
+  out, _, m = _forward(q, k, v, seg, scale, causal, bq, bk, interpret)
+  return out, m
+
+
+def _forward(q, k, v, seg, scale, causal, bq, bk, interpret):
+  B, Tp, H, D = q.shape
+  Dv = v.shape[-1]
+  nq, nk = Tp // bq, Tp // bk
+  block, whole, row_block, _, seg_spec = _specs(B, H, Tp, bq, _pow2(D), Dv)
+  kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk,
+                             parts=_parts(D), nk=nk)
+  rows = jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)
+  return pallas_call(
+      kernel, grid=(nq, B, H),
+      in_specs=[block(bq, _pow2(D)), whole(_pow2(D)), whole(Dv), seg_spec],
+      out_specs=[block(bq, Dv), row_block(bq), row_block(bq)],
+      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype), rows, rows],
+      compiler_params=_params(interpret, 8 if D > 128 else 4), interpret=interpret,
+      name="mla_flash_fwd")(q, k, v, seg)
+
+
+def _attn_fwd(q, k, v, seg, scale, causal, bq, bk, interpret):
+  out, lse, m = _forward(q, k, v, seg, scale, causal, bq, bk, interpret)
+  return (out, m), (q, k, v, seg, out, lse)
+
+
+def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
+  q, k, v, seg, out, lse = res
+  do = cts[0]
+  B, Tp, H, D = q.shape
+  Dv = v.shape[-1]
+  nq, nk = Tp // bq, Tp // bk
+  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
+  block, whole, row_block, row_whole, seg_spec = _specs(B, H, Tp, bq, _pow2(D), Dv)
+  parts = _parts(D)
+  dk, dv = pallas_call(
+      functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts,
+                        nq=nq),
+      grid=(nk, B, H),
+      in_specs=[whole(_pow2(D)), block(bk, _pow2(D)), block(bk, Dv), whole(Dv), row_whole,
+                row_whole, seg_spec],
+      out_specs=[block(bk, _pow2(D)), block(bk, Dv)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_params(interpret, 8), interpret=interpret,
+      name="mla_flash_dkdv")(q, k, v, do, lse, delta, seg)
+  dq = pallas_call(
+      functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts, nk=nk),
+      grid=(nq, B, H),
+      in_specs=[block(bq, _pow2(D)), whole(_pow2(D)), whole(Dv), block(bq, Dv), row_block(bq),
+                row_block(bq), seg_spec],
+      out_specs=block(bq, _pow2(D)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=_params(interpret, 8), interpret=interpret,
+      name="mla_flash_dq")(q, k, v, do, lse, delta, seg)
+  return dq, dk, dv, None
+
+
+_attn.defvjp(_attn_fwd, _attn_bwd)
+
+
+def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False, block=None):
+  """k2jax.kernels.attention(impl="pallas_gpu"): see k2jax.kernels.flash for the contract."""
+  B, T, H, D = q.shape
+  Dv = v.shape[-1]
+  bq = bk = block or (64 if T >= 64 else max(16, _pow2(T)))
+  Tp = -(-T // bq) * bq
+  Dp = -(-D // 16) * 16                 # Triton tiles need widths of 16+; zeros leave q.k alone
+  Dvp = _pow2(max(Dv, 16))
+  seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash.PAD_SEGMENT)
+  pad = lambda a, d: jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, d - a.shape[-1])))
+  out, m = _attn(pad(q, Dp), pad(k, Dp), pad(v, Dvp), seg, float(scale), bool(causal), bq, bk,
+                 bool(interpret))
+  out, max_logits = flash.finish(jnp.swapaxes(out, 1, 2), m, seg, T)
+  return out[..., :Dv], max_logits

@@ -1,0 +1,235 @@
+"""Flash attention for MLA shapes as Mosaic (TPU) Pallas kernels, with per-head S_max.
+
+TPU Pallas pipelines HBM <-> VMEM over a grid whose last axis may be a reduction: each kernel
+keeps its running state in VMEM scratch across that axis and writes its outputs on the last
+step. Arrays are head-major [B, H, T, D] so every block's last two dims are (rows, D) (TPU
+tiles are (8, 128)); per-row vectors are [B, H, T, 1].
+
+  forward   grid (b, h, q block, kv block): online softmax over the kv axis; writes out,
+            log-sum-exp and the final running max (S_max per row, reduced outside).
+  dk, dv    grid (b, h, kv block, q block): accumulates dk, dv over the q axis.
+  dq        grid (b, h, q block, kv block): accumulates dq over the kv axis.
+
+Fully masked block pairs are skipped with `pl.when`: above the causal diagonal, and pairs
+whose segment-id ranges are disjoint (different documents of a packed row).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from k2jax.kernels import flash
+from k2jax.kernels.pallas_utils import pallas_call
+
+NEG_INF = float("-inf")
+
+
+def _qkT(a, b):
+  """a @ b^T in f32 (HIGHEST precision for f32 operands, so S_max matches the reference)."""
+  prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
+                             preferred_element_type=jnp.float32)
+
+
+def _mm(a, b, contract_a=1):
+  prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return jax.lax.dot_general(a, b, (((contract_a,), (0,)), ((), ())), precision=prec,
+                             preferred_element_type=jnp.float32)
+
+
+def _run_pair(qi, kj, bq, bk, seg_q, seg_k, causal):
+  """Whether block pair (qi, kj) holds any valid pair."""
+  run = (jnp.max(seg_k) >= jnp.min(seg_q)) & (jnp.min(seg_k) <= jnp.max(seg_q))
+  if causal:
+    run = run & (kj * bk <= qi * bq + bq - 1)
+  return run
+
+
+def _scores(q, k, scale, seg_q, seg_k, qi, kj, bq, bk, causal):
+  s = _qkT(q, k) * scale
+  valid = seg_q == seg_k                                                 # [bq, 1] == [1, bk]
+  if causal:
+    rows = qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    cols = kj * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    valid = valid & (rows >= cols)
+  return jnp.where(valid, s, NEG_INF)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, m_ref, m_sc, l_sc, acc_sc,
+                *, scale, causal, bq, bk):
+  qi, kj = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(kj == 0)
+  def _():
+    m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  seg_q, seg_k = sq_ref[...], sk_ref[...]
+
+  @pl.when(_run_pair(qi, kj, bq, bk, seg_q, seg_k, causal))
+  def _():
+    s = _scores(q_ref[...], k_ref[...], scale, seg_q, seg_k, qi, kj, bq, bk, causal)
+    m = m_sc[...]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    p = jnp.exp(s - safe)
+    corr = jnp.exp(m - safe)
+    v = v_ref[...]
+    l_sc[...] = l_sc[...] * corr + jnp.sum(p, axis=1, keepdims=True)
+    acc_sc[...] = acc_sc[...] * corr + _mm(p.astype(v.dtype), v)
+    m_sc[...] = m_new
+
+  @pl.when(kj == pl.num_programs(3) - 1)
+  def _():
+    l = l_sc[...]
+    l_safe = jnp.where(l == 0, 1.0, l)
+    o_ref[...] = (acc_sc[...] / l_safe).astype(o_ref.dtype)
+    lse_ref[...] = m_sc[...] + jnp.log(l_safe)
+    m_ref[...] = m_sc[...]
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, dk_ref,
+                 dv_ref, dk_sc, dv_sc, *, scale, causal, bq, bk):
+  kj, qi = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(qi == 0)
+  def _():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  seg_q, seg_k = sq_ref[...], sk_ref[...]
+
+  @pl.when(_run_pair(qi, kj, bq, bk, seg_q, seg_k, causal))
+  def _():
+    q, do = q_ref[...], do_ref[...]
+    s = _scores(q, k_ref[...], scale, seg_q, seg_k, qi, kj, bq, bk, causal)
+    p = jnp.exp(s - lse_ref[...])
+    dv_sc[...] += _mm(p.astype(do.dtype), do, contract_a=0)            # p^T do
+    ds = p * (_qkT(do, v_ref[...]) - delta_ref[...])
+    dk_sc[...] += _mm(ds.astype(q.dtype), q, contract_a=0)             # ds^T q
+
+  @pl.when(qi == pl.num_programs(3) - 1)
+  def _():
+    dk_ref[...] = (dk_sc[...] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, dq_ref, dq_sc,
+               *, scale, causal, bq, bk):
+  qi, kj = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(kj == 0)
+  def _():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  seg_q, seg_k = sq_ref[...], sk_ref[...]
+
+  @pl.when(_run_pair(qi, kj, bq, bk, seg_q, seg_k, causal))
+  def _():
+    k = k_ref[...]
+    s = _scores(q_ref[...], k, scale, seg_q, seg_k, qi, kj, bq, bk, causal)
+    p = jnp.exp(s - lse_ref[...])
+    ds = p * (_qkT(do_ref[...], v_ref[...]) - delta_ref[...])
+    dq_sc[...] += _mm(ds.astype(k.dtype), k)
+
+  @pl.when(kj == pl.num_programs(3) - 1)
+  def _():
+    dq_ref[...] = (dq_sc[...] * scale).astype(dq_ref.dtype)
+
+
+def _spec(n, d, q_axis):
+  """Block (n, d) of a [B, H, T, d] array, indexed by grid axis q_axis (2 or 3) along T."""
+  return pl.BlockSpec((None, None, n, d), lambda b, h, x, y: (b, h, (x, y)[q_axis - 2], 0))
+
+
+def _seg_specs(bq, bk, q_axis):
+  pick = lambda x, y, ax: (x, y)[ax - 2]
+  k_axis = 5 - q_axis
+  sq = pl.BlockSpec((None, bq, 1), lambda b, h, x, y: (b, pick(x, y, q_axis), 0))
+  sk = pl.BlockSpec((None, 1, bk), lambda b, h, x, y: (b, 0, pick(x, y, k_axis)))
+  return sq, sk
+
+
+def _params(interpret, semantics):
+  return None if interpret else pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attn(q, k, v, seg, scale, causal, bq, bk, interpret):
+  out, _, m = _forward(q, k, v, seg, scale, causal, bq, bk, interpret)
+  return out, m
+
+
+def _forward(q, k, v, seg, scale, causal, bq, bk, interpret):
+  B, H, Tp, D = q.shape
+  Dv = v.shape[-1]
+  sq, sk = _seg_specs(bq, bk, 2)
+  rows = jax.ShapeDtypeStruct((B, H, Tp, 1), jnp.float32)
+  return pallas_call(
+      functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+      grid=(B, H, Tp // bq, Tp // bk),
+      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3), _spec(bk, Dv, 3), sq, sk],
+      out_specs=[_spec(bq, Dv, 2), _spec(bq, 1, 2), _spec(bq, 1, 2)],
+      out_shape=[jax.ShapeDtypeStruct((B, H, Tp, Dv), v.dtype), rows, rows],
+      scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                      pltpu.VMEM((bq, Dv), jnp.float32)],
+      compiler_params=_params(interpret, ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=interpret, name="mla_flash_fwd_tpu")(q, k, v, seg[:, :, None], seg[:, None, :])
+
+
+def _attn_fwd(q, k, v, seg, scale, causal, bq, bk, interpret):
+  out, lse, m = _forward(q, k, v, seg, scale, causal, bq, bk, interpret)
+  return (out, m), (q, k, v, seg, out, lse)
+
+
+def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
+  q, k, v, seg, out, lse = res
+  do = cts[0]
+  B, H, Tp, D = q.shape
+  Dv = v.shape[-1]
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1, keepdims=True)
+  segs = (seg[:, :, None], seg[:, None, :])
+  sem = ("parallel", "parallel", "parallel", "arbitrary")
+  sq, sk = _seg_specs(bq, bk, 3)                  # grid (b, h, kv block, q block)
+  dk, dv = pallas_call(
+      functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+      grid=(B, H, Tp // bk, Tp // bq),
+      in_specs=[_spec(bq, D, 3), _spec(bk, D, 2), _spec(bk, Dv, 2), _spec(bq, Dv, 3),
+                _spec(bq, 1, 3), _spec(bq, 1, 3), sq, sk],
+      out_specs=[_spec(bk, D, 2), _spec(bk, Dv, 2)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)],
+      compiler_params=_params(interpret, sem), interpret=interpret,
+      name="mla_flash_dkdv_tpu")(q, k, v, do, lse, delta, *segs)
+  sq, sk = _seg_specs(bq, bk, 2)                  # grid (b, h, q block, kv block)
+  dq = pallas_call(
+      functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
+      grid=(B, H, Tp // bq, Tp // bk),
+      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3), _spec(bk, Dv, 3), _spec(bq, Dv, 2),
+                _spec(bq, 1, 2), _spec(bq, 1, 2), sq, sk],
+      out_specs=_spec(bq, D, 2),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32)],
+      compiler_params=_params(interpret, sem), interpret=interpret,
+      name="mla_flash_dq_tpu")(q, k, v, do, lse, delta, *segs)
+  return dq, dk, dv, None
+
+
+_attn.defvjp(_attn_fwd, _attn_bwd)
+
+
+def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False, block=None):
+  """k2jax.kernels.attention(impl="pallas_tpu"): see k2jax.kernels.flash for the contract."""
+  B, T, H, D = q.shape
+  # 128-row blocks fill the MXU; short sequences use one block of T rounded to 8 sublanes.
+  bq = bk = block or (128 if T >= 128 else -(-T // 8) * 8)
+  Tp = -(-T // bq) * bq
+  seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash.PAD_SEGMENT)
+  hm = lambda a: jnp.swapaxes(jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), 1, 2)
+  out, m = _attn(hm(q), hm(k), hm(v), seg, float(scale), bool(causal), bq, bk, bool(interpret))
+  return flash.finish(out, m[..., 0], seg, T)

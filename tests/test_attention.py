@@ -1,0 +1,114 @@
+"""k2jax.kernels.attention: every implementation against float64 numpy (outputs, S_max and
+dq / dk / dv), Pallas kernels in interpret mode with their outputs poisoned (NaN) before the
+call (kernels/pallas_utils.py), on odd sizes: T not a multiple of the block, T = 1, several
+documents and padding per row, 1 and 5 heads, MLA's 192 / 128 head dims, f32 and bf16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k2jax.kernels import attention
+
+IMPLS = ["xla", "chunked", "pallas_gpu", "pallas_tpu"]
+
+
+def reference(q, k, v, do, scale, seg, causal):
+  """float64: out, S_max and the gradients of sum(out * do)."""
+  q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, do))
+  B, T, H, _ = q.shape
+  s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  valid = np.ones((B, 1, T, T), bool)
+  if causal:
+    valid &= np.tril(np.ones((T, T), bool))
+  counted = np.ones((B, 1, T, 1), bool)
+  if seg is not None:
+    valid &= seg[:, None, :, None] == seg[:, None, None, :]
+    counted = (seg > 0)[:, None, :, None]
+  s = np.where(valid, s, -np.inf)
+  smax = np.where(valid & counted, s, -np.inf).max(axis=(0, 2, 3))
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  out = np.einsum("bhqk,bkhd->bqhd", p, v)
+  dp = np.einsum("bqhd,bkhd->bhqk", do, v)
+  ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+  dq = np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+  dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+  dv = np.einsum("bhqk,bqhd->bkhd", p, do)
+  return out, smax, dq, dk, dv
+
+
+def segments(B, T, rng):
+  """Rows of 1-3 documents (ids 1, 2, ...) followed by padding (id 0), like packed rows."""
+  seg = np.zeros((B, T), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T), size=min(3, T - 1), replace=False))
+    ids = np.searchsorted(cuts, np.arange(T), side="right") + 1
+    seg[b] = np.where(np.arange(T) < cuts[-1] if b % 2 else True, ids, 0)
+  return seg
+
+
+CASES = {
+    # name: B, T, H, Dqk, Dv, segments, causal, dtype, block
+    "odd": (2, 37, 5, 48, 32, True, True, jnp.float32, 16),
+    "mla_dims": (1, 20, 1, 192, 128, False, True, jnp.float32, 16),
+    "t1": (2, 1, 1, 32, 16, False, True, jnp.float32, None),
+    "bidirectional": (2, 24, 2, 32, 32, True, False, jnp.float32, 16),
+    "bf16": (2, 33, 5, 48, 32, True, True, jnp.bfloat16, 16),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_attention_matches_float64(impl, case):
+  B, T, H, D, Dv, with_seg, causal, dtype, block = CASES[case]
+  rng = np.random.default_rng(abs(hash((impl, case))) % 2**32)   # fresh inputs per test
+  q, k = (rng.standard_normal((B, T, H, D)) * 1.5 for _ in range(2))
+  v, do = rng.standard_normal((B, T, H, Dv)), rng.standard_normal((B, T, H, Dv))
+  seg = segments(B, T, rng) if with_seg else None
+  scale = D ** -0.5
+  args = [jnp.asarray(a, dtype) for a in (q, k, v)]
+  q, k, v = (np.asarray(a.astype(jnp.float32)) for a in args)     # what the kernel sees
+  want_out, want_max, *want_grads = reference(q, k, v, do, scale, seg, causal)
+
+  def run(q, k, v):
+    return attention(q, k, v, scale=scale, segment_ids=None if seg is None else jnp.asarray(seg),
+                     causal=causal, impl=impl, interpret=True, block=block)
+
+  (out, smax), vjp = jax.vjp(run, *args)
+  grads = vjp((jnp.asarray(do, dtype), jnp.zeros_like(smax)))
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  for name, got, want in [("out", out, want_out), *zip(("dq", "dk", "dv"), grads, want_grads)]:
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all(), name          # poisoned buffers: unwritten rows are NaN
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1.0)   # dq = 0 when T = 1
+    assert err < tol, (name, err)
+  assert smax.dtype == jnp.float32 and smax.shape == (H,)
+  np.testing.assert_allclose(np.asarray(smax), want_max, rtol=1e-5 if dtype == jnp.float32 else 1e-2)
+  if dtype == jnp.float32:  # the same f32 products as the materialized reference: 1e-6
+    _, ref_max = attention(*args, scale=scale, segment_ids=None if seg is None else jnp.asarray(seg),
+                           causal=causal, impl="xla")
+    np.testing.assert_allclose(np.asarray(smax), np.asarray(ref_max), rtol=1e-6)
+
+
+def test_max_logits_carry_no_gradient_and_ignore_padding():
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32) for _ in range(3))
+  seg = jnp.asarray([[1, 1, 1, 1, 1, 0, 0, 0]])
+  for impl in ("chunked", "pallas_gpu"):
+    g = jax.grad(lambda q: attention(q, k, v, scale=1.0, segment_ids=seg, impl=impl,
+                                     interpret=True)[1].sum())(q)
+    assert float(jnp.abs(g).max()) == 0.0
+    # Make a padding row's logits the largest: S_max must not see them.
+    loud = q.at[0, 6].multiply(100.0)
+    _, a = attention(loud, k, v, scale=1.0, segment_ids=seg, impl=impl, interpret=True)
+    _, b = attention(q, k, v, scale=1.0, segment_ids=seg, impl=impl, interpret=True)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_auto_picks_the_chunked_flash_path_on_cpu():
+  from k2jax.kernels import flash
+  assert flash.auto_impl("cpu") == "chunked"
+  assert (flash.auto_impl("gpu"), flash.auto_impl("tpu")) == ("pallas_gpu", "pallas_tpu")
+  with pytest.raises(ValueError, match="attention impl = 'cudnn'"):
+    attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, impl="cudnn")
