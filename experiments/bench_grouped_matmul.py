@@ -1,4 +1,4 @@
-"""Grouped-matmul implementations (k2jax.kernels.grouped_matmul), forward and forward+backward,
+"""Grouped-matmul implementations (k2jax.kernels.gmm), forward and forward+backward,
 at MoE shapes, as ratios to `ragged_dot` measured in the same process.
 
     python experiments/bench_grouped_matmul.py [--out experiments/results/grouped_matmul]
@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from k2jax.kernels.grouped_matmul import IMPLS
+from k2jax.kernels.gmm import IMPLS
 
 SHAPES = [  # (rows M = tokens * top-k, K, N, groups G)
     (4096, 128, 64, 16),      # tiny config, one MoE layer's up-projection

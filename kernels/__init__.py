@@ -2,6 +2,7 @@
 signature and an `impl="auto"` selector; fused Pallas versions slot in behind the same call."""
 
 from k2jax.kernels.flash import attention
-from k2jax.kernels.grouped_matmul import grouped_matmul
+from k2jax.kernels.gmm import grouped_matmul
+from k2jax.kernels.moe import routed_experts
 
-__all__ = ["attention", "grouped_matmul"]
+__all__ = ["attention", "grouped_matmul", "routed_experts"]

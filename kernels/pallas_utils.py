@@ -2,7 +2,6 @@
 output as poison (NaN, or the most negative integer), so a kernel that forgets to write part
 of an output fails its tests instead of returning zeros or stale memory."""
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 

@@ -61,7 +61,7 @@ def model_config():
       # --- ours -------------------------------------------------------------------
       dtype="float32",                # compute dtype: float32 | bfloat16 (softmax, norms, router stay f32)
       param_dtype="float32",
-      moe_impl="ragged",              # ragged (sorted dispatch + grouped matmul) | dense (reference)
+      moe_impl="auto",                # k2jax.kernels.routed_experts: auto | ragged | capacity | pallas_gpu | dense
       ep_transport="auto",            # expert-parallel all-to-all: auto | ragged | bucketed | padded
       remat="none",                   # none | selective (report 2.4.3) | full
       attention_impl="auto",          # k2jax.kernels.attention: auto | xla | chunked | pallas_gpu | pallas_tpu

@@ -22,27 +22,13 @@ are exchanged first, and the transport buffers take the smallest of a few static
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
+from k2jax.kernels.buckets import capacities, choose
+
 TRANSPORTS = ("ragged", "bucketed", "padded")
-# Capacity buckets as multiples of the balanced load A / ep. Each is one compiled branch.
-CAPACITY_FACTORS = (1.25, 1.5, 2.0, 3.0, 4.0)
-
-
-def capacities(total: int, parts: int, multiple: int = 8) -> tuple[int, ...]:
-  """Static buffer sizes for `parts` slices of a `total`-row buffer: the balanced share
-  times CAPACITY_FACTORS (rounded up to `multiple`), then the worst case `total`."""
-  base = total / parts
-  caps = {min(total, -(-math.ceil(base * f) // multiple) * multiple) for f in CAPACITY_FACTORS}
-  return tuple(sorted(caps | {total}))
-
-
-def choose(need, caps):
-  """Index of the smallest capacity >= need (need <= caps[-1] always)."""
-  return jnp.sum(jnp.asarray(caps, jnp.int32) < need).astype(jnp.int32)
 
 
 def auto_transport() -> str:

@@ -8,9 +8,10 @@ normalised to sum to one, times routed_scaling_factor:
 
     y = sum_{i in topk(s + b)} (s_i / sum_j s_j) * rsf * expert_i(x) + shared(x)
 
-Dispatch is dropless: the N*k token-expert assignments are sorted by expert and run as
-grouped matmuls (`k2jax.kernels.grouped_matmul`: `jax.lax.ragged_dot` on accelerators);
-`experts_dense` is the plain reference that runs every expert on every token.
+Dispatch is dropless: `k2jax.kernels.routed_experts` (model.moe_impl: fused Pallas kernels on
+GPU, capacity buckets on CPU, sorted grouped matmuls, or the dense reference that runs every
+expert on every token); with expert parallelism the rows travel to their expert's shard
+first (k2jax.model.expert_parallel).
 """
 
 import functools
@@ -22,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from k2jax.configs import sharding_rules as rules
-from k2jax.kernels import grouped_matmul
+from k2jax.kernels import grouped_matmul, routed_experts
 from k2jax.model import spec
 from k2jax.model.expert_parallel import experts_all_to_all
 from k2jax.model.layers import mlp, mlp_specs, swiglu
@@ -74,31 +75,6 @@ def _expert_mlp(p, rows, group_sizes):
   return checkpoint_name(matmul(h, p["down"]), "moe_down")
 
 
-def experts_dense(p, x, idx, w):
-  """Reference: run every expert on every token, then mix with a dense [N, E] weight."""
-  dt = x.dtype
-  matmul = lambda a, b: jnp.einsum("nd,edf->nef", a, b.astype(dt))
-  h = jax.nn.silu(matmul(x, p["gate"])) * matmul(x, p["up"])           # [N, E, f]
-  y = jnp.einsum("nef,efd->ned", h, p["down"].astype(dt))              # [N, E, d]
-  combine = jnp.zeros(y.shape[:2], jnp.float32).at[
-      jnp.arange(x.shape[0])[:, None], idx].add(w)
-  return jnp.einsum("ne,ned->nd", combine.astype(dt), y)
-
-
-def experts_ragged(p, x, idx, w):
-  """Dropless grouped-matmul dispatch: sort assignments by expert, grouped matmul, unsort."""
-  N, k = idx.shape
-  flat = idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=p["gate"].shape[0]).astype(jnp.int32)
-  ys = _expert_mlp(p, x[order // k], sizes)                            # grouped by expert
-  ys = ys[jnp.argsort(order)].reshape(N, k, -1)                        # back to token order
-  return jnp.einsum("nkd,nk->nd", ys, w.astype(ys.dtype))
-
-
-EXPERT_IMPLS = {"ragged": experts_ragged, "dense": experts_dense}
-
-
 def balance_loss(scores, idx, num_experts, batch, valid=None):
   """DeepSeek-V3's complementary sequence-wise balance loss (without its alpha).
 
@@ -134,7 +110,8 @@ def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
                            sync_axes=tuple(a for a in batch_axes if a != ep_axis),
                            transport=cfg.ep_transport)
   else:
-    y = EXPERT_IMPLS[cfg.moe_impl](p["experts"], x2d, idx, w)
+    e = p["experts"]
+    y = routed_experts(x2d, idx, w, e["gate"], e["up"], e["down"], impl=cfg.moe_impl)
   k = cfg.num_experts_per_tok
   weights = jnp.repeat(valid.reshape(-1), k).astype(jnp.float32)
   load = jnp.zeros((cfg.n_routed_experts,), jnp.float32).at[idx.reshape(-1)].add(weights)

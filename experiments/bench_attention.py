@@ -1,0 +1,253 @@
+"""Attention with S_max: time and memory per implementation (k2jax.kernels.attention).
+
+    python experiments/bench_attention.py            # CPU: impls vs T, and the model's memory vs T
+    python experiments/bench_attention.py --gpu      # GPU: TFLOP/s at MLA dims vs cuDNN and xla
+
+CPU: for each impl, forward and forward+backward time of one attention call at the tiny
+model's dims (4 heads, 48 / 32) and XLA's compiled temporary memory, T = 256 ... 8192 (the
+materialized `xla` impl up to 2048); then the tiny model's whole forward+backward
+temporaries vs T per impl (the number issue 9 asks to grow ~linearly).
+GPU: correctness of pallas_gpu against xla (f32 and bf16, values, S_max, gradients), then
+forward and forward+backward TFLOP/s at MLA dims (192 / 128, bf16, causal, T 4096 and 8192)
+for pallas_gpu, cuDNN (jax.nn.dot_product_attention, no S_max; its v is padded to 192 when
+it insists on equal head dims), xla, and pallas_gpu without the S_max store, with the
+device's measured bf16 matmul rate as the ceiling. Tables print last; CSVs go under
+experiments/results/attention/ (or --out).
+"""
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from k2jax.kernels import flash  # noqa: E402
+
+
+def timeit(fn, *args, reps=5, warmup=1):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def temp_bytes(fn, *args):
+  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def fwd_and_grad(impl, scale, **kw):
+  def fwd(q, k, v):
+    return flash.attention(q, k, v, scale=scale, impl=impl, **kw)[0]
+
+  def loss(q, k, v):
+    return jnp.sum(fwd(q, k, v).astype(jnp.float32))
+
+  return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def inputs(B, T, H, D, Dv, dtype, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (B, T, H, D), dtype), jax.random.normal(ks[1], (B, T, H, D), dtype),
+          jax.random.normal(ks[2], (B, T, H, Dv), dtype))
+
+
+def write(path, rows):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+    w.writeheader()
+    w.writerows(rows)
+
+
+# ------------------------------------------------------------------------------------- CPU
+
+def cpu(args):
+  from k2jax import configs, model
+  import optax
+  H, D, Dv = 4, 48, 32
+  rows = []
+  for T in args.lengths:
+    for impl in ("xla", "chunked"):
+      if impl == "xla" and T > 2048:
+        continue
+      q, k, v = inputs(1, T, H, D, Dv, jnp.float32)
+      f, g = fwd_and_grad(impl, D ** -0.5)
+      reps = 3 if T <= 2048 else 1
+      rows.append(dict(impl=impl, T=T, fwd_ms=1e3 * timeit(f, q, k, v, reps=reps),
+                       fwd_bwd_ms=1e3 * timeit(g, q, k, v, reps=reps),
+                       temp_MB=temp_bytes(lambda q, k, v: g(q, k, v), q, k, v) / 1e6))
+      print(rows[-1], flush=True)
+  model_rows = []
+  for T in args.lengths:
+    for impl in ("xla", "chunked"):
+      if impl == "xla" and T > 2048:
+        continue
+      cfg = configs.get_config("tiny").model
+      cfg.update(dict(max_position_embeddings=max(args.lengths), attention_impl=impl))
+      params = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
+
+      def loss(p, t, cfg=cfg):
+        logits, _ = model.forward(cfg, p, t)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()
+      temp = temp_bytes(jax.grad(loss), params, jax.ShapeDtypeStruct((1, T), jnp.int32))
+      model_rows.append(dict(impl=impl, T=T, model_temp_MB=temp / 1e6, per_token_KB=temp / T / 1e3))
+      print(model_rows[-1], flush=True)
+  out = args.out or os.path.join(HERE, "results", "attention")
+  write(os.path.join(out, "cpu_attention.csv"), rows)
+  write(os.path.join(out, "cpu_model_memory.csv"), model_rows)
+  print(f"\none attention call, 1 x T x {H} heads x {D}/{Dv}, f32, this CPU")
+  print(f"{'impl':<9}{'T':>6}{'fwd ms':>9}{'fwd+bwd ms':>12}{'temp MB':>10}")
+  for r in rows:
+    print(f"{r['impl']:<9}{r['T']:>6}{r['fwd_ms']:>9.1f}{r['fwd_bwd_ms']:>12.1f}{r['temp_MB']:>10.1f}")
+  print("\ntiny model forward + backward temporaries (XLA memory analysis), batch 1")
+  print(f"{'impl':<9}{'T':>6}{'temp MB':>10}{'KB/token':>10}")
+  for r in model_rows:
+    print(f"{r['impl']:<9}{r['T']:>6}{r['model_temp_MB']:>10.1f}{r['per_token_KB']:>10.1f}")
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+def matmul_tflops():
+  a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+  f = jax.jit(lambda a: a @ a)
+  return 2 * 8192 ** 3 / timeit(f, a, reps=10) / 1e12
+
+
+def gpu_check():
+  """pallas_gpu vs xla on the device: values, S_max and gradients, f32 and bf16."""
+  rows = []
+  for dtype, tol in ((jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)):
+    for T, seg in ((1000, False), (777, True)):
+      B, H, D, Dv = 2, 4, 192, 128
+      q, k, v = inputs(B, T, H, D, Dv, dtype, seed=T)
+      segment_ids = None
+      if seg:
+        segment_ids = jnp.asarray(np.repeat([[1, 2, 3, 0]], B, 0).repeat(-(-T // 4), 1)[:, :T])
+      res = {}
+      for impl in ("xla", "pallas_gpu"):
+        out, smax = flash.attention(q, k, v, scale=D ** -0.5, segment_ids=segment_ids, impl=impl)
+        grads = jax.grad(lambda q, k, v: jnp.sum(flash.attention(
+            q, k, v, scale=D ** -0.5, segment_ids=segment_ids, impl=impl)[0].astype(jnp.float32)
+            * jnp.cos(jnp.arange(Dv))), argnums=(0, 1, 2))(q, k, v)
+        res[impl] = [out, *grads, smax]
+      errs = {name: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
+                          / (float(jnp.abs(b.astype(jnp.float32)).max()) + 1e-30))
+              for name, a, b in zip(("out", "dq", "dk", "dv", "smax"), res["pallas_gpu"], res["xla"])}
+      ok = all(np.isfinite(list(errs.values()))) and max(errs.values()) < tol
+      rows.append(dict(dtype=jnp.dtype(dtype).name, T=T, segments=seg, ok=ok, **errs))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def gpu_bench(lengths, heads):
+  peak = matmul_tflops()
+  rows = []
+  D, Dv = 192, 128
+  for T in lengths:
+    B = max(1, 16384 // T)
+    q, k, v = inputs(B, T, heads, D, Dv, jnp.bfloat16)
+    fl = flash.flops(B, T, heads, D, Dv, causal=True)
+    cands = {"pallas_gpu": lambda: fwd_and_grad("pallas_gpu", D ** -0.5)}
+    if T <= 4096:
+      cands["xla"] = lambda: fwd_and_grad("xla", D ** -0.5)
+
+    def cudnn():
+      vv = v
+
+      def fwd(q, k, v):
+        try:
+          return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                              scale=D ** -0.5)
+        except Exception:
+          raise
+      try:
+        jax.jit(fwd).lower(q, k, vv).compile()
+        note = "v 128"
+      except Exception:  # cuDNN wants equal q/k and v head dims here: pad v to 192
+        note = "v padded to 192"
+      pad = note != "v 128"
+
+      def f(q, k, v):
+        if pad:
+          v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, D - Dv)))
+        return fwd(q, k, v)
+
+      def loss(q, k, v):
+        return jnp.sum(f(q, k, v).astype(jnp.float32))
+      return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2))), note
+
+    def no_max():
+      from k2jax.kernels import flash_gpu
+      seg = jnp.ones((B, T), jnp.int32)
+      bq = 64
+      return (jax.jit(lambda q, k, v: flash_gpu._forward(q, k, v, seg, D ** -0.5, True, bq, bq,
+                                                         False, write_max=False)[0]),
+              None)
+    for name, make in [*cands.items(), ("cudnn", cudnn), ("pallas_gpu_no_smax", no_max)]:
+      try:
+        made = make()
+        f, g = made[0], made[1]
+        note = made[2] if len(made) > 2 else ""
+        tf = timeit(f, q, k, v, reps=10)
+        tb = timeit(g, q, k, v, reps=5) if g is not None else float("nan")
+        rows.append(dict(impl=name, T=T, B=B, heads=heads, fwd_ms=1e3 * tf, fwd_bwd_ms=1e3 * tb,
+                         fwd_TFLOPs=fl / tf / 1e12, fwd_bwd_TFLOPs=3.5 * fl / tb / 1e12,
+                         matmul_peak_TFLOPs=peak, note=note))
+      except Exception as e:  # report and go on: one impl failing must not hide the others
+        rows.append(dict(impl=name, T=T, B=B, heads=heads, note=f"FAILED {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]}"))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def gpu(args):
+  out = args.out or os.path.join(HERE, "results", "attention")
+  check = gpu_check()
+  write(os.path.join(out, "gpu_check.csv"), check)
+  rows = gpu_bench(args.gpu_lengths, args.heads)
+  write(os.path.join(out, "gpu_attention.csv"), rows)
+  print(f"\ncorrectness on {jax.devices()[0].device_kind}: pallas_gpu vs xla (max rel error)")
+  for r in check:
+    print(f"  {r['dtype']:<9} T={r['T']:<5} segments={r['segments']!s:<6} ok={r['ok']!s:<6} "
+          + " ".join(f"{k}={r[k]:.1e}" for k in ("out", "dq", "dk", "dv", "smax")))
+  print(f"\nMLA attention 192/128, bf16, causal, {args.heads} heads, 16K tokens per call; "
+        f"bf16 matmul ceiling {rows[0].get('matmul_peak_TFLOPs', float('nan')):.0f} TFLOP/s")
+  print(f"{'impl':<20}{'T':>6}{'fwd ms':>9}{'fwd TF/s':>10}{'f+b ms':>9}{'f+b TF/s':>10}  note")
+  for r in rows:
+    print(f"{r['impl']:<20}{r['T']:>6}{r.get('fwd_ms', float('nan')):>9.2f}"
+          f"{r.get('fwd_TFLOPs', float('nan')):>10.1f}{r.get('fwd_bwd_ms', float('nan')):>9.2f}"
+          f"{r.get('fwd_bwd_TFLOPs', float('nan')):>10.1f}  {r.get('note', '')}")
+  for T in args.gpu_lengths:
+    by = {r["impl"]: r for r in rows if r["T"] == T and "fwd_ms" in r}
+    if "pallas_gpu" in by and "cudnn" in by:
+      print(f"T={T}: pallas_gpu / cuDNN speed: fwd {by['cudnn']['fwd_ms'] / by['pallas_gpu']['fwd_ms']:.2f}x,"
+            f" fwd+bwd {by['cudnn']['fwd_bwd_ms'] / by['pallas_gpu']['fwd_bwd_ms']:.2f}x")
+    if "pallas_gpu" in by and "pallas_gpu_no_smax" in by:
+      print(f"T={T}: S_max output costs "
+            f"{by['pallas_gpu']['fwd_ms'] / by['pallas_gpu_no_smax']['fwd_ms'] - 1:+.1%} of the forward")
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--gpu", action="store_true")
+  p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
+  p.add_argument("--gpu-lengths", type=int, nargs="+", default=[4096, 8192])
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--out", default=None)
+  args = p.parse_args()
+  gpu(args) if args.gpu else cpu(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,297 @@
+"""MoE dispatch speed: routed experts and grouped matmuls per implementation, vs the machine.
+
+    python experiments/bench_moe.py [--quick]      # CPU: layer, 8 -> 256 experts, train step vs PyTorch
+    python experiments/bench_moe.py --gpu          # GPU: K2 expert shapes, TFLOP/s per impl
+
+CPU (the bench config of issue 8: hidden 256, experts of width 256, 16 experts top-2, 1024
+tokens per MoE layer, float32):
+  * ceilings measured in the same run: a 1024^3 matmul, a plain matmul with the layer's
+    FLOPs (the rate its grouped matmuls could reach), and a memory copy;
+  * one MoE layer's routed experts (k2jax.kernels.routed_experts) forward and forward +
+    backward per impl, with GFLOP/s and the fraction of the plain-matmul rate;
+  * the same with 8, 16, 64, 256 experts at equal tokens (FLOPs equal; weight bytes grow);
+  * one full train step (AdamW) against transformers' DeepseekV3 in eager PyTorch on the
+    same weights (2 threads), when torch is installed.
+GPU: d 7168, f 2048, 384 experts, top-8, bf16: grouped-matmul TFLOP/s per impl (after a
+correctness check against a float32 reference) against one dense matmul of the same FLOPs,
+and the fused routed-experts layer (pallas_gpu vs ragged_dot) forward and forward+backward.
+Tables print last; CSVs go to experiments/results/moe/ (or --out).
+"""
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from k2jax.kernels import gmm as gm, moe  # noqa: E402
+
+BENCH = dict(vocab_size=512, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
+             num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=8, q_lora_rank=128,
+             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+             n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1,
+             routed_scaling_factor=2.827)
+
+
+def timeit(fn, *args, reps=10, warmup=2):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def write(path, rows):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+    w.writeheader()
+    w.writerows(rows)
+
+
+def layer_inputs(N, d, f, E, k, dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  w = lambda key, s: (jax.random.normal(key, s, jnp.float32) * s[-2] ** -0.5).astype(dtype)
+  gate, up, down = w(ks[0], (E, d, f)), w(ks[1], (E, d, f)), w(ks[2], (E, f, d))
+  x = jax.random.normal(ks[3], (N, d), dtype)
+  scores = jax.nn.sigmoid(jax.random.normal(ks[4], (N, E)))
+  combine, ids = jax.lax.top_k(scores, k)
+  return x, ids, combine, gate, up, down
+
+
+def layer_fns(impl):
+  fwd = jax.jit(lambda x, i, c, g, u, d: moe.routed_experts(x, i, c, g, u, d, impl=impl))
+  loss = lambda x, i, c, g, u, d: jnp.sum(moe.routed_experts(x, i, c, g, u, d, impl=impl)
+                                          .astype(jnp.float32) ** 2)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4, 5)))
+  return fwd, grad
+
+
+# ------------------------------------------------------------------------------------- CPU
+
+def ceilings():
+  a = jax.random.normal(jax.random.key(0), (1024, 1024))
+  mm = 2 * 1024 ** 3 / timeit(jax.jit(lambda a: a @ a), a) / 1e9
+  big = jnp.ones((64 * 2 ** 20,), jnp.float32)
+  bw = 2 * big.nbytes / timeit(jax.jit(lambda b: b + 1.0), big) / 1e9
+  return mm, bw
+
+
+def cpu(args):
+  out = args.out or os.path.join(HERE, "results", "moe")
+  reps = 3 if args.quick else 10
+  mm_rate, bw = ceilings()
+  N, d, f, E, k = 1024, 256, 256, 16, 2
+  flops = 2 * N * k * 3 * d * f                                      # gate, up, down
+  xa = jax.random.normal(jax.random.key(1), (N * k, d))
+  wa = jax.random.normal(jax.random.key(2), (d, f))
+  plain = flops / (3 * timeit(jax.jit(lambda a, b: a @ b), xa, wa, reps=reps)) / 1e9
+  layer = []
+  args_ = layer_inputs(N, d, f, E, k)
+  for impl in ("dense", "ragged", "capacity"):
+    fwd, grad = layer_fns(impl)
+    tf, tb = timeit(fwd, *args_, reps=reps), timeit(grad, *args_, reps=reps)
+    fl = flops * (E / k if impl == "dense" else 1)
+    layer.append(dict(impl=impl, fwd_ms=1e3 * tf, fwd_bwd_ms=1e3 * tb,
+                      fwd_GFLOPs=flops / tf / 1e9, fwd_bwd_GFLOPs=3 * flops / tb / 1e9,
+                      frac_of_plain=3 * flops / tb / 1e9 / plain, executed_GFLOP=fl / 1e9))
+    print(layer[-1], flush=True)
+  sweep = []
+  for E_ in (8, 16, 64, 256):
+    a = layer_inputs(N, d, f, E_, k, seed=E_)
+    for impl in ("ragged", "capacity"):
+      _, grad = layer_fns(impl)
+      sweep.append(dict(experts=E_, impl=impl, fwd_bwd_ms=1e3 * timeit(grad, *a, reps=reps)))
+      print(sweep[-1], flush=True)
+  for r in sweep:
+    r["vs_8"] = r["fwd_bwd_ms"] / next(s["fwd_bwd_ms"] for s in sweep
+                                       if s["experts"] == 8 and s["impl"] == r["impl"])
+  step = [] if args.quick else train_step_vs_torch()
+  write(os.path.join(out, "cpu_layer.csv"), layer)
+  write(os.path.join(out, "cpu_experts_sweep.csv"), sweep)
+  if step:
+    write(os.path.join(out, "cpu_train_step.csv"), step)
+  print(f"\nceilings: 1024^3 f32 matmul {mm_rate:.0f} GFLOP/s; plain matmul of the layer's shape "
+        f"{plain:.0f} GFLOP/s; memory copy {bw:.1f} GB/s")
+  print(f"one MoE layer's routed experts: {N} tokens, d {d}, f {f}, {E} experts top-{k}, f32")
+  print(f"{'impl':<10}{'fwd ms':>9}{'fwd+bwd ms':>12}{'GFLOP/s':>9}{'of plain':>10}")
+  for r in layer:
+    print(f"{r['impl']:<10}{r['fwd_ms']:>9.1f}{r['fwd_bwd_ms']:>12.1f}{r['fwd_bwd_GFLOPs']:>9.1f}"
+          f"{r['frac_of_plain']:>10.0%}")
+  print("experts at equal tokens (forward + backward, relative to 8 experts)")
+  for r in sweep:
+    print(f"  {r['impl']:<10}{r['experts']:>5} experts {r['fwd_bwd_ms']:>8.1f} ms  {r['vs_8']:.2f}x")
+  for r in step:
+    print(f"train step ({r['what']}): k2jax {r['k2jax_ms']:.0f} ms, PyTorch {r['torch_ms']:.0f} ms "
+          f"-> k2jax is {r['torch_ms'] / r['k2jax_ms']:.2f}x as fast")
+
+
+def train_step_vs_torch(steps=6):
+  """One AdamW train step of the bench config, k2jax vs transformers on the same weights."""
+  try:
+    import torch
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    import hf_reference as ref
+  except Exception as e:  # torch is optional here
+    print(f"train step vs PyTorch skipped: {e}")
+    return []
+  import functools
+  import tempfile
+  from k2jax import configs, optim
+  from k2jax.interop import hf
+  from k2jax.step import TrainState, train_step
+  torch.set_num_threads(2)
+  arch = {k: v for k, v in BENCH.items()}
+  arch.update(n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-6,
+              initializer_range=0.02, aux_loss_alpha=0.0, max_position_embeddings=512)
+  cj = ref.hf_config_dict(arch, None, 10000.0)
+  tmodel = ref.make_model(cj, seed=0)
+  B, T = 4, 256
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, arch["vocab_size"], (B, T + 1))
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    ref.write_dir(tmp, cj, ref.published_tensors(tmodel))
+    mcfg, params = hf.load_checkpoint(tmp)
+  config = configs.get_config("tiny")
+  config.model = mcfg
+  config.optimizer.update(dict(name="adamw", learning_rate=1e-4, warmup_steps=0, decay_steps=0,
+                               weight_decay=0.0))
+  config.train.update(dict(batch_size=B, seq_len=T))
+  tx, schedule = optim.optimizer(config), optim.learning_rate_schedule(config)
+  state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), jnp.zeros((), jnp.int32),
+                     jnp.zeros((), jnp.int32))
+  batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
+           "loss_mask": np.ones((B, T), np.float32),
+           "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+           "segment_ids": np.ones((B, T), np.int32)}
+  step = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0)
+  state, _ = step(state, batch)
+  jax.block_until_ready(state)
+  ts = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    ts.append(time.perf_counter() - t0)
+  k2 = 1e3 * float(np.median(ts))
+  tmodel.train()
+  for n, p in tmodel.named_parameters():
+    p.requires_grad_("e_score_correction_bias" not in n)
+  opt = torch.optim.AdamW([p for p in tmodel.parameters() if p.requires_grad], lr=1e-4,
+                          weight_decay=0.0)
+  tmodel.config._attn_implementation = "sdpa"
+  inp = torch.as_tensor(tokens[:, :-1]); tgt = torch.as_tensor(tokens[:, 1:])
+  ts = []
+  for i in range(steps + 1):
+    t0 = time.perf_counter()
+    logits = tmodel(input_ids=inp, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if i:
+      ts.append(time.perf_counter() - t0)
+  th = 1e3 * float(np.median(ts))
+  rows.append(dict(what=f"bench config, batch {B} x {T}, AdamW, f32", k2jax_ms=k2, torch_ms=th))
+  print(rows[-1], flush=True)
+  return rows
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+def gpu(args):
+  out = args.out or os.path.join(HERE, "results", "moe")
+  d, f, E, k = 7168, 2048, 384, 8
+  N = args.tokens
+  M = N * k
+  dt = jnp.bfloat16
+  ks = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(ks[0], (M, d), dt)
+  w = (jax.random.normal(ks[1], (E, d, f), jnp.float32) * d ** -0.5).astype(dt)
+  # Routing-like group sizes: Poisson-ish around M / E, a few empty experts.
+  sizes = np.random.default_rng(0).multinomial(M, np.random.default_rng(1).dirichlet(np.ones(E) * 4))
+  gs = jnp.asarray(sizes, jnp.int32)
+  flops = 2 * M * d * f
+  a, b = jax.random.normal(ks[2], (M, d), dt), jax.random.normal(ks[3], (d, f), dt)
+  dense_t = timeit(jax.jit(lambda a, b: a @ b), a, b, reps=20)
+  rows = [dict(impl="dense matmul (same FLOPs)", fwd_ms=1e3 * dense_t, fwd_TFLOPs=flops / dense_t / 1e12,
+               ok=True)]
+  # correctness on a slice, against float32 math
+  xs, gss = x[:8192], jnp.asarray(np.random.default_rng(2).multinomial(8192, np.ones(E) / E), jnp.int32)
+  want = gm.grouped_matmul(xs.astype(jnp.float32), w.astype(jnp.float32), gss, impl="ragged_dot")
+  for impl in ("pallas_gpu", "ragged_dot", "tokamax"):
+    row = dict(impl=impl)
+    try:
+      got = gm.grouped_matmul(xs, w, gss, impl=impl).astype(jnp.float32)
+      err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+      row.update(rel_err=err, ok=bool(err < 2e-2))
+      fwd = jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs, impl=impl))
+      t = timeit(fwd, x, w, reps=10)
+      row.update(fwd_ms=1e3 * t, fwd_TFLOPs=flops / t / 1e12, vs_dense=dense_t / t)
+      g = jax.jit(jax.grad(lambda x, w: jnp.sum(gm.grouped_matmul(x, w, gs, impl=impl)
+                                                .astype(jnp.float32)), argnums=(0, 1)))
+      tb = timeit(g, x, w, reps=5)
+      row.update(fwd_bwd_ms=1e3 * tb, fwd_bwd_TFLOPs=3 * flops / tb / 1e12)
+    except Exception as e:
+      row.update(note=f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    rows.append(row)
+    print(row, flush=True)
+  del w
+  # the fused layer, scaled to fit: all 384 experts would need 3 x 11 GB of weights + grads
+  E2 = args.layer_experts
+  layer = []
+  li = layer_inputs(N, d, f, E2, k, dtype=dt)
+  lflops = 2 * N * k * 3 * d * f
+  for impl in ("pallas_gpu", "ragged"):
+    row = dict(impl=impl, experts=E2, tokens=N)
+    try:
+      fwd, grad = layer_fns(impl)
+      tf, tb = timeit(fwd, *li, reps=5), timeit(grad, *li, reps=3)
+      row.update(fwd_ms=1e3 * tf, fwd_bwd_ms=1e3 * tb, fwd_TFLOPs=lflops / tf / 1e12,
+                 fwd_bwd_TFLOPs=3 * lflops / tb / 1e12)
+    except Exception as e:
+      row.update(note=f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    layer.append(row)
+    print(row, flush=True)
+  write(os.path.join(out, "gpu_grouped_matmul.csv"), rows)
+  write(os.path.join(out, "gpu_layer.csv"), layer)
+  print(f"\n{jax.devices()[0].device_kind}: grouped matmul {M} rows x {d} -> {f}, {E} experts "
+        f"(top-{k} of {N} tokens), bf16")
+  print(f"{'impl':<28}{'ok':>5}{'fwd ms':>9}{'TFLOP/s':>9}{'vs dense':>10}{'f+b ms':>9}{'TFLOP/s':>9}")
+  for r in rows:
+    print(f"{r['impl']:<28}{str(r.get('ok', '')):>5}{r.get('fwd_ms', float('nan')):>9.2f}"
+          f"{r.get('fwd_TFLOPs', float('nan')):>9.0f}{r.get('vs_dense', float('nan')):>10.0%}"
+          f"{r.get('fwd_bwd_ms', float('nan')):>9.2f}{r.get('fwd_bwd_TFLOPs', float('nan')):>9.0f}"
+          f"  {r.get('note', '')}")
+  print(f"routed experts layer ({E2} experts, {N} tokens top-{k}, gate + up + down)")
+  for r in layer:
+    print(f"  {r['impl']:<12} fwd {r.get('fwd_ms', float('nan')):8.2f} ms "
+          f"({r.get('fwd_TFLOPs', float('nan')):.0f} TFLOP/s)  fwd+bwd "
+          f"{r.get('fwd_bwd_ms', float('nan')):8.2f} ms ({r.get('fwd_bwd_TFLOPs', float('nan')):.0f})"
+          f"  {r.get('note', '')}")
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--gpu", action="store_true")
+  p.add_argument("--quick", action="store_true", help="CPU: fewer repeats, no train step")
+  p.add_argument("--tokens", type=int, default=8192, help="GPU: tokens (x top-8 rows)")
+  p.add_argument("--layer-experts", type=int, default=96, help="GPU: experts in the layer test")
+  p.add_argument("--out", default=None)
+  args = p.parse_args()
+  gpu(args) if args.gpu else cpu(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,177 @@
+"""Grouped matmul for MoE experts: rows of x sorted by group, one weight matrix per group.
+
+    y[r] = x[r] @ w[g(r)]     for rows r of group g; rows past sum(group_sizes) give 0
+
+Fused variants (k2jax.kernels.moe_gpu) read rows through an index, or write them scaled to
+token-order slots, inside the kernel:
+
+    gather_grouped_matmul(x, w, group_sizes, row_ids)            y[r] = x[row_ids[r]] @ w[g(r)]
+    grouped_matmul_combine(h, w, group_sizes, slot_ids, weights) y[slot_ids[r]] = weights[r] h[r] @ w[g(r)]
+
+Implementations (same signature, same result):
+  ragged_dot  `jax.lax.ragged_dot`: XLA's native grouped GEMM on GPU / TPU. XLA:CPU has no
+              kernel for it and runs every group over every row (G times the work).
+  blocked     pad each group to a multiple of `block` rows, gather each block's weight
+              matrix and run one batched matmul: dropless, at most G * (block - 1) padded
+              rows; the CPU choice for sorted rows (k2jax.kernels.routed_experts uses the
+              faster capacity layout instead).
+  pallas_gpu  Triton kernels with the gather / combine fused (kernels/moe_gpu.py).
+  megablox    the TPU grouped matmul shipped with jax (pallas.ops.tpu.megablox).
+  tokamax     tokamax's ragged_dot, when the optional `tokamax` package is installed.
+`auto` picks per backend; experiments/bench_moe.py measures the candidates (its results table
+says which won where).
+"""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+AUTO = {"cpu": "blocked", "gpu": "pallas_gpu", "tpu": "megablox"}
+
+
+def _count_at_or_below(boundaries, n: int):
+  """c[i] = #{b in boundaries : b <= i} for i < n (boundaries sorted, int).
+
+  A scatter-add and a cumsum; jnp.searchsorted would do, but it fails under shard_map's
+  manual axes in jax 0.10 (and this is O(n + len(boundaries)))."""
+  marks = jnp.zeros((n + 1,), jnp.int32).at[jnp.minimum(boundaries, n)].add(1)
+  return jnp.cumsum(marks)[:n]
+
+
+def grouped_matmul_blocked(x, w, group_sizes, block: int = 64, interpret: bool = False):
+  del interpret
+  M, K = x.shape
+  G = w.shape[0]
+  group_sizes = group_sizes.astype(jnp.int32)
+  padded = (group_sizes + block - 1) // block * block
+  padded_end = jnp.cumsum(padded)
+  end = jnp.cumsum(group_sizes)
+  rows = -(-(M + G * (block - 1)) // block) * block      # static bound on padded rows
+  r = jnp.arange(M)
+  g = _count_at_or_below(end, M)                         # group of each row (G = past the end)
+  valid = g < G
+  g = jnp.minimum(g, G - 1)
+  dest = jnp.where(valid, padded_end[g] - padded[g] + r - (end[g] - group_sizes[g]), rows)
+  xp = jnp.zeros((rows, K), x.dtype).at[dest].set(x, mode="drop")
+  n_blocks = rows // block
+  block_start = _count_at_or_below(padded_end, rows)[::block]
+  block_group = jnp.minimum(block_start, G - 1)
+  yp = jnp.einsum("nbk,nkf->nbf", xp.reshape(n_blocks, block, K), w[block_group])
+  y = yp.reshape(rows, -1)[jnp.minimum(dest, rows - 1)]
+  return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
+
+
+def grouped_matmul_ragged_dot(x, w, group_sizes, interpret: bool = False):
+  del interpret
+  return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+
+
+def grouped_matmul_pallas_gpu(x, w, group_sizes, interpret: bool = False):
+  from k2jax.kernels import moe_gpu
+  return moe_gpu.grouped_matmul(x, w, group_sizes, interpret=interpret)
+
+
+def _megablox():
+  # The package re-exports a function named like its `gmm` module; ask for the module.
+  return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _megablox_tiling(M, K, N):
+  tm = 128 if M >= 128 else 8
+  return tm, (tm, min(K, 128), min(N, 128))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_matmul_megablox(x, w, group_sizes, interpret: bool = False):
+  megablox = _megablox()
+  M, K = x.shape
+  tm, tiling = _megablox_tiling(M, K, w.shape[2])
+  Mp = -(-M // tm) * tm                      # megablox wants whole row tiles
+  y = megablox.gmm(jnp.pad(x, ((0, Mp - M), (0, 0))), w, group_sizes.astype(jnp.int32),
+                   preferred_element_type=x.dtype, tiling=tiling, interpret=interpret)[:M]
+  valid = jnp.arange(M) < jnp.sum(group_sizes)
+  return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _megablox_fwd(x, w, group_sizes, interpret):
+  return grouped_matmul_megablox(x, w, group_sizes, interpret), (x, w, group_sizes)
+
+
+def _megablox_bwd(interpret, res, dy):
+  """dx by gmm against w^T, dw by megablox's tgmm; empty groups' dw set to 0 explicitly."""
+  megablox = _megablox()
+  x, w, gs = res
+  M, K = x.shape
+  tm, tiling = _megablox_tiling(M, K, w.shape[2])
+  Mp = -(-M // tm) * tm
+  valid = (jnp.arange(M) < jnp.sum(gs))[:, None]
+  dyp = jnp.pad(jnp.where(valid, dy, 0).astype(x.dtype), ((0, Mp - M), (0, 0)))
+  xp = jnp.pad(x, ((0, Mp - M), (0, 0)))
+  gs = gs.astype(jnp.int32)
+  dx = megablox.gmm(dyp, w, gs, preferred_element_type=x.dtype, transpose_rhs=True,
+                    tiling=_megablox_tiling(M, w.shape[2], K)[1], interpret=interpret)[:M]
+  dw = megablox.tgmm(xp.T, dyp, gs, preferred_element_type=w.dtype, tiling=tiling,
+                     num_actual_groups=w.shape[0], interpret=interpret)
+  return (jnp.where(valid, dx, 0), jnp.where((gs > 0)[:, None, None], dw, 0), None)
+
+
+grouped_matmul_megablox.defvjp(_megablox_fwd, _megablox_bwd)
+
+
+def grouped_matmul_tokamax(x, w, group_sizes, interpret: bool = False):
+  del interpret
+  import tokamax  # optional extra: pip install tokamax
+  return tokamax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+
+
+IMPLS = {"ragged_dot": grouped_matmul_ragged_dot, "blocked": grouped_matmul_blocked,
+         "pallas_gpu": grouped_matmul_pallas_gpu, "megablox": grouped_matmul_megablox,
+         "tokamax": grouped_matmul_tokamax}
+
+
+def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", interpret: bool = False):
+  """x [M, K] (rows sorted by group), w [G, K, N], group_sizes [G] -> [M, N].
+
+  Args:
+    impl: "auto" | one of IMPLS.
+    interpret: run a Pallas implementation in interpret mode (CPU tests).
+  """
+  if impl == "auto":
+    impl = AUTO.get(jax.default_backend(), "ragged_dot")
+  if impl not in IMPLS:
+    raise ValueError(f"grouped_matmul impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")
+  return IMPLS[impl](x, w, group_sizes, interpret=interpret)
+
+
+def gather_grouped_matmul(x, w, group_sizes, row_ids, *, impl: str = "auto",
+                          interpret: bool = False):
+  """y[r] = x[row_ids[r]] @ w[g(r)]: the gate / up projection reading rows through the sort
+  permutation. pallas_gpu fuses the gather into its loads; other impls gather first."""
+  if impl == "auto":
+    impl = AUTO.get(jax.default_backend(), "ragged_dot")
+  if impl == "pallas_gpu":
+    from k2jax.kernels import moe_gpu
+    return moe_gpu.gather_grouped_matmul(x, w, group_sizes, row_ids, interpret)
+  from k2jax.kernels.moe import take_rows
+  return grouped_matmul(take_rows(x, row_ids, x.shape[0]), w, group_sizes, impl=impl,
+                        interpret=interpret)
+
+
+def grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, *, impl: str = "auto",
+                           interpret: bool = False):
+  """y[slot_ids[r]] = weights[r] * (h[r] @ w[g(r)]): the down projection written back in
+  token order scaled by the combine weights (slot_ids a permutation of the rows).
+  pallas_gpu fuses the scatter and the scaling into its stores; other impls compose."""
+  if impl == "auto":
+    impl = AUTO.get(jax.default_backend(), "ragged_dot")
+  if impl == "pallas_gpu":
+    from k2jax.kernels import moe_gpu
+    return moe_gpu.grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret)
+  from k2jax.kernels.moe import take_rows
+  y = grouped_matmul(h, w, group_sizes, impl=impl, interpret=interpret)
+  y = y * weights.astype(y.dtype)[:, None]
+  inverse = jnp.zeros_like(slot_ids).at[slot_ids].set(jnp.arange(slot_ids.shape[0],
+                                                                 dtype=slot_ids.dtype))
+  return take_rows(y, inverse, y.shape[0])

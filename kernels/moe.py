@@ -1,0 +1,151 @@
+"""Dropless routed experts: the whole dispatch -> SwiGLU experts -> combine of an MoE layer.
+
+    y = routed_experts(x, expert_ids, combine, gate, up, down, impl="auto")
+    y[n] = sum_j combine[n, j] * down_e(silu(x[n] @ gate_e) * (x[n] @ up_e)),  e = expert_ids[n, j]
+
+x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implementations:
+
+  ragged    sort the N k assignments by expert, three grouped matmuls over the sorted rows
+            (k2jax.kernels.gmm, its own `auto` per backend), unsort, combine.
+  capacity  (CPU) each expert's first C rows in an [E, C, d] buffer and three batched
+            matmuls with no weight gathers, C = CAPACITY_FACTOR x the balanced load N k / E;
+            rows past an expert's capacity (rare once the router bias balances) go through
+            the ragged path under a lax.cond, so nothing is ever dropped. The overflow is a
+            cond rather than a switch over capacities because XLA:CPU runs the body of a
+            conditional without intra-op threads (measured: the same branch 1.8x slower
+            inside a cond on 2 cores, equal on 1); the blocked grouped matmul it replaces
+            pays for padding, per-block weight gathers and the scatter-add transposes of its
+            row gathers, which `take_rows` replaces with segment sums.
+  pallas_gpu  the ragged path on Triton kernels that read x through the sort permutation and
+            write the down projection back in token order scaled by the combine weights
+            (kernels/moe_gpu.py), so x[order] and the unsort are never materialized.
+  dense     every expert on every token: the reference.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from k2jax.kernels.gmm import grouped_matmul
+
+IMPLS = ("ragged", "capacity", "pallas_gpu", "dense")
+# Rows per expert kept in the capacity buffer, as a multiple of the balanced load.
+CAPACITY_FACTOR = 1.5
+
+
+def auto_impl(backend: str | None = None) -> str:
+  backend = backend or jax.default_backend()
+  return {"cpu": "capacity", "gpu": "pallas_gpu"}.get(backend, "ragged")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def take_rows(x, idx, n: int):
+  """y[p] = x[idx[p]], 0 where idx[p] < 0. Its transpose is a segment sum, which XLA:CPU runs
+  ~30x faster than the scatter-add a gather's default transpose lowers to."""
+  return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.zeros((), x.dtype))
+
+
+def _take_rows_fwd(x, idx, n):
+  return take_rows(x, idx, n), idx
+
+
+def _take_rows_bwd(n, idx, dy):
+  dy = jnp.where((idx >= 0)[:, None], dy, jnp.zeros((), dy.dtype))
+  return jax.ops.segment_sum(dy, jnp.maximum(idx, 0), n), None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _swiglu(g, u):
+  # The same checkpoint names as k2jax.model.layers.swiglu, so remat / FP8 storage policies
+  # see these activations too (kernels sit below the model and cannot import it).
+  h = jax.nn.silu(checkpoint_name(g, "swiglu_input")) * checkpoint_name(u, "swiglu_input")
+  return checkpoint_name(h, "swiglu")
+
+
+def sort_assignments(expert_ids, num_experts: int):
+  """-> (order [A] assignment ids sorted by expert, group_sizes [E], rank [A] of each
+  assignment within its expert), A = N k, assignments in token-major order."""
+  flat = expert_ids.reshape(-1)
+  A = flat.shape[0]
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  start = jnp.cumsum(sizes) - sizes
+  rank = jnp.zeros((A,), jnp.int32).at[order].set(
+      jnp.arange(A, dtype=jnp.int32) - start[flat[order]])
+  return order, sizes, rank
+
+
+def _ragged(x, expert_ids, combine, gate, up, down, gmm_impl="auto", interpret=False):
+  N, k = expert_ids.shape
+  order, sizes, _ = sort_assignments(expert_ids, gate.shape[0])
+  dt = x.dtype
+  mm = lambda a, w: grouped_matmul(a, w.astype(dt), sizes, impl=gmm_impl, interpret=interpret)
+  rows = checkpoint_name(take_rows(x, order // k, N), "moe_input")     # grouped by expert
+  y = checkpoint_name(mm(_swiglu(mm(rows, gate), mm(rows, up)), down), "moe_down")
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  y = take_rows(y, inverse, y.shape[0]).reshape(N, k, -1)              # back to token order
+  return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
+
+
+def _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank):
+  """The routed output of every assignment with rank < C (the rest contribute 0)."""
+  N, k = expert_ids.shape
+  E, d = gate.shape[0], x.shape[-1]
+  dt = x.dtype
+  flat = expert_ids.reshape(-1)
+  slot = jnp.where(rank < C, flat * C + rank, -1)                       # place in [E * C]
+  src = jnp.full((E * C,), -1, jnp.int32).at[jnp.where(slot < 0, E * C, slot)].set(
+      jnp.arange(N * k, dtype=jnp.int32) // k, mode="drop")
+  xb = checkpoint_name(take_rows(x, src, N).reshape(E, C, d), "moe_input")
+  mm = lambda a, w, eq: jnp.einsum(eq, a, w.astype(dt))
+  h = _swiglu(mm(xb, gate, "ecd,edf->ecf"), mm(xb, up, "ecd,edf->ecf"))
+  yb = checkpoint_name(mm(h, down, "ecf,efd->ecd"), "moe_down").reshape(E * C, d)
+  y = take_rows(yb, slot, E * C).reshape(N, k, d)
+  return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
+
+
+def _capacity(x, expert_ids, combine, gate, up, down, factor=CAPACITY_FACTOR):
+  N, k = expert_ids.shape
+  E = gate.shape[0]
+  _, sizes, rank = sort_assignments(expert_ids, E)
+  C = min(N * k, max(8, -(-int(factor * N * k / E + 0.999) // 8) * 8))
+  y = _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank)
+  over = rank.reshape(expert_ids.shape) >= C
+
+  def overflow(x, expert_ids, combine, gate, up, down):
+    return _ragged(x, expert_ids, jnp.where(over, combine, 0), gate, up, down)
+
+  # Checkpointed so the untaken branch costs no residuals.
+  return y + jax.lax.cond(jnp.any(over), jax.checkpoint(overflow),
+                          lambda x, *_: jnp.zeros_like(x), x, expert_ids, combine, gate, up,
+                          down)
+
+
+def _dense(x, expert_ids, combine, gate, up, down):
+  dt = x.dtype
+  mm = lambda a, w, eq: jnp.einsum(eq, a, w.astype(dt))
+  h = _swiglu(mm(x, gate, "nd,edf->nef"), mm(x, up, "nd,edf->nef"))   # [N, E, f]
+  y = mm(h, down, "nef,efd->ned")                                      # [N, E, d]
+  weights = jnp.zeros(y.shape[:2], jnp.float32).at[
+      jnp.arange(x.shape[0])[:, None], expert_ids].add(combine.astype(jnp.float32))
+  return jnp.einsum("ne,ned->nd", weights.astype(dt), y)
+
+
+def routed_experts(x, expert_ids, combine, gate, up, down, *, impl: str = "auto",
+                   interpret: bool = False):
+  """The routed-expert output [N, d] (see the module docstring for the math and impls)."""
+  impl = auto_impl() if impl == "auto" else impl
+  if impl == "ragged":
+    return _ragged(x, expert_ids, combine, gate, up, down)
+  if impl == "capacity":
+    return _capacity(x, expert_ids, combine, gate, up, down)
+  if impl == "pallas_gpu":
+    from k2jax.kernels import moe_gpu
+    return moe_gpu.routed_experts(x, expert_ids, combine, gate, up, down, interpret=interpret)
+  if impl == "dense":
+    return _dense(x, expert_ids, combine, gate, up, down)
+  raise ValueError(f"routed_experts impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")

@@ -1,0 +1,257 @@
+"""MoE grouped matmuls as Triton-lowered Pallas kernels, with the dispatch fused into them.
+
+Rows sorted by expert are cut into tiles of `bm` rows that never straddle two experts: each
+expert's rows start a new tile (the static tile count bounds M / bm + E tiles), and the
+(cheap, O(M)) tile metadata is built in XLA. Two kernels do all the work:
+
+  gmm    out[dst[p]] = scale[p] * (lhs[src[p]] @ W[g(p)])    grid (tile, n block), K loop
+         src / dst are per-row indices (-1 = no row): the gate / up projection reads its rows
+         from x through the sort permutation (src = token of the row), the down projection
+         writes its rows straight to their token-major slot (dst = assignment id) scaled by
+         the combine weight, and the backward passes reuse the same kernel with W^T.
+  tgmm   dW[g] = sum over g's rows of (scale lhs[src_l])^T rhs[src_r]   grid (g, k, n block)
+
+so x[order], the un-permute and the per-row scaling are never separate passes over memory.
+The custom VJPs of `gather_grouped_matmul` and `grouped_matmul_combine` are built from them:
+
+  h = gather_gmm(x, W):            dx = segment_sum(gmm(dh, W^T)),  dW = tgmm(x[src], dh)
+  y = combine_gmm(h, W, s):        dh' = gmm(dy[dst], W^T),  ds = rowsum(dh' * h),
+                                   dh = s dh',  dW = tgmm(s h, dy[dst])
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from k2jax.kernels.pallas_utils import pallas_call
+
+
+def _tile_size(n: int, want: int) -> int:
+  """The largest power of two <= want dividing n (Triton tiles are powers of two)."""
+  t = want
+  while t > 16 and n % t:
+    t //= 2
+  if n % t:
+    raise ValueError(f"grouped matmul pallas_gpu: dimension {n} must be a multiple of 16")
+  return t
+
+
+class Tiles:
+  """Tile layout of M rows grouped by `group_sizes` into bm-row tiles (see the module doc)."""
+
+  def __init__(self, group_sizes, M: int, bm: int):
+    G = group_sizes.shape[0]
+    gs = group_sizes.astype(jnp.int32)
+    padded = (gs + bm - 1) // bm * bm
+    pend = jnp.cumsum(padded)
+    pstart = pend - padded
+    start = jnp.cumsum(gs) - gs
+    self.num_tiles = -(-(M + G * (bm - 1)) // bm)
+    rows = self.num_tiles * bm
+    marks = jnp.zeros((rows + 1,), jnp.int32).at[jnp.minimum(pend, rows)].add(1)
+    p = jnp.arange(rows, dtype=jnp.int32)
+    g = jnp.minimum(jnp.cumsum(marks)[:rows], G - 1)          # group of each padded row
+    off = p - pstart[g]
+    self.row = jnp.where(off < gs[g], start[g] + off, -1)     # sorted row of each padded row
+    self.group = g[::bm]                                      # group of each tile
+    self.tile_lo, self.tile_hi = pstart // bm, pend // bm     # each group's tiles
+    self.bm = bm
+
+  def at(self, index):
+    """index[sorted row] per padded row (-1 where there is none)."""
+    return jnp.where(self.row >= 0, index[jnp.maximum(self.row, 0)], -1)
+
+
+def _full(shape):
+  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _dot(a, b):
+  return plgpu.dot(a, b, allow_tf32=a.dtype != jnp.float32)
+
+
+def _rows(ref, idx, start, width):
+  """ref[idx[i], start + j] as [len(idx), width] with both indices arrays: the row gather
+  Triton turns into pointer arithmetic (and interpret mode supports)."""
+  return ref.at[jnp.maximum(idx, 0)[:, None], (start + jnp.arange(width))[None, :]]
+
+
+def _gmm_kernel(group_ref, src_ref, dst_ref, scale_ref, lhs_ref, w_ref, out_ref, *, bm, bn, bk,
+                K, transpose_w, out_rows):
+  t, j = pl.program_id(0), pl.program_id(1)
+  g = group_ref[t]
+  rows = pl.ds(t * bm, bm)
+  src, dst = src_ref[rows], dst_ref[rows]
+  cols = pl.ds(j * bn, bn)
+
+  def body(kk, acc):
+    ks = pl.ds(kk * bk, bk)
+    a = plgpu.load(_rows(lhs_ref, src, kk * bk, bk), mask=(src >= 0)[:, None], other=0.0)
+    if transpose_w:
+      b = w_ref[g, cols, ks].T
+    else:
+      b = w_ref[g, ks, cols]
+    return acc + _dot(a.astype(b.dtype), b)
+
+  acc = jax.lax.fori_loop(0, K // bk, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = acc * scale_ref[rows][:, None]
+  plgpu.store(_rows(out_ref, dst, j * bn, bn), acc.astype(out_ref.dtype),
+              mask=(dst < out_rows)[:, None])
+
+
+def gmm(lhs, w, tiles: Tiles, src, dst, out_rows: int, *, scale=None, transpose_w=False,
+        interpret=False, out_dtype=None):
+  """out[dst[p]] = scale[p] * (lhs[src[p]] @ w[g(p)]) for every padded row p (see above)."""
+  G = w.shape[0]
+  K, N = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
+  bm, bn, bk = tiles.bm, _tile_size(N, 128), _tile_size(K, 64)
+  scale = jnp.ones(src.shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
+  # Rows with no destination go to one extra row that is dropped: a masked store suffices on
+  # a GPU, but interpret mode writes masked lanes back, and duplicates would race.
+  dst = jnp.where(dst >= 0, dst, out_rows).astype(jnp.int32)
+  meta = (tiles.group, src.astype(jnp.int32), dst, scale)
+  kernel = functools.partial(_gmm_kernel, bm=bm, bn=bn, bk=bk, K=K, transpose_w=transpose_w,
+                             out_rows=out_rows)
+  out = pallas_call(
+      kernel, grid=(tiles.num_tiles, N // bn),
+      in_specs=[_full(a.shape) for a in (*meta, lhs, w)],
+      out_specs=_full((out_rows + 1, N)),
+      out_shape=jax.ShapeDtypeStruct((out_rows + 1, N), out_dtype or lhs.dtype),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=3),
+      interpret=interpret, name="moe_gmm")(*meta, lhs, w)
+  return out[:out_rows]
+
+
+def _tgmm_kernel(lo_ref, hi_ref, src_l_ref, src_r_ref, scale_ref, lhs_ref, rhs_ref, out_ref, *,
+                 bm, bk, bn):
+  g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+  def body(t, acc):
+    rows = pl.ds(t * bm, bm)
+    sl, sr = src_l_ref[rows], src_r_ref[rows]
+    a = plgpu.load(_rows(lhs_ref, sl, i * bk, bk), mask=(sl >= 0)[:, None], other=0.0)
+    a = (a.astype(jnp.float32) * scale_ref[rows][:, None]).astype(rhs_ref.dtype)
+    b = plgpu.load(_rows(rhs_ref, sr, j * bn, bn), mask=(sr >= 0)[:, None], other=0.0)
+    return acc + _dot(a.T, b)
+
+  acc = jax.lax.fori_loop(lo_ref[g], hi_ref[g], body, jnp.zeros((bk, bn), jnp.float32))
+  out_ref[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)] = acc.astype(out_ref.dtype)
+
+
+def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, scale=None, interpret=False,
+         out_dtype=None):
+  """dW[g] = sum over g's padded rows p of (scale[p] lhs[src_l[p]])^T rhs[src_r[p]]."""
+  K, N = lhs.shape[1], rhs.shape[1]
+  bm, bk, bn = tiles.bm, _tile_size(K, 64), _tile_size(N, 64)
+  scale = jnp.ones(src_l.shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
+  meta = (tiles.tile_lo.astype(jnp.int32), tiles.tile_hi.astype(jnp.int32),
+          src_l.astype(jnp.int32), src_r.astype(jnp.int32), scale)
+  kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn)
+  return pallas_call(
+      kernel, grid=(num_groups, K // bk, N // bn),
+      in_specs=[_full(a.shape) for a in (*meta, lhs, rhs)],
+      out_specs=_full((num_groups, K, N)),
+      out_shape=jax.ShapeDtypeStruct((num_groups, K, N), out_dtype or rhs.dtype),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret, name="moe_tgmm")(*meta, lhs, rhs)
+
+
+BM = 64
+
+
+# ------------------------------------------------------------------ gather_grouped_matmul
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def gather_grouped_matmul(x, w, group_sizes, row_ids, interpret=False):
+  """h[r] = x[row_ids[r]] @ w[g(r)] for rows r sorted by group (rows past the groups: 0)."""
+  return _gather_fwd(x, w, group_sizes, row_ids, interpret)[0]
+
+
+def _gather_fwd(x, w, group_sizes, row_ids, interpret):
+  M = row_ids.shape[0]
+  tiles = Tiles(group_sizes, M, BM)
+  h = gmm(x, w, tiles, tiles.at(row_ids), tiles.row, M, interpret=interpret)
+  total = jnp.sum(group_sizes)
+  h = jnp.where((jnp.arange(M) < total)[:, None], h, jnp.zeros((), h.dtype))
+  return h, (x, w, group_sizes, row_ids)
+
+
+def _gather_bwd(interpret, res, dh):
+  x, w, group_sizes, row_ids = res
+  M = row_ids.shape[0]
+  tiles = Tiles(group_sizes, M, BM)
+  dxs = gmm(dh, w, tiles, tiles.row, tiles.row, M, transpose_w=True, interpret=interpret,
+            out_dtype=jnp.float32)
+  valid = jnp.arange(M) < jnp.sum(group_sizes)
+  dx = jax.ops.segment_sum(jnp.where(valid[:, None], dxs, 0.0),
+                           jnp.where(valid, row_ids, 0), x.shape[0]).astype(x.dtype)
+  dw = tgmm(x, dh, tiles, tiles.at(row_ids), tiles.row, w.shape[0], interpret=interpret,
+            out_dtype=w.dtype)
+  return dx, dw, None, None
+
+
+gather_grouped_matmul.defvjp(_gather_fwd, _gather_bwd)
+
+
+# ----------------------------------------------------------------- grouped_matmul_combine
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret=False):
+  """y[slot_ids[r]] = weights[r] * (h[r] @ w[g(r)]): [M, N] with slot_ids a permutation of
+  the M rows (the down projection written back in token-major assignment order)."""
+  return _combine_fwd(h, w, group_sizes, slot_ids, weights, interpret)[0]
+
+
+def _combine_fwd(h, w, group_sizes, slot_ids, weights, interpret):
+  M = h.shape[0]
+  tiles = Tiles(group_sizes, M, BM)
+  y = gmm(h, w, tiles, tiles.row, tiles.at(slot_ids), M, scale=_at_values(tiles, weights),
+          interpret=interpret)
+  return y, (h, w, group_sizes, slot_ids, weights)
+
+
+def _at_values(tiles: Tiles, values):
+  return jnp.where(tiles.row >= 0, values[jnp.maximum(tiles.row, 0)], 0.0)
+
+
+def _combine_bwd(interpret, res, dy):
+  h, w, group_sizes, slot_ids, weights = res
+  M = h.shape[0]
+  tiles = Tiles(group_sizes, M, BM)
+  dh_unscaled = gmm(dy, w, tiles, tiles.at(slot_ids), tiles.row, M, transpose_w=True,
+                    interpret=interpret, out_dtype=jnp.float32)
+  valid = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
+  dh_unscaled = jnp.where(valid, dh_unscaled, 0.0)
+  dweights = jnp.sum(dh_unscaled * h.astype(jnp.float32), -1).astype(weights.dtype)
+  dh = (dh_unscaled * weights.astype(jnp.float32)[:, None]).astype(h.dtype)
+  dw = tgmm(h, dy, tiles, tiles.row, tiles.at(slot_ids), w.shape[0],
+            scale=_at_values(tiles, weights), interpret=interpret, out_dtype=w.dtype)
+  return dh, dw, None, None, dweights
+
+
+grouped_matmul_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def grouped_matmul(x, w, group_sizes, *, interpret=False):
+  """Plain grouped matmul over rows already sorted by group (rows past the groups: 0)."""
+  return gather_grouped_matmul(x, w, group_sizes, jnp.arange(x.shape[0], dtype=jnp.int32),
+                               interpret)
+
+
+def routed_experts(x, expert_ids, combine, gate, up, down, *, interpret=False):
+  """k2jax.kernels.routed_experts(impl="pallas_gpu"): fused dispatch and combine."""
+  from k2jax.kernels.moe import _swiglu, sort_assignments
+  N, k = expert_ids.shape
+  order, sizes, _ = sort_assignments(expert_ids, gate.shape[0])
+  dt = x.dtype
+  rows = order // k
+  g = gather_grouped_matmul(x, gate.astype(dt), sizes, rows, interpret)
+  u = gather_grouped_matmul(x, up.astype(dt), sizes, rows, interpret)
+  y = grouped_matmul_combine(_swiglu(g, u), down.astype(dt), sizes, order,
+                             combine.reshape(-1)[order].astype(jnp.float32), interpret)
+  return y.reshape(N, k, -1).sum(1)
