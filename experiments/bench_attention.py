@@ -46,7 +46,9 @@ def temp_bytes(fn, *args):
   return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def fwd_and_grad(impl, scale, **kw):
+def fwd_and_grad(impl, scale, tuning=None, **kw):
+  if tuning:
+    kw["tuning"] = tuning
   def fwd(q, k, v):
     return flash.attention(q, k, v, scale=scale, impl=impl, **kw)[0]
 
@@ -136,10 +138,13 @@ def gpu_check():
         segment_ids = jnp.asarray(np.repeat([[1, 2, 3, 0]], B, 0).repeat(-(-T // 4), 1)[:, :T])
       res = {}
       for impl in ("xla", "pallas_gpu"):
-        out, smax = flash.attention(q, k, v, scale=D ** -0.5, segment_ids=segment_ids, impl=impl)
-        grads = jax.grad(lambda q, k, v: jnp.sum(flash.attention(
-            q, k, v, scale=D ** -0.5, segment_ids=segment_ids, impl=impl)[0].astype(jnp.float32)
-            * jnp.cos(jnp.arange(Dv))), argnums=(0, 1, 2))(q, k, v)
+        # The reference in full f32 (XLA's GPU default for f32 matmuls is TF32).
+        with jax.default_matmul_precision("highest" if impl == "xla" else "default"):
+          out, smax = flash.attention(q, k, v, scale=D ** -0.5, segment_ids=segment_ids,
+                                      impl=impl)
+          grads = jax.grad(lambda q, k, v: jnp.sum(flash.attention(
+              q, k, v, scale=D ** -0.5, segment_ids=segment_ids, impl=impl)[0].astype(
+                  jnp.float32) * jnp.cos(jnp.arange(Dv))), argnums=(0, 1, 2))(q, k, v)
         res[impl] = [out, *grads, smax]
       errs = {name: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
                           / (float(jnp.abs(b.astype(jnp.float32)).max()) + 1e-30))
@@ -150,7 +155,37 @@ def gpu_check():
   return rows
 
 
-def gpu_bench(lengths, heads):
+TUNINGS = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2),
+           (128, 32, 4, 3)]
+
+
+def gpu_tune(T=4096, heads=16):
+  """Time pallas_gpu's forward and backward over (block_q, block_k, warps, stages)."""
+  from k2jax.kernels import flash_gpu
+  D, Dv = 192, 128
+  B = max(1, 16384 // T)
+  q, k, v = inputs(B, T, heads, D, Dv, jnp.bfloat16)
+  rows, best = [], {}
+  for part in ("fwd", "bwd"):
+    for t in TUNINGS:
+      tun = {part: t, **({"fwd": best["fwd"]} if part == "bwd" else {})}
+      f = jax.jit(lambda q, k, v: flash_gpu.attention(q, k, v, scale=D ** -0.5, tuning=tun)[0])
+      g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(flash_gpu.attention(
+          q, k, v, scale=D ** -0.5, tuning=tun)[0].astype(jnp.float32)), argnums=(0, 1, 2)))
+      try:
+        ms = 1e3 * timeit(f if part == "fwd" else g, q, k, v, reps=5)
+      except Exception as e:
+        ms = float("inf")
+        print(f"tuning {part} {t} failed: {str(e).splitlines()[0][:120]}")
+      rows.append(dict(part=part, block_q=t[0], block_k=t[1], warps=t[2], stages=t[3], ms=ms))
+      print(rows[-1], flush=True)
+    best[part] = min((r for r in rows if r["part"] == part), key=lambda r: r["ms"])
+    best[part] = (best[part]["block_q"], best[part]["block_k"], best[part]["warps"],
+                  best[part]["stages"])
+  return rows, best
+
+
+def gpu_bench(lengths, heads, tuning=None):
   peak = matmul_tflops()
   rows = []
   D, Dv = 192, 128
@@ -158,7 +193,7 @@ def gpu_bench(lengths, heads):
     B = max(1, 16384 // T)
     q, k, v = inputs(B, T, heads, D, Dv, jnp.bfloat16)
     fl = flash.flops(B, T, heads, D, Dv, causal=True)
-    cands = {"pallas_gpu": lambda: fwd_and_grad("pallas_gpu", D ** -0.5)}
+    cands = {"pallas_gpu": lambda: fwd_and_grad("pallas_gpu", D ** -0.5, tuning=tuning)}
     if T <= 4096:
       cands["xla"] = lambda: fwd_and_grad("xla", D ** -0.5)
 
@@ -190,10 +225,10 @@ def gpu_bench(lengths, heads):
     def no_max():
       from k2jax.kernels import flash_gpu
       seg = jnp.ones((B, T), jnp.int32)
-      bq = 64
-      return (jax.jit(lambda q, k, v: flash_gpu._forward(q, k, v, seg, D ** -0.5, True, bq, bq,
-                                                         False, write_max=False)[0]),
-              None)
+      fwd_t = (tuning or flash_gpu.TUNING)["fwd"]
+      return (jax.jit(lambda q, k, v: flash_gpu._forward(
+          jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, 0))), k, v, seg, D ** -0.5, True, fwd_t, False,
+          write_max=False)[0]), None)
     for name, make in [*cands.items(), ("cudnn", cudnn), ("pallas_gpu_no_smax", no_max)]:
       try:
         made = make()
@@ -215,7 +250,10 @@ def gpu(args):
   out = args.out or os.path.join(HERE, "results", "attention")
   check = gpu_check()
   write(os.path.join(out, "gpu_check.csv"), check)
-  rows = gpu_bench(args.gpu_lengths, args.heads)
+  tune_rows, best = gpu_tune(heads=args.heads)
+  write(os.path.join(out, "gpu_tuning.csv"), tune_rows)
+  print(f"best tuning (block_q, block_k, warps, stages): {best}", flush=True)
+  rows = gpu_bench(args.gpu_lengths, args.heads, tuning=best)
   write(os.path.join(out, "gpu_attention.csv"), rows)
   print(f"\ncorrectness on {jax.devices()[0].device_kind}: pallas_gpu vs xla (max rel error)")
   for r in check:

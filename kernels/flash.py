@@ -33,7 +33,8 @@ PAD_SEGMENT = -1          # internal padding to a block multiple: matches no rea
 
 
 def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
-              impl: str = "auto", interpret: bool = False, block: int | None = None):
+              impl: str = "auto", interpret: bool = False, block: int | None = None,
+              tuning: dict | None = None):
   """-> (out [B, T, H, Dv] in v's dtype, max_logits [H] f32). See the module docstring.
 
   Args:
@@ -44,6 +45,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
     impl: "auto" | "xla" | "chunked" | "pallas_gpu" | "pallas_tpu".
     interpret: run a Pallas implementation in interpret mode (CPU tests).
     block: block size along T (chunked / Pallas); None = the implementation's default.
+    tuning: pallas_gpu's {"fwd" / "bwd": (block_q, block_k, num_warps, num_stages)}.
   """
   if q.shape[:3] != k.shape[:3] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
     raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: need q, k [B, T, H, "
@@ -57,7 +59,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
   if impl == "pallas_gpu":
     from k2jax.kernels import flash_gpu as attention_gpu
     return attention_gpu.attention(q, k, v, scale=scale, segment_ids=segment_ids,
-                                   causal=causal, interpret=interpret, block=block)
+                                   causal=causal, interpret=interpret, block=block, tuning=tuning)
   if impl == "pallas_tpu":
     from k2jax.kernels import flash_tpu as attention_tpu
     return attention_tpu.attention(q, k, v, scale=scale, segment_ids=segment_ids,

@@ -47,10 +47,10 @@ def _pow2(n: int) -> int:
   return 1 << (n - 1).bit_length()
 
 
-def _dot(a, b, trans_b=False):
+def _dot(a, b, trans_a=False, trans_b=False):
   """f32-accumulated tile product; exact f32 (no TF32) for f32 operands, so S_max equals the
-  reference's logits."""
-  return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=a.dtype != jnp.float32)
+  reference's logits. Transposes go to the dot itself (Triton's MMA reads them for free)."""
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=a.dtype != jnp.float32)
 
 
 def _load_cols(ref, rows, parts):
@@ -122,10 +122,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dk_re
       s = _scores(qs, ks, scale, seg_ref[rows], seg_k, i * bq + jnp.arange(bq), k_pos, causal)
       p = jnp.exp(s - lse_ref[rows][:, None])                          # 0 where masked
       do = do_ref[rows, :]
-      dv = dv + _dot(p.astype(do.dtype).T, do)
-      ds = p * (_dot(do, v, trans_b=True) - delta_ref[rows][:, None])
-      dsT = ds.astype(qs[0].dtype).T
-      return [a + _dot(dsT, qp) for a, qp in zip(dks, qs)], dv
+      dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)                # p^T do
+      ds = (p * (_dot(do, v, trans_b=True) - delta_ref[rows][:, None])).astype(qs[0].dtype)
+      return [a + _dot(ds, qp, trans_a=True) for a, qp in zip(dks, qs)], dv   # ds^T q
     return jax.lax.cond(_overlap(seg_ref[pl.ds(i * bq, bq)], seg_k), compute, lambda c: c, carry)
 
   lo = jax.lax.div(j * bk, bq) if causal else 0
@@ -173,19 +172,24 @@ def _specs(B, H, Tp, bq, dq_pad, dv_pad):
   return block, whole, row_block, row_whole, seg
 
 
-def _params(interpret, num_warps):
-  return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+# (block_q, block_k, num_warps, num_stages); experiments/bench_attention.py --gpu tunes them.
+TUNING = {"fwd": (64, 64, 4, 2), "bwd": (64, 64, 8, 2)}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attn(q, k, v, seg, scale, causal, bq, bk, interpret):
-  out, _, m = _forward(q, k, v, seg, scale, causal, bq, bk, interpret)
+def _params(interpret, num_warps, num_stages=2):
+  return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attn(q, k, v, seg, scale, causal, tuning, interpret):
+  out, _, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret)
   return out, m
 
 
-def _forward(q, k, v, seg, scale, causal, bq, bk, interpret, write_max=True):
+def _forward(q, k, v, seg, scale, causal, fwd_tuning, interpret, write_max=True):
   B, Tp, H, D = q.shape
   Dv = v.shape[-1]
+  bq, bk, warps, stages = fwd_tuning
   nq, nk = Tp // bq, Tp // bk
   block, whole, row_block, _, seg_spec = _specs(B, H, Tp, bq, _pow2(D), Dv)
   kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk,
@@ -196,20 +200,21 @@ def _forward(q, k, v, seg, scale, causal, bq, bk, interpret, write_max=True):
       in_specs=[block(bq, _pow2(D)), whole(_pow2(D)), whole(Dv), seg_spec],
       out_specs=[block(bq, Dv), row_block(bq)] + [row_block(bq)] * write_max,
       out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype), rows] + [rows] * write_max,
-      compiler_params=_params(interpret, 8 if D > 128 else 4), interpret=interpret,
+      compiler_params=_params(interpret, warps, stages), interpret=interpret,
       name="mla_flash_fwd")(q, k, v, seg)
 
 
-def _attn_fwd(q, k, v, seg, scale, causal, bq, bk, interpret):
-  out, lse, m = _forward(q, k, v, seg, scale, causal, bq, bk, interpret)
+def _attn_fwd(q, k, v, seg, scale, causal, tuning, interpret):
+  out, lse, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret)
   return (out, m), (q, k, v, seg, out, lse)
 
 
-def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
+def _attn_bwd(scale, causal, tuning, interpret, res, cts):
   q, k, v, seg, out, lse = res
   do = cts[0]
   B, Tp, H, D = q.shape
   Dv = v.shape[-1]
+  bq, bk, warps, stages = tuning[1]
   nq, nk = Tp // bq, Tp // bk
   delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
   block, whole, row_block, row_whole, seg_spec = _specs(B, H, Tp, bq, _pow2(D), Dv)
@@ -222,7 +227,7 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
                 row_whole, seg_spec],
       out_specs=[block(bk, _pow2(D)), block(bk, Dv)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_params(interpret, 8), interpret=interpret,
+      compiler_params=_params(interpret, warps, stages), interpret=interpret,
       name="mla_flash_dkdv")(q, k, v, do, lse, delta, seg)
   dq = pallas_call(
       functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts, nk=nk),
@@ -231,7 +236,7 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
                 row_block(bq), seg_spec],
       out_specs=block(bq, _pow2(D)),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=_params(interpret, 8), interpret=interpret,
+      compiler_params=_params(interpret, warps, stages), interpret=interpret,
       name="mla_flash_dq")(q, k, v, do, lse, delta, seg)
   return dq, dk, dv, None
 
@@ -239,18 +244,26 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
 _attn.defvjp(_attn_fwd, _attn_bwd)
 
 
-def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False, block=None):
-  """k2jax.kernels.attention(impl="pallas_gpu"): see k2jax.kernels.flash for the contract."""
+def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False, block=None,
+              tuning=None):
+  """k2jax.kernels.attention(impl="pallas_gpu"): see k2jax.kernels.flash for the contract.
+
+  block: one size for every q / kv block (tests); tuning: {"fwd", "bwd"} -> (block_q,
+  block_k, num_warps, num_stages), default TUNING. Blocks are clipped to the sequence."""
   B, T, H, D = q.shape
   Dv = v.shape[-1]
-  bq = bk = block or (64 if T >= 64 else max(16, _pow2(T)))
-  Tp = -(-T // bq) * bq
+  cap = max(16, _pow2(T))
+  tuning = dict(TUNING, **(tuning or {}))
+  fix = lambda t: (min(block or t[0], cap), min(block or t[1], cap), t[2], t[3])
+  tuning = (fix(tuning["fwd"]), fix(tuning["bwd"]))
+  step = max(max(t[0], t[1]) for t in tuning)
+  Tp = -(-T // step) * step
   Dp = -(-D // 16) * 16                 # Triton tiles need widths of 16+; zeros leave q.k alone
   Dvp = _pow2(max(Dv, 16))
   seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash.PAD_SEGMENT)
   pad = lambda a, d: jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, d - a.shape[-1])))
-  out, m = _attn(pad(q, Dp), pad(k, Dp), pad(v, Dvp), seg, float(scale), bool(causal), bq, bk,
+  out, m = _attn(pad(q, Dp), pad(k, Dp), pad(v, Dvp), seg, float(scale), bool(causal), tuning,
                  bool(interpret))
   out, max_logits = flash.finish(jnp.swapaxes(out, 1, 2), m, seg, T)
   return out[..., :Dv], max_logits
