@@ -57,12 +57,23 @@ def _load_cols(ref, rows, parts):
   return [ref[rows, pl.ds(off, w)] for off, w in parts]
 
 
-def _scores(qs, ks, scale, seg_q, seg_k, q_pos, k_pos, causal):
-  s = sum(_dot(qp, kp, trans_b=True) for qp, kp in zip(qs, ks)) * scale
-  valid = seg_q[:, None] == seg_k[None, :]
-  if causal:
-    valid = valid & (q_pos[:, None] >= k_pos[None, :])
-  return jnp.where(valid, s, NEG_INF)
+LOG2E = 1.4426950408889634
+
+
+def _scores(qs, ks, scale2, mask):
+  """Logits in base-2 units (scale * log2(e) folded in: exp2 is the cheap exponential), masked
+  to -inf where `mask` is False (mask None: every pair of the block is valid)."""
+  s = sum(_dot(qp, kp, trans_b=True) for qp, kp in zip(qs, ks)) * scale2
+  return s if mask is None else jnp.where(mask, s, NEG_INF)
+
+
+def _mask(seg_q, seg_k, q_pos, k_pos, causal_block, segmented):
+  """The validity mask of a block pair, or None when every pair is valid."""
+  mask = (q_pos[:, None] >= k_pos[None, :]) if causal_block else None
+  if segmented:
+    same = seg_q[:, None] == seg_k[None, :]
+    mask = same if mask is None else mask & same
+  return mask
 
 
 def _overlap(seg_q, seg_k):
@@ -70,8 +81,22 @@ def _overlap(seg_q, seg_k):
   return (jnp.max(seg_k) >= jnp.min(seg_q)) & (jnp.min(seg_k) <= jnp.max(seg_q))
 
 
+def _loops(lo, mid, hi, body, carry, seg_a, seg_b_at, segmented):
+  """fori_loop over [lo, mid) without the causal mask and [mid, hi) with it; under segment
+  ids each block pair whose segment ranges are disjoint is skipped (lax.cond)."""
+  def run(causal_block):
+    def step(t, c):
+      if not segmented:
+        return body(t, c, causal_block)
+      return jax.lax.cond(_overlap(seg_a, seg_b_at(t)), lambda c: body(t, c, causal_block),
+                          lambda c: c, c)
+    return step
+  carry = jax.lax.fori_loop(lo, mid, run(False), carry)
+  return jax.lax.fori_loop(mid, hi, run(True), carry)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *m_ref, scale, causal, bq, bk,
-                parts, nk):
+                parts, nk, segmented):
   i = pl.program_id(0)
   rows = pl.ds(i * bq, bq)
   qs = _load_cols(q_ref, slice(None), parts)
@@ -79,85 +104,92 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *m_ref, scale, cau
   q_pos = i * bq + jnp.arange(bq)
   dv = o_ref.shape[-1]
 
-  def body(j, carry):
-    def compute(carry):
-      acc, m, l = carry
-      cols = pl.ds(j * bk, bk)
-      s = _scores(qs, _load_cols(k_ref, cols, parts), scale, seg_q, seg_ref[cols], q_pos,
-                  j * bk + jnp.arange(bk), causal)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-      p = jnp.exp(s - safe[:, None])
-      corr = jnp.exp(m - safe)
-      v = v_ref[cols, :]
-      acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
-      return acc, m_new, l * corr + jnp.sum(p, axis=1)
-    return jax.lax.cond(_overlap(seg_q, seg_ref[pl.ds(j * bk, bk)]), compute, lambda c: c, carry)
+  def body(j, carry, causal_block):
+    acc, m, l = carry
+    cols = pl.ds(j * bk, bk)
+    s = _scores(qs, _load_cols(k_ref, cols, parts), scale * LOG2E,
+                _mask(seg_q, seg_ref[cols], q_pos, j * bk + jnp.arange(bk), causal_block,
+                      segmented))
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    p = jnp.exp2(s - safe[:, None])
+    corr = jnp.exp2(m - safe)
+    v = v_ref[cols, :]
+    acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
   hi = jax.lax.div((i + 1) * bq + bk - 1, bk) if causal else nk
+  full = jax.lax.div(i * bq, bk) if causal else nk      # blocks entirely below the diagonal
   init = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(0, hi, body, init)
+  acc, m, l = _loops(0, full, hi, body, init, seg_q, lambda j: seg_ref[pl.ds(j * bk, bk)],
+                     segmented)
   l_safe = jnp.where(l == 0, 1.0, l)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = m + jnp.log(l_safe)
+  lse_ref[...] = (m + jnp.log2(l_safe)) / LOG2E          # natural units
   if m_ref:  # S_max: the running max of each row (absent only when benchmarking its cost)
-    m_ref[0][...] = m
+    m_ref[0][...] = m / LOG2E
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dk_ref, dv_ref, *,
-                 scale, causal, bq, bk, parts, nq):
+                 scale, causal, bq, bk, parts, nq, segmented):
   j = pl.program_id(0)
-  cols = pl.ds(j * bk, bk)
-  ks = _load_cols(k_ref, cols, parts)
-  v = v_ref[cols, :]
-  seg_k = seg_ref[cols]
+  ks = _load_cols(k_ref, slice(None), parts)             # this program's kv block
+  v = v_ref[...]
+  seg_k = seg_ref[pl.ds(j * bk, bk)]
   k_pos = j * bk + jnp.arange(bk)
 
-  def body(i, carry):
-    def compute(carry):
-      dks, dv = carry
-      rows = pl.ds(i * bq, bq)
-      qs = _load_cols(q_ref, rows, parts)
-      s = _scores(qs, ks, scale, seg_ref[rows], seg_k, i * bq + jnp.arange(bq), k_pos, causal)
-      p = jnp.exp(s - lse_ref[rows][:, None])                          # 0 where masked
-      do = do_ref[rows, :]
-      dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)                # p^T do
-      ds = (p * (_dot(do, v, trans_b=True) - delta_ref[rows][:, None])).astype(qs[0].dtype)
-      return [a + _dot(ds, qp, trans_a=True) for a, qp in zip(dks, qs)], dv   # ds^T q
-    return jax.lax.cond(_overlap(seg_ref[pl.ds(i * bq, bq)], seg_k), compute, lambda c: c, carry)
+  def body(i, carry, causal_block):
+    dks, dv = carry
+    rows = pl.ds(i * bq, bq)
+    qs = _load_cols(q_ref, rows, parts)
+    s = _scores(qs, ks, scale * LOG2E, _mask(seg_ref[rows], seg_k, i * bq + jnp.arange(bq),
+                                             k_pos, causal_block, segmented))
+    p = jnp.exp2(s - (lse_ref[rows] * LOG2E)[:, None])                 # 0 where masked
+    do = do_ref[rows, :]
+    dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)                # p^T do
+    ds = (p * (_dot(do, v, trans_b=True) - delta_ref[rows][:, None])).astype(qs[0].dtype)
+    return [a + _dot(ds, qp, trans_a=True) for a, qp in zip(dks, qs)], dv   # ds^T q
 
   lo = jax.lax.div(j * bk, bq) if causal else 0
+  full = jax.lax.div((j + 1) * bk - 1 + bq - 1, bq) if causal else 0   # first fully visible
   init = ([jnp.zeros((bk, w), jnp.float32) for _, w in parts],
           jnp.zeros((bk, v.shape[-1]), jnp.float32))
-  dks, dv = jax.lax.fori_loop(lo, nq, body, init)
+  # masked blocks first ([lo, full)), then the fully visible ones ([full, nq))
+  carry = init
+  if causal:
+    carry = _loops(lo, lo, jnp.minimum(full, nq), body, carry, seg_k,
+                   lambda i: seg_ref[pl.ds(i * bq, bq)], segmented)
+  dks, dv = _loops(full if causal else 0, nq, nq, body, carry, seg_k,
+                   lambda i: seg_ref[pl.ds(i * bq, bq)], segmented)
   for (off, w), a in zip(parts, dks):
     dk_ref[:, pl.ds(off, w)] = (a * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dq_ref, *, scale,
-               causal, bq, bk, parts, nk):
+               causal, bq, bk, parts, nk, segmented):
   i = pl.program_id(0)
   rows = pl.ds(i * bq, bq)
   qs = _load_cols(q_ref, slice(None), parts)
   seg_q = seg_ref[rows]
   q_pos = i * bq + jnp.arange(bq)
   do = do_ref[...]
-  lse, delta = lse_ref[...], delta_ref[...]
+  lse2, delta = lse_ref[...] * LOG2E, delta_ref[...]
 
-  def body(j, dqs):
-    def compute(dqs):
-      cols = pl.ds(j * bk, bk)
-      ks = _load_cols(k_ref, cols, parts)
-      s = _scores(qs, ks, scale, seg_q, seg_ref[cols], q_pos, j * bk + jnp.arange(bk), causal)
-      p = jnp.exp(s - lse[:, None])
-      ds = (p * (_dot(do, v_ref[cols, :], trans_b=True) - delta[:, None])).astype(ks[0].dtype)
-      return [a + _dot(ds, kp) for a, kp in zip(dqs, ks)]
-    return jax.lax.cond(_overlap(seg_q, seg_ref[pl.ds(j * bk, bk)]), compute, lambda c: c, dqs)
+  def body(j, dqs, causal_block):
+    cols = pl.ds(j * bk, bk)
+    ks = _load_cols(k_ref, cols, parts)
+    s = _scores(qs, ks, scale * LOG2E, _mask(seg_q, seg_ref[cols], q_pos,
+                                             j * bk + jnp.arange(bk), causal_block, segmented))
+    p = jnp.exp2(s - lse2[:, None])
+    ds = (p * (_dot(do, v_ref[cols, :], trans_b=True) - delta[:, None])).astype(ks[0].dtype)
+    return [a + _dot(ds, kp) for a, kp in zip(dqs, ks)]
 
   hi = jax.lax.div((i + 1) * bq + bk - 1, bk) if causal else nk
-  dqs = jax.lax.fori_loop(0, hi, body, [jnp.zeros((bq, w), jnp.float32) for _, w in parts])
+  full = jax.lax.div(i * bq, bk) if causal else nk
+  dqs = _loops(0, full, hi, body, [jnp.zeros((bq, w), jnp.float32) for _, w in parts], seg_q,
+               lambda j: seg_ref[pl.ds(j * bk, bk)], segmented)
   for (off, w), a in zip(parts, dqs):
     dq_ref[:, pl.ds(off, w)] = (a * scale).astype(dq_ref.dtype)
 
@@ -173,27 +205,28 @@ def _specs(B, H, Tp, bq, dq_pad, dv_pad):
 
 
 # (block_q, block_k, num_warps, num_stages); experiments/bench_attention.py --gpu tunes them.
-TUNING = {"fwd": (64, 64, 4, 2), "bwd": (64, 64, 8, 2)}
+# Measured on an H100 (experiments/results/attention/gpu_tuning.csv, MLA 192 / 128, bf16).
+TUNING = {"fwd": (64, 128, 4, 2), "bwd": (128, 64, 8, 2)}
 
 
 def _params(interpret, num_warps, num_stages=2):
   return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attn(q, k, v, seg, scale, causal, tuning, interpret):
-  out, _, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attn(q, k, v, seg, scale, causal, tuning, interpret, segmented):
+  out, _, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret, segmented)
   return out, m
 
 
-def _forward(q, k, v, seg, scale, causal, fwd_tuning, interpret, write_max=True):
+def _forward(q, k, v, seg, scale, causal, fwd_tuning, interpret, segmented=True, write_max=True):
   B, Tp, H, D = q.shape
   Dv = v.shape[-1]
   bq, bk, warps, stages = fwd_tuning
   nq, nk = Tp // bq, Tp // bk
   block, whole, row_block, _, seg_spec = _specs(B, H, Tp, bq, _pow2(D), Dv)
   kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk,
-                             parts=_parts(D), nk=nk)
+                             parts=_parts(D), nk=nk, segmented=segmented)
   rows = jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)
   return pallas_call(
       kernel, grid=(nq, B, H),
@@ -204,12 +237,12 @@ def _forward(q, k, v, seg, scale, causal, fwd_tuning, interpret, write_max=True)
       name="mla_flash_fwd")(q, k, v, seg)
 
 
-def _attn_fwd(q, k, v, seg, scale, causal, tuning, interpret):
-  out, lse, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret)
+def _attn_fwd(q, k, v, seg, scale, causal, tuning, interpret, segmented):
+  out, lse, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret, segmented)
   return (out, m), (q, k, v, seg, out, lse)
 
 
-def _attn_bwd(scale, causal, tuning, interpret, res, cts):
+def _attn_bwd(scale, causal, tuning, interpret, segmented, res, cts):
   q, k, v, seg, out, lse = res
   do = cts[0]
   B, Tp, H, D = q.shape
@@ -221,7 +254,7 @@ def _attn_bwd(scale, causal, tuning, interpret, res, cts):
   parts = _parts(D)
   dk, dv = pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts,
-                        nq=nq),
+                        nq=nq, segmented=segmented),
       grid=(nk, B, H),
       in_specs=[whole(_pow2(D)), block(bk, _pow2(D)), block(bk, Dv), whole(Dv), row_whole,
                 row_whole, seg_spec],
@@ -230,7 +263,8 @@ def _attn_bwd(scale, causal, tuning, interpret, res, cts):
       compiler_params=_params(interpret, warps, stages), interpret=interpret,
       name="mla_flash_dkdv")(q, k, v, do, lse, delta, seg)
   dq = pallas_call(
-      functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts, nk=nk),
+      functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts, nk=nk,
+                        segmented=segmented),
       grid=(nq, B, H),
       in_specs=[block(bq, _pow2(D)), whole(_pow2(D)), whole(Dv), block(bq, Dv), row_block(bq),
                 row_block(bq), seg_spec],
@@ -263,7 +297,10 @@ def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False,
   seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash.PAD_SEGMENT)
   pad = lambda a, d: jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, d - a.shape[-1])))
+  # Without segment ids a causal mask already hides the padded keys (they come after every
+  # real query), so the kernels skip segment masks entirely.
+  segmented = segment_ids is not None or (not causal and Tp != T)
   out, m = _attn(pad(q, Dp), pad(k, Dp), pad(v, Dvp), seg, float(scale), bool(causal), tuning,
-                 bool(interpret))
+                 bool(interpret), segmented)
   out, max_logits = flash.finish(jnp.swapaxes(out, 1, 2), m, seg, T)
   return out[..., :Dv], max_logits

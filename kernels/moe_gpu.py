@@ -105,9 +105,9 @@ def _gmm_kernel(group_ref, src_ref, dst_ref, scale_ref, lhs_ref, w_ref, out_ref,
 def gmm(lhs, w, tiles: Tiles, src, dst, out_rows: int, *, scale=None, transpose_w=False,
         interpret=False, out_dtype=None):
   """out[dst[p]] = scale[p] * (lhs[src[p]] @ w[g(p)]) for every padded row p (see above)."""
-  G = w.shape[0]
   K, N = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
-  bm, bn, bk = tiles.bm, _tile_size(N, 128), _tile_size(K, 64)
+  _, bn, bk, warps, stages = TUNING["gmm"]
+  bm, bn, bk = tiles.bm, _tile_size(N, bn), _tile_size(K, bk)
   scale = jnp.ones(src.shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
   # Rows with no destination go to one extra row that is dropped: a masked store suffices on
   # a GPU, but interpret mode writes masked lanes back, and duplicates would race.
@@ -120,7 +120,8 @@ def gmm(lhs, w, tiles: Tiles, src, dst, out_rows: int, *, scale=None, transpose_
       in_specs=[_full(a.shape) for a in (*meta, lhs, w)],
       out_specs=_full((out_rows + 1, N)),
       out_shape=jax.ShapeDtypeStruct((out_rows + 1, N), out_dtype or lhs.dtype),
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=3),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps,
+                                                                  num_stages=stages),
       interpret=interpret, name="moe_gmm")(*meta, lhs, w)
   return out[:out_rows]
 
@@ -145,7 +146,8 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, scale=None, i
          out_dtype=None):
   """dW[g] = sum over g's padded rows p of (scale[p] lhs[src_l[p]])^T rhs[src_r[p]]."""
   K, N = lhs.shape[1], rhs.shape[1]
-  bm, bk, bn = tiles.bm, _tile_size(K, 64), _tile_size(N, 64)
+  _, bk, bn, warps, stages = TUNING["tgmm"]
+  bm, bk, bn = tiles.bm, _tile_size(K, bk), _tile_size(N, bn)
   scale = jnp.ones(src_l.shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
   meta = (tiles.tile_lo.astype(jnp.int32), tiles.tile_hi.astype(jnp.int32),
           src_l.astype(jnp.int32), src_r.astype(jnp.int32), scale)
@@ -155,11 +157,20 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, scale=None, i
       in_specs=[_full(a.shape) for a in (*meta, lhs, rhs)],
       out_specs=_full((num_groups, K, N)),
       out_shape=jax.ShapeDtypeStruct((num_groups, K, N), out_dtype or rhs.dtype),
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps,
+                                                                  num_stages=stages),
       interpret=interpret, name="moe_tgmm")(*meta, lhs, rhs)
 
 
-BM = 64
+# (rows per tile bm, then the two other tile dims, num_warps, num_stages) per kernel; the row
+# tile is shared (the tile layout depends on it). experiments/bench_moe.py --gpu sweeps them.
+# gmm measured on an H100 (experiments/results/moe/gpu_gmm_tuning.csv: 128 x 256 x 64, 8 warps,
+# 3 stages ran at 245 TFLOP/s on K2's gate projection vs 180 for 64 x 128 x 64).
+TUNING = {"gmm": (128, 256, 64, 8, 3), "tgmm": (128, 128, 64, 8, 2)}
+
+
+def _bm():
+  return TUNING["gmm"][0]
 
 
 # ------------------------------------------------------------------ gather_grouped_matmul
@@ -173,7 +184,7 @@ def gather_grouped_matmul(x, w, group_sizes, row_ids, interpret=False):
 
 def _gather_fwd(x, w, group_sizes, row_ids, interpret):
   M = row_ids.shape[0]
-  tiles = Tiles(group_sizes, M, BM)
+  tiles = Tiles(group_sizes, M, _bm())
   h = gmm(x, w, tiles, tiles.at(row_ids), tiles.row, M, interpret=interpret)
   total = jnp.sum(group_sizes)
   h = jnp.where((jnp.arange(M) < total)[:, None], h, jnp.zeros((), h.dtype))
@@ -183,7 +194,7 @@ def _gather_fwd(x, w, group_sizes, row_ids, interpret):
 def _gather_bwd(interpret, res, dh):
   x, w, group_sizes, row_ids = res
   M = row_ids.shape[0]
-  tiles = Tiles(group_sizes, M, BM)
+  tiles = Tiles(group_sizes, M, _bm())
   dxs = gmm(dh, w, tiles, tiles.row, tiles.row, M, transpose_w=True, interpret=interpret,
             out_dtype=jnp.float32)
   valid = jnp.arange(M) < jnp.sum(group_sizes)
@@ -209,7 +220,7 @@ def grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret=False
 
 def _combine_fwd(h, w, group_sizes, slot_ids, weights, interpret):
   M = h.shape[0]
-  tiles = Tiles(group_sizes, M, BM)
+  tiles = Tiles(group_sizes, M, _bm())
   y = gmm(h, w, tiles, tiles.row, tiles.at(slot_ids), M, scale=_at_values(tiles, weights),
           interpret=interpret)
   return y, (h, w, group_sizes, slot_ids, weights)
@@ -222,7 +233,7 @@ def _at_values(tiles: Tiles, values):
 def _combine_bwd(interpret, res, dy):
   h, w, group_sizes, slot_ids, weights = res
   M = h.shape[0]
-  tiles = Tiles(group_sizes, M, BM)
+  tiles = Tiles(group_sizes, M, _bm())
   dh_unscaled = gmm(dy, w, tiles, tiles.at(slot_ids), tiles.row, M, transpose_w=True,
                     interpret=interpret, out_dtype=jnp.float32)
   valid = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
