@@ -166,7 +166,7 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, scale=None, i
 # tile is shared (the tile layout depends on it). experiments/bench_moe.py --gpu sweeps them.
 # gmm measured on an H100 (experiments/results/moe/gpu_gmm_tuning.csv: 128 x 256 x 64, 8 warps,
 # 3 stages ran at 245 TFLOP/s on K2's gate projection vs 180 for 64 x 128 x 64).
-TUNING = {"gmm": (128, 256, 64, 8, 3), "tgmm": (128, 128, 64, 8, 2)}
+TUNING = {"gmm": (128, 256, 64, 8, 3), "tgmm": (128, 64, 128, 4, 3)}
 
 
 def _bm():
