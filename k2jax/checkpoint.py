@@ -118,3 +118,50 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def load_run(workdir: str):
+  """-> (config, params) of the newest readable checkpoint of a k2jax.train run, on this
+  process's first device (for sampling and fine-tuning; the optimizer state is discarded).
+
+  Raises ValueError (one line) when the directory holds no run or no checkpoint.
+  """
+  import functools
+  import json
+
+  from k2jax import configs, optim
+  from k2jax.step import init_state
+
+  workdir = os.path.abspath(workdir)
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{workdir} has no config.json: pass the --workdir of a k2jax.train run")
+  with open(path) as f:
+    config = configs.from_dict(json.load(f))
+  configs.validate(config)
+  directory = os.path.join(workdir, "checkpoints")
+  manager = ocp.CheckpointManager(directory, item_handlers={
+      "state": ocp.StandardCheckpointHandler()}) if os.path.isdir(directory) else None
+  steps = sorted(manager.all_steps(), reverse=True) if manager else []
+  if not steps:
+    raise ValueError(f"{workdir} has no checkpoint yet: train longer, or with "
+                     "train.checkpoint_every > 0")
+  tx = optim.optimizer(config)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(0))
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          abstract)
+  errors = []
+  for step in steps:
+    try:
+      r = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    except Exception as e:  # a damaged checkpoint: try the previous one
+      errors.append(f"step {step}: {type(e).__name__}")
+      continue
+    manager.close()
+    state = r.state
+    params = state.params if hasattr(state, "params") else state["params"]
+    log.info("loaded params of %s at step %d", workdir, step)
+    return config, params
+  manager.close()
+  raise ValueError(f"{workdir}: no checkpoint could be read ({'; '.join(errors)})")

@@ -119,3 +119,35 @@ def reference_forward(model, tokens: np.ndarray, monkeypatch):
   with torch.no_grad():
     out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long), use_cache=False)
   return out.logits.float().numpy(), torch.stack(maxima).numpy()
+
+
+def int4_quantize(tensors: dict, group: int = 32):
+  """Routed experts -> compressed-tensors pack-quantized INT4 (symmetric, `group` columns per
+  scale), written from the format's description: code = q + 8 in [0, 15], eight codes per
+  int32 along the input dim, code j in bits 4j..4j+3; scale = amax(group) / 7.
+
+  Returns (tensors with weight_packed / weight_scale / weight_shape for expert weights,
+  dequantized float32 tensors for the reference model)."""
+  q_out, deq = {}, {}
+  for name, w in tensors.items():
+    if ".mlp.experts." not in name or not name.endswith("_proj.weight"):
+      q_out[name], deq[name] = w, w
+      continue
+    w = w.float().numpy()
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group)
+    scale = np.maximum(np.abs(g).max(-1) / 7.0, 1e-8).astype(np.float32)
+    q = np.clip(np.round(g / scale[..., None]), -8, 7).astype(np.int64).reshape(rows, cols)
+    codes = (q + 8).reshape(rows, cols // 8, 8)
+    words = np.zeros((rows, cols // 8), np.int64)
+    for j in range(8):
+      words |= codes[:, :, j] << (4 * j)
+    packed = words.astype(np.uint32).view(np.int32)
+    base = name[:-len("weight")]
+    q_out[base + "weight_packed"] = torch.from_numpy(packed.copy())
+    q_out[base + "weight_scale"] = torch.from_numpy(scale).to(torch.bfloat16)
+    q_out[base + "weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
+    s = q_out[base + "weight_scale"].float().numpy()
+    deq[name] = torch.from_numpy((q.reshape(rows, -1, group) * s[..., None]).reshape(rows, cols)
+                                 .astype(np.float32))
+  return q_out, deq

@@ -63,10 +63,13 @@ def write_bpe(tmp_path):
 def test_tiktoken_tokenizer(tmp_path):
   path = write_bpe(tmp_path)
   tok = tokenizer.get_tokenizer(str(path))
-  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (259, 260, 261, 262)
+  # K2's reserved-special layout after the 259 ranks: BOS +0, EOS +1, PAD +255, 256 in all.
+  assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (259, 260, 259 + 255, 259 + 256)
+  assert tok.special_ids["<|im_end|>"] == 261 and tok.special_ids["<|im_middle|>"] == 259 + 17
   ids = tok.encode("the cat, the end")
   assert ids.dtype == np.int32 and 257 in ids and 258 in ids
   assert tok.decode([259, *ids, 260, 261]) == "the cat, the end"
+  assert tok.decode([*ids[:1], 261], specials=True) == "the<|im_end|>"
   assert [list(x) for x in tok.encode_batch(["the", b"the"])] == [[257], [257]]
 
 

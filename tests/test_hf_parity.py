@@ -98,3 +98,32 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path, monkeypatch):
   want_logits, _ = ref.reference_forward(reloaded.eval(), tokens, monkeypatch)
   logits, _ = model.forward(cfg, params, tokens)
   np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=0, atol=1e-4)
+
+
+def test_int4_experts_match_dequantized_reference(tmp_path, monkeypatch):
+  """K2-Thinking-style checkpoint: routed experts INT4 pack-quantized (group 32), the rest
+  float; loads to the same logits as the reference model on the dequantized weights."""
+  a = arch(hidden_size=64, moe_intermediate_size=32)
+  cj = ref.hf_config_dict(a, YARN_K2, 50000.0)
+  torch_model = ref.make_model(cj, seed=4)
+  quantized, dequantized = ref.int4_quantize(ref.published_tensors(torch_model))
+  ref.write_dir(tmp_path / "int4", {**cj, "quantization_config": {
+      "quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+          "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+          "group_size": 32}}}}}, quantized)
+  ref.write_dir(tmp_path / "deq", cj, dequantized)
+  deq_model = ref.hf_mod.DeepseekV3ForCausalLM.from_pretrained(
+      tmp_path / "deq", attn_implementation="eager", dtype=ref.torch.float32).eval()
+  tokens = _tokens((2, 7), a["vocab_size"], seed=2)
+  want_logits, _ = ref.reference_forward(deq_model, tokens, monkeypatch)
+  cfg, params = hf.load_checkpoint(str(tmp_path / "int4"))
+  logits, _ = model.forward(cfg, params, tokens)
+  np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=0, atol=1e-4)
+  # a scale that does not fit its weight is a named error
+  bad = dict(quantized)
+  name = next(k for k in bad if k.endswith("weight_scale"))
+  bad[name] = bad[name][:, :1].contiguous()
+  ref.write_dir(tmp_path / "bad", {**cj, "quantization_config": {}}, bad)
+  with pytest.raises(hf.CheckpointError, match=r"weight_scale of shape \[\d+, 1\] does not match"):
+    hf.load_checkpoint(str(tmp_path / "bad"))

@@ -21,6 +21,25 @@ def get_config(name: str) -> config_dict.ConfigDict:
   return cfg
 
 
+def from_dict(d: dict) -> config_dict.ConfigDict:
+  """A full config from a saved one (a run's config.json): the base config with every saved
+  value that still names a field applied, so runs saved before a field existed still load."""
+  from k2jax.configs import base
+  cfg = base.get_config()
+
+  def merge(node, values):
+    for k, v in values.items():
+      if k not in node:
+        continue
+      if isinstance(node[k], config_dict.ConfigDict) and isinstance(v, dict):
+        merge(node[k], v)
+      else:
+        node[k] = v
+  with cfg.ignore_type():
+    merge(cfg, d)
+  return cfg
+
+
 def _fail(key, value, rule):
   raise ValueError(f"{key} = {value!r}: {rule}")
 

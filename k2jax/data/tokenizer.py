@@ -30,13 +30,17 @@ def _as_str(text: str | bytes) -> str:
 
 
 class ByteTokenizer:
-  """ids 0..255 are bytes, then EOS 256, BOS 257, PAD 258 and five reserved ids (264 total)."""
+  """ids 0..255 are bytes, then EOS 256, BOS 257, PAD 258 and five reserved ids (264 total).
+
+  It has no chat specials: k2jax.chat writes K2's markers as their text, which a byte-level
+  model learns like any other text."""
 
   eos_id = 256
   bos_id = 257
   pad_id = 258
   vocab_size = 264
   name = "byte"
+  special_ids: dict = {}
 
   def encode(self, text: str | bytes) -> np.ndarray:
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -52,10 +56,23 @@ class ByteTokenizer:
     return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
+# Kimi K2's 256 reserved special ids after the BPE ranks (tokenizer_config.json of the
+# published checkpoint), as offsets from the rank count: [BOS] 163584 = n_ranks + 0, ...
+K2_SPECIALS = {
+    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4,
+    "<|im_system|>": 10, "<|tool_calls_section_begin|>": 11, "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13, "<|tool_call_argument_begin|>": 14, "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17, "[UNK]": 254, "[PAD]": 255,
+}
+RESERVED_SPECIALS = 256
+
+
 class TiktokenTokenizer:
   """A tiktoken BPE ranks file (one `base64token rank` per line, like Kimi K2's tiktoken.model).
 
-  BOS, EOS and PAD are appended after the ranks: ids n_ranks, n_ranks + 1, n_ranks + 2.
+  The 256 ids after the ranks are reserved specials laid out as K2's (K2_SPECIALS): BOS,
+  EOS, the chat markers, PAD; `special_ids` maps their names to ids and `encode` never emits
+  them (k2jax.chat places the markers).
   """
 
   def __init__(self, path: str):
@@ -67,8 +84,11 @@ class TiktokenTokenizer:
     # it drop a stale copy when the file at this path has changed since.
     ranks = load_tiktoken_bpe(path, expected_hash=digest)
     n_ranks = max(ranks.values()) + 1
-    self.bos_id, self.eos_id, self.pad_id = n_ranks, n_ranks + 1, n_ranks + 2
-    self.vocab_size = n_ranks + 3
+    self.special_ids = {name: n_ranks + off for name, off in K2_SPECIALS.items()}
+    self.bos_id, self.eos_id = self.special_ids["[BOS]"], self.special_ids["[EOS]"]
+    self.pad_id = self.special_ids["[PAD]"]
+    self.vocab_size = n_ranks + RESERVED_SPECIALS
+    self.ranks = ranks
     self.name = path
     self._n_ranks = n_ranks
     self._enc = tiktoken.Encoding(
@@ -83,9 +103,23 @@ class TiktokenTokenizer:
     out = self._enc.encode_ordinary_batch([_as_str(d) for d in docs], num_threads=4)
     return [np.asarray(ids, dtype=np.int32) for ids in out]
 
-  def decode(self, ids: Iterable[int]) -> str:
-    ids = np.asarray(ids, dtype=np.int64).ravel()
-    return self._enc.decode([int(i) for i in ids[ids < self._n_ranks]], errors="replace")
+  def decode(self, ids: Iterable[int], specials: bool = False) -> str:
+    """Text of the ordinary ids; with specials=True the chat markers appear as their names."""
+    ids = [int(i) for i in np.asarray(ids, dtype=np.int64).ravel()]
+    if not specials:
+      return self._enc.decode([i for i in ids if i < self._n_ranks], errors="replace")
+    names = {v: k for k, v in self.special_ids.items()}
+    out, run = [], []
+    for i in ids + [-1]:
+      if 0 <= i < self._n_ranks:
+        run.append(i)
+        continue
+      if run:
+        out.append(self._enc.decode(run, errors="replace"))
+        run = []
+      if i in names:
+        out.append(names[i])
+    return "".join(out)
 
 
 def get_tokenizer(name: str) -> ByteTokenizer | TiktokenTokenizer:

@@ -2,7 +2,7 @@
 
 `load_checkpoint(path) -> (model_cfg, params)` reads config.json and the safetensors files
 (one file or an index), tensor by tensor, dequantizing FP8 e4m3 weights that carry a
-128x128-block `weight_scale_inv`. `save_checkpoint(cfg, params, path)` writes a directory
+128x128-block `weight_scale_inv` and INT4 pack-quantized routed experts (k2jax.interop.quant). `save_checkpoint(cfg, params, path)` writes a directory
 that `transformers.DeepseekV3ForCausalLM.from_pretrained` loads (per-expert names).
 
 Layout rules (k2-facts "Checkpoint layout"): PyTorch stores Linear weights [out, in]; ours
@@ -21,7 +21,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from k2jax.configs import base, validate_model
-from k2jax.interop import safetensors_io
+from k2jax.interop import quant, safetensors_io
 from k2jax.model import spec
 from k2jax.model.transformer import param_specs, stacks
 
@@ -209,17 +209,29 @@ def load_checkpoint(path: str, dtype=np.float32):
   if not os.path.isfile(cfg_path):
     raise CheckpointError(f"{path}: no config.json: point at a Hugging Face model directory")
   with open(cfg_path) as f:
-    cfg = config_from_hf(json.load(f))
+    hf_cfg = json.load(f)
+  cfg = config_from_hf(hf_cfg)
+  group_size = quant.int4_group_size(hf_cfg)
   with safetensors_io.Reader(path) as reader:
     specs = param_specs(cfg)
     out = jax.tree.map(lambda s: np.empty(s.shape, dtype), specs, is_leaf=spec.is_spec)
     used = set()
     for hf_name, ppath, index, s in tensor_map(cfg):
-      if hf_name not in reader:
+      if hf_name not in reader and hf_name + "_packed" in reader:   # INT4 (compressed-tensors)
+        parts = [hf_name + x for x in ("_packed", "_scale", "_shape")]
+        try:
+          w = quant.dequantize_int4(hf_name, reader.get(parts[0]), reader.get(parts[1]),
+                                    reader.get(parts[2]) if parts[2] in reader else None,
+                                    group_size)
+        except quant.QuantizationError as e:
+          raise CheckpointError(str(e)) from None
+        used.update(p for p in parts if p in reader)
+      elif hf_name not in reader:
         raise CheckpointError(f"tensor {hf_name} is missing from {path} (expected shape "
                               f"{_hf_shape(hf_name, s, index)})")
-      w = reader.get(hf_name)
-      used.add(hf_name)
+      else:
+        w = reader.get(hf_name)
+        used.add(hf_name)
       if (scale := hf_name + "_scale_inv") in reader:
         w = dequantize_fp8(w, reader.get(scale))
         used.add(scale)

@@ -12,6 +12,9 @@ itself is `k2jax.kernels.attention` (`model.attention_impl`: a flash kernel on G
 the chunked flash algorithm on CPU, or the materialized reference).
 """
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
@@ -58,27 +61,73 @@ def qk_clip_scales(cfg, gamma):
   return {q_proj_name(cfg): q, "kv_b": kv}
 
 
-def mla(cfg, p, x, positions, segment_ids=None):
-  """x [B, T, d] -> (out [B, T, d], max_logits [H])."""
-  dt = x.dtype
-  nope, r, eps = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rms_norm_eps
+class Latents(NamedTuple):
+  """What MLA caches per token: the normalized KV latent and the roped shared key."""
+  latent: jax.Array   # [B, T, kv_lora_rank]
+  k_rope: jax.Array   # [B, T, qk_rope_head_dim]
+
+
+def queries(cfg, p, x, cos, sin):
+  """q [B, T, H, nope + rope] with the rope part rotated."""
+  dt, nope = x.dtype, cfg.qk_nope_head_dim
   if cfg.q_lora_rank:
-    cq = rms_norm(x @ p["q_a"].astype(dt), p["q_a_norm"], eps)
+    cq = rms_norm(x @ p["q_a"].astype(dt), p["q_a_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("btr,rhd->bthd", cq, p["q_b"].astype(dt))
   else:
     q = jnp.einsum("btc,chd->bthd", x, p["q_proj"].astype(dt))
   q = checkpoint_name(q, "mla_up")
-  ckv = x @ p["kv_a"].astype(dt)
-  latent, k_rope = ckv[..., :cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
-  kv = jnp.einsum("btr,rhd->bthd", rms_norm(latent, p["kv_a_norm"], eps), p["kv_b"].astype(dt))
-  kv = checkpoint_name(kv, "mla_up")
-  k_nope, v = kv[..., :nope], kv[..., nope:]
+  return jnp.concatenate([q[..., :nope], rope.apply_rope(q[..., nope:], cos, sin)], axis=-1)
 
+
+def latents(cfg, p, x, cos, sin) -> Latents:
+  """The per-token KV latent (after kv_a_norm) and the roped k_rope shared by all heads."""
+  ckv = x @ p["kv_a"].astype(x.dtype)
+  latent = rms_norm(ckv[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.rms_norm_eps)
+  return Latents(latent, rope.apply_rope(ckv[..., cfg.kv_lora_rank:], cos, sin))
+
+
+def mla(cfg, p, x, positions, segment_ids=None, *, return_latents=False):
+  """x [B, T, d] -> (out [B, T, d], max_logits [H]) (+ the Latents with return_latents)."""
+  dt = x.dtype
+  nope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
   cos, sin = rope.cos_sin(cfg, positions)
-  q = jnp.concatenate([q[..., :nope], rope.apply_rope(q[..., nope:], cos, sin)], axis=-1)
-  k_rope = rope.apply_rope(k_rope, cos, sin)                        # [B, T, r], shared
-  k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:-1] + (r,))],
-                      axis=-1)
+  q = queries(cfg, p, x, cos, sin)
+  lat = latents(cfg, p, x, cos, sin)
+  kv = checkpoint_name(jnp.einsum("btr,rhd->bthd", lat.latent, p["kv_b"].astype(dt)), "mla_up")
+  k_nope, v = kv[..., :nope], kv[..., nope:]
+  k = jnp.concatenate([k_nope, jnp.broadcast_to(lat.k_rope[:, :, None, :],
+                                                k_nope.shape[:-1] + (r,))], axis=-1)
   out, max_logits = attention(q, k, v, scale=rope.softmax_scale(cfg), segment_ids=segment_ids,
                               impl=cfg.attention_impl)
-  return jnp.einsum("bthv,hvd->btd", out, p["o"].astype(dt)), max_logits
+  out = jnp.einsum("bthv,hvd->btd", out, p["o"].astype(dt))
+  return (out, max_logits, lat) if return_latents else (out, max_logits)
+
+
+def mla_absorbed(cfg, p, x, positions, cache: Latents, valid):
+  """MLA over a latent cache in DeepSeek-V2's absorbed form (decoding).
+
+  For new tokens x [B, t, d] at `positions` and a cache of S entries (this step's latents
+  already written into it), with W_uk / W_uv the k_nope / v columns of kv_b:
+
+      q_lat  = q_nope W_uk^T                   [B, t, H, kv_lora]   (k_nope absorbed)
+      logits = s (q_lat . latent + q_rope . k_rope)                 over the cache
+      out    = (softmax(logits) . latent) W_uv                      (v absorbed)
+
+  so keys and values are never expanded to H heads: the cache holds kv_lora + rope values per
+  token (576 for K2, against H (192 + 128) = 20480). valid [B, t, S] masks the cache.
+  """
+  dt = x.dtype
+  nope = cfg.qk_nope_head_dim
+  cos, sin = rope.cos_sin(cfg, positions)
+  q = queries(cfg, p, x, cos, sin)
+  w_uk, w_uv = p["kv_b"][..., :nope].astype(dt), p["kv_b"][..., nope:].astype(dt)
+  q_lat = jnp.einsum("bthn,rhn->bthr", q[..., :nope], w_uk)
+  logits = (jnp.einsum("bthr,bsr->bhts", q_lat, cache.latent.astype(dt),
+                       preferred_element_type=jnp.float32)
+            + jnp.einsum("bthe,bse->bhts", q[..., nope:], cache.k_rope.astype(dt),
+                         preferred_element_type=jnp.float32)) * rope.softmax_scale(cfg)
+  logits = jnp.where(valid[:, None], logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(dt), cache.latent.astype(dt))
+  out = jnp.einsum("bthr,rhv->bthv", out_lat, w_uv)
+  return jnp.einsum("bthv,hvd->btd", out, p["o"].astype(dt))

@@ -80,52 +80,61 @@ def init(cfg, rng):
                           jnp.dtype(cfg.param_dtype))
 
 
-def _block(cfg, ffn, x, p, positions, segment_ids):
-  """One pre-norm layer -> (x, (max_logits [H], MoEStats or None for a dense layer))."""
-  eps = cfg.rms_norm_eps
-  h, max_logits = mla(cfg, p["attn"], rms_norm(x, p["attn_norm"], eps), positions, segment_ids)
-  x = x + h
-  h = rms_norm(x, p["mlp_norm"], eps)
+def feed_forward(cfg, ffn, p, h, valid=None):
+  """The layer's MLP half on normed h: (y, MoEStats or None for a dense layer)."""
   if ffn == "mlp":
-    return x + mlp(p["mlp"], h), (max_logits, None)
+    return mlp(p["mlp"], h), None
+  return moe(cfg, p["moe"], h, valid)
+
+
+def _block(cfg, ffn, x, p, positions, segment_ids, return_latents=False):
+  """One pre-norm layer -> (x, (max_logits [H], MoEStats or None[, Latents]))."""
+  eps = cfg.rms_norm_eps
+  attn = mla(cfg, p["attn"], rms_norm(x, p["attn_norm"], eps), positions, segment_ids,
+             return_latents=return_latents)
+  x = x + attn[0]
   valid = None if segment_ids is None else segment_ids > 0   # segment 0 = padding
-  y, moe_stats = moe(cfg, p["moe"], h, valid)
-  return x + y, (max_logits, moe_stats)
+  y, moe_stats = feed_forward(cfg, ffn, p, rms_norm(x, p["mlp_norm"], eps), valid)
+  return x + y, (attn[1], moe_stats) + tuple(attn[2:])
 
 
-def _run_stack(cfg, ffn, stacked, x, positions, segment_ids):
+def _run_stack(cfg, ffn, stacked, x, positions, segment_ids, return_latents=False):
   def body(x, p):
-    return _block(cfg, ffn, x, p, positions, segment_ids)
+    return _block(cfg, ffn, x, p, positions, segment_ids, return_latents)
   policy = remat_policy(cfg.remat)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
   return jax.lax.scan(body, x, stacked)
 
 
-def forward(cfg, params, tokens, *, positions=None, segment_ids=None):
+def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_latents=False):
   """tokens [B, T] int -> (logits [B, T, vocab] float32, ForwardStats).
 
   positions [B, T] (default 0..T-1) and segment_ids [B, T] are optional. segment_ids mark
   packed documents (attention stays within a document) and padding (id 0: such tokens count
   for nothing in max_logits, expert_load and the balance loss); None = one document per row.
+  return_latents=True also returns {stack name: Latents [layers, B, T, ...]}, the MLA cache
+  entries of every token (prefill; k2jax.model.decode).
   """
   dt = jnp.dtype(cfg.dtype)
   B, T = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
-  max_logits, moe_stats = [], None
+  max_logits, moe_stats, cache = [], None, {}
   for st in stacks(cfg):
-    x, (layer_max, layer_moe) = _run_stack(cfg, st.ffn, params[st.name], x, positions,
-                                           segment_ids)
+    x, (layer_max, layer_moe, *lat) = _run_stack(cfg, st.ffn, params[st.name], x, positions,
+                                                 segment_ids, return_latents)
     max_logits.append(layer_max)
     moe_stats = layer_moe if layer_moe is not None else moe_stats
+    if lat:
+      cache[st.name] = lat[0]
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt),
                       preferred_element_type=jnp.float32)
   if moe_stats is None:  # an all-dense model
     moe_stats = MoEStats(jnp.zeros((0, cfg.n_routed_experts), jnp.float32),
                          jnp.zeros((0,), jnp.float32))
-  return logits, ForwardStats(max_logits=jnp.concatenate(max_logits, axis=0),
-                              expert_load=moe_stats.expert_load,
-                              aux_loss=moe_stats.aux_loss.sum())
+  stats = ForwardStats(max_logits=jnp.concatenate(max_logits, axis=0),
+                       expert_load=moe_stats.expert_load, aux_loss=moe_stats.aux_loss.sum())
+  return (logits, stats, cache) if return_latents else (logits, stats)

@@ -1,0 +1,321 @@
+"""K2's chat format and tool calls (report appendix B; the published chat template).
+
+Every turn is `<|im_{user|assistant|system}|>{name}<|im_middle|>{body}<|im_end|>`:
+
+  * tools, when given, come first: `<|im_system|>tool_declare<|im_middle|>{tools}<|im_end|>`
+    with the OpenAI-style tool list as compact JSON;
+  * a default system turn ("You are Kimi, an AI assistant created by Moonshot AI.") is added
+    when the dialog does not start with one;
+  * user / assistant / system turns use their role as the name (or the message's `name`);
+  * an assistant turn's tool calls follow its text: `<|tool_calls_section_begin|>` then per
+    call `<|tool_call_begin|>functions.{name}:{idx}<|tool_call_argument_begin|>{json}
+    <|tool_call_end|>`, then `<|tool_calls_section_end|>` (idx counts calls from 0 over the
+    dialog unless the call carries its own id);
+  * a tool result is `<|im_system|>{name or tool}<|im_middle|>## Return of {call id}\\n{content}`;
+  * the generation prompt is `<|im_assistant|>assistant<|im_middle|>`.
+
+`render` gives the text, `encode` the token ids (markers become K2's special ids with K2's
+tiktoken file, or stay text with the byte tokenizer), `encode_with_mask` also marks the
+tokens an assistant produced (for SFT), `parse_tool_calls` reads calls back out of generated
+text, and `ToolCallConstraint` masks logits so sampled tool calls follow each tool's JSON
+schema (llguidance).
+"""
+
+import json
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+MARKERS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+           "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+           "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+_MARKER_RE = re.compile("|".join(re.escape(m) for m in MARKERS))
+GENERATION_PROMPT = "<|im_assistant|>assistant<|im_middle|>"
+
+
+class ChatFormatError(ValueError):
+  """A message list the format cannot render (names the message and the problem)."""
+
+
+class ToolCallParseError(ValueError):
+  """Generated text whose tool-call section is malformed (names the call and the problem)."""
+
+
+def _turn(marker: str, name: str, body: str) -> str:
+  return f"<|im_{marker}|>{name}<|im_middle|>{body}<|im_end|>"
+
+
+def _arguments(args) -> str:
+  return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def _call_fields(call: dict) -> tuple[str | None, str, object]:
+  fn = call.get("function", call)
+  if "name" not in fn:
+    raise ChatFormatError(f"tool call {call!r} has no function name")
+  return call.get("id"), fn["name"], fn.get("arguments", {})
+
+
+def render_chunks(messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                  add_generation_prompt: bool = True) -> list[tuple[str, str, bool]]:
+  """The rendered dialog as (header, body, produced by the assistant) pieces: the text is the
+  concatenation of header + body; SFT trains on assistant bodies only."""
+  chunks: list[tuple[str, str, bool]] = []
+  if tools:
+    chunks.append(("<|im_system|>tool_declare<|im_middle|>",
+                   json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False) +
+                   "<|im_end|>", False))
+  if not messages or messages[0].get("role") != "system":
+    chunks.append(("", _turn("system", "system", DEFAULT_SYSTEM), False))
+  call_index = 0
+  for i, m in enumerate(messages):
+    role = m.get("role")
+    content = m.get("content") or ""
+    if not isinstance(content, str):
+      raise ChatFormatError(f"message {i}: content must be a string, got {type(content).__name__}")
+    if role in ("user", "system"):
+      chunks.append(("", _turn(role, m.get("name") or role, content), False))
+    elif role == "assistant":
+      body = content
+      calls = m.get("tool_calls") or []
+      if calls:
+        body += "<|tool_calls_section_begin|>"
+        for call in calls:
+          cid, name, args = _call_fields(call)
+          cid = cid or f"functions.{name}:{call_index}"
+          call_index += 1
+          body += (f"<|tool_call_begin|>{cid}<|tool_call_argument_begin|>{_arguments(args)}"
+                   "<|tool_call_end|>")
+        body += "<|tool_calls_section_end|>"
+      chunks.append((f"<|im_assistant|>{m.get('name') or 'assistant'}<|im_middle|>",
+                     body + "<|im_end|>", True))
+    elif role == "tool":
+      if "tool_call_id" not in m:
+        raise ChatFormatError(f"message {i}: a tool result needs the tool_call_id it answers")
+      chunks.append(("", _turn("system", m.get("name") or "tool",
+                               f"## Return of {m['tool_call_id']}\n{content}"), False))
+    else:
+      raise ChatFormatError(f"message {i}: role {role!r} must be system, user, assistant or tool")
+  if add_generation_prompt:
+    chunks.append((GENERATION_PROMPT, "", False))
+  return chunks
+
+
+def render(messages: Sequence[dict], tools: Sequence[dict] | None = None,
+           add_generation_prompt: bool = True) -> str:
+  """The dialog as K2 chat text (see the module docstring for the layout)."""
+  return "".join(h + b for h, b, _ in render_chunks(messages, tools, add_generation_prompt))
+
+
+def _encode_text(text: str, tokenizer) -> list[int]:
+  """Tokens of text holding chat markers: markers -> the tokenizer's special ids when it has
+  them, else their text."""
+  specials = getattr(tokenizer, "special_ids", {}) or {}
+  ids, pos = [], 0
+  for m in _MARKER_RE.finditer(text):
+    ids += [int(t) for t in tokenizer.encode(text[pos:m.start()])]
+    ids += [specials[m.group()]] if m.group() in specials else [
+        int(t) for t in tokenizer.encode(m.group())]
+    pos = m.end()
+  return ids + [int(t) for t in tokenizer.encode(text[pos:])]
+
+
+def _tokenizer(tokenizer):
+  if tokenizer is None:
+    from k2jax.data import ByteTokenizer
+    return ByteTokenizer()
+  return tokenizer
+
+
+def encode(messages: Sequence[dict], tools: Sequence[dict] | None = None,
+           add_generation_prompt: bool = True, tokenizer=None) -> list[int]:
+  """Token ids of `render(...)` (default tokenizer: bytes), BOS first."""
+  tok = _tokenizer(tokenizer)
+  return [tok.bos_id] + _encode_text(render(messages, tools, add_generation_prompt), tok)
+
+
+def encode_with_mask(messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                     tokenizer=None) -> tuple[list[int], list[bool]]:
+  """(ids, mask) of a whole dialog, mask True on the tokens the assistant produced (its text,
+  tool calls and closing <|im_end|>), never on system / user / tool-result tokens."""
+  tok = _tokenizer(tokenizer)
+  ids, mask = [tok.bos_id], [False]
+  for header, body, assistant in render_chunks(messages, tools, add_generation_prompt=False):
+    h = _encode_text(header, tok)
+    b = _encode_text(body, tok)
+    ids += h + b
+    mask += [False] * len(h) + [assistant] * len(b)
+  return ids, mask
+
+
+def stop_ids(tokenizer) -> list[int]:
+  """Token ids that end an assistant turn (<|im_end|> when the tokenizer has it)."""
+  specials = getattr(tokenizer, "special_ids", {}) or {}
+  return [specials["<|im_end|>"]] if "<|im_end|>" in specials else []
+
+
+# ------------------------------------------------------------------------- parsing calls
+
+_SECTION_BEGIN = re.compile(r"<\|tool_calls?_section_begin\|>")
+_SECTION_END = re.compile(r"<\|tool_calls?_section_end\|>")
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+  """(content, calls) of an assistant turn's text, calls as [{"id", "name", "arguments"}].
+
+  Robust to what deployed K2 output holds: several calls in a section, JSON arguments with
+  braces, escaped newlines or marker lookalikes inside strings (arguments are read with a
+  JSON decoder, not a regex), text before the section, `<think>` blocks (a section opened
+  inside one counts), the singular `<|tool_call_section_begin|>` spelling, and a section cut
+  off by the token limit (the complete calls are returned, the cut one is dropped).
+
+  Raises ToolCallParseError for a call whose id or arguments are malformed in a section that
+  was not cut off.
+  """
+  text = re.sub(r"<\|im_end\|>\s*$", "", text)
+  m = _SECTION_BEGIN.search(text)
+  if not m:
+    return _strip_think(text).strip(), []
+  content = _strip_think(text[:m.start()]).strip()
+  calls, pos, n = [], m.end(), 0
+  decoder = json.JSONDecoder()
+  begin, arg, end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+  # Scan call by call: the arguments are read by a JSON decoder, so braces or marker text
+  # inside JSON strings cannot end a call early.
+  while True:
+    rest = text[pos:].lstrip()
+    if not rest or _SECTION_END.match(rest):
+      break
+    if not rest.startswith(begin):
+      if begin in rest or _SECTION_END.search(rest):
+        raise ToolCallParseError(f"tool call {n}: expected {begin}, found {rest[:40]!r}")
+      break                                      # trailing text of a cut section
+    head, sep, after = rest[len(begin):].partition(arg)
+    if not sep:
+      break                                      # cut before the arguments began
+    cid = head.strip()
+    if not re.fullmatch(r"[\w.\-]+:\d+", cid):
+      raise ToolCallParseError(f"tool call {n}: id {cid!r} is not functions.NAME:INDEX")
+    body = after.lstrip()
+    try:
+      args, used = decoder.raw_decode(body)
+    except json.JSONDecodeError as e:
+      if end not in body and not _SECTION_END.search(body):
+        break                                    # cut off inside the arguments
+      raise ToolCallParseError(f"tool call {n} ({cid}): arguments are not JSON ({e.msg} at "
+                               f"{e.pos})") from None
+    tail = body[used:].lstrip()
+    if not tail.startswith(end):
+      if not tail:
+        break                                    # cut right after the arguments
+      raise ToolCallParseError(f"tool call {n} ({cid}): text after the JSON arguments: "
+                               f"{tail[:40]!r}")
+    if not isinstance(args, dict):
+      raise ToolCallParseError(f"tool call {n} ({cid}): arguments must be a JSON object")
+    calls.append({"id": cid, "name": cid.split(":")[0].split(".")[-1], "arguments": args})
+    pos = len(text) - len(tail) + len(end)
+    n += 1
+  return content, calls
+
+
+def _strip_think(text: str) -> str:
+  return re.sub(r"<think>.*?(</think>|$)", "", text, flags=re.S)
+
+
+# ---------------------------------------------------------------- constrained decoding
+
+
+def _lark_string(s: str) -> str:
+  return json.dumps(s)
+
+
+class ToolCallConstraint:
+  """Token masks that force an assistant turn to be well-formed tool calls whose arguments
+  match each tool's JSON schema (llguidance compiles the grammar; we only wire it up).
+
+      c = ToolCallConstraint(tokenizer, tools)
+      generate(cfg, params, [prompt], ..., logits_processor=c)   # c(row, ids) -> bool [vocab]
+
+  The grammar: a tool-call section of `max_calls` calls at most (each
+  `functions.NAME:IDX` with arguments from NAME's schema), then <|im_end|>. Markers are the
+  tokenizer's special ids when it has them, else text. Per row a matcher consumes the tokens
+  sampled so far; after the grammar ends only the stop token is allowed.
+  """
+
+  def __init__(self, tokenizer, tools: Sequence[dict], *, max_calls: int = 2,
+               first_index: int = 0):
+    import llguidance  # pip install llguidance (no other dependencies)
+    self.tokenizer = tokenizer
+    specials = getattr(tokenizer, "special_ids", {}) or {}
+    mark = (lambda m: f"<[{specials[m]}]>") if specials else _lark_string
+    calls = []
+    for t in tools:
+      fn = t.get("function", t)
+      schema = json.dumps(fn.get("parameters") or {"type": "object"})
+      calls.append(f'{mark("<|tool_call_begin|>")} {_lark_string("functions." + fn["name"] + ":")} '
+                   f'/[0-9]/ {mark("<|tool_call_argument_begin|>")} %json{schema} '
+                   f'{mark("<|tool_call_end|>")}')
+    one = " | ".join(f"({c})" for c in calls)
+    repeat = " ".join(["call"] + ["call?"] * (max_calls - 1))
+    self.grammar = (f"start: {mark('<|tool_calls_section_begin|>')} {repeat} "
+                    f"{mark('<|tool_calls_section_end|>')} {mark('<|im_end|>')}\n"
+                    f"call: {one}\n")
+    self._ll_tok = _lltokenizer(tokenizer)
+    err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(self.grammar),
+                                                self._ll_tok)
+    if err:
+      raise ValueError(f"tool-call grammar does not compile: {err}")
+    self._matchers: dict[int, tuple] = {}
+    self.vocab = tokenizer.vocab_size
+    self.stop = [tokenizer.eos_id] + stop_ids(tokenizer)
+
+  def _matcher(self, row):
+    import llguidance
+    if row not in self._matchers:
+      self._matchers[row] = (llguidance.LLMatcher(
+          self._ll_tok, llguidance.LLMatcher.grammar_from_lark(self.grammar)), 0)
+    return self._matchers[row]
+
+  def __call__(self, row: int, generated: list[int]) -> np.ndarray:
+    """The allowed next tokens of `row` given its tokens so far (bool [vocab])."""
+    matcher, seen = self._matcher(row)
+    for t in generated[seen:]:
+      matcher.consume_token(int(t))
+    self._matchers[row] = (matcher, len(generated))
+    if matcher.is_stopped() or matcher.is_error():
+      allowed = np.zeros(self.vocab, bool)
+      allowed[self.stop] = True
+      return allowed
+    words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
+    allowed = np.zeros(self.vocab, bool)
+    n = min(self.vocab, bits.size)
+    allowed[:n] = bits[:n]
+    if not allowed.any():
+      allowed[self.stop] = True
+    return allowed
+
+
+def _lltokenizer(tokenizer):
+  """llguidance's view of one of our tokenizers (bytes per id, specials, EOS)."""
+  import llguidance
+  specials = getattr(tokenizer, "special_ids", {}) or {}
+  if hasattr(tokenizer, "ranks"):                       # tiktoken BPE: ranks + K2 specials
+    import tiktoken
+    from k2jax.data.tokenizer import SPLIT_PATTERN
+    enc = tiktoken.Encoding(name="k2", pat_str=SPLIT_PATTERN, mergeable_ranks=tokenizer.ranks,
+                            special_tokens=specials)
+    from llguidance.tiktoken import lltokenizer_from_encoding
+    return lltokenizer_from_encoding(enc, n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_id)
+
+  class _Bytes:                                         # the byte tokenizer
+    eos_token_id = tokenizer.eos_id
+    bos_token_id = tokenizer.bos_id
+    tokens = [bytes([i]) for i in range(256)] + [b""] * (tokenizer.vocab_size - 256)
+    special_token_ids = list(range(256, tokenizer.vocab_size))
+
+    def __call__(self, s):
+      return [int(t) for t in tokenizer.encode(s)]
+  return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))

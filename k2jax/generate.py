@@ -1,0 +1,239 @@
+"""Sampling from a trained run or a published checkpoint, over MLA's latent cache.
+
+    from k2jax.generate import generate
+    out = generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=32, temperature=0.8, top_p=0.9)
+
+    python -m k2jax.generate --workdir runs/tiny --prompt "def "        # newest checkpoint of a run
+    python -m k2jax.generate --hf /path/to/Kimi-K2-Instruct --chat --prompt "Hi"
+
+Prompts of different lengths share one batch; the cache is sized to a power-of-two bucket of
+prompt + new tokens, so one prefill and one decode step are compiled per (batch, bucket) and
+reused for every token (k2jax.model.decode). Sampling (greedy, temperature, top-k, top-p) runs
+on device; each step's tokens come back to the host only to stop finished rows, stream text
+and, when given, apply a logits processor (e.g. k2jax.chat's tool-call constraint).
+"""
+
+import argparse
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k2jax.model import decode
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+  """The compile bucket of a length: the next power of two (at least `minimum`)."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float | None,
+           allowed=None):
+  """Next tokens [B] from logits [B, V]: greedy at temperature 0, else softmax(logits / T)
+  restricted to the top_k tokens and to the smallest set whose probability reaches top_p.
+  allowed [B, V] bool (optional) masks tokens out first."""
+  logits = logits.astype(jnp.float32)
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, -jnp.inf)
+  if temperature <= 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits >= kth, logits, -jnp.inf)
+  if top_p is not None and top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs          # mass strictly above each token
+    keep_sorted = before < top_p                         # the top token is always kept
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+        keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+_PROGRAMS: dict[str, tuple] = {}
+
+
+def _programs(cfg):
+  """(prefill, decode step, sampler), jitted once per model config (and then per shape)."""
+  key = cfg.to_json()
+  if key not in _PROGRAMS:
+    _PROGRAMS[key] = (jax.jit(functools.partial(decode.prefill, cfg)),
+                      jax.jit(functools.partial(decode.decode_step, cfg), donate_argnums=1),
+                      jax.jit(sample, static_argnames=("temperature", "top_k", "top_p")))
+  return _PROGRAMS[key]
+
+
+def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int = 0, stop_ids: Sequence[int] = (),
+             logits_processor: Callable[[int, list[int]], np.ndarray | None] | None = None,
+             on_token: Callable[[list[int | None]], set[int] | None] | None = None
+             ) -> list[list[int]]:
+  """Sample continuations of token-id prompts (lists of different lengths).
+
+  Args:
+    cfg: the model config (as `k2jax.interop.hf.load_checkpoint` returns it).
+    params: the model's parameters.
+    prompts: token-id lists, one per row (at least one token each).
+    max_new_tokens: tokens to generate per row at most.
+    temperature, top_k, top_p: sampling (temperature 0 = greedy).
+    seed: the sampling key.
+    stop_ids: a row ends after emitting any of these (the stop token is included).
+    logits_processor: fn(row, tokens generated so far) -> bool [vocab] of allowed next tokens
+      (or None = all), called on the host per row and step (constrained decoding).
+    on_token: fn(list of this step's token per row, None for finished rows), for streaming;
+      it may return a set of rows to end now (stop strings).
+  Returns:
+    The generated token ids per row (the prompt excluded).
+  """
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("generate: every prompt needs at least one token")
+  B = len(prompts)
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  T = bucket(int(lengths.max()))
+  S = bucket(int(lengths.max()) + max_new_tokens)
+  tokens = np.zeros((B, T), np.int32)
+  for b, p in enumerate(prompts):
+    tokens[b, :len(p)] = p
+  prefill, step, pick = _programs(cfg)
+  cache = decode.init_cache(cfg, B, S)
+  logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+  key = jax.random.key(seed)
+  stop = set(int(s) for s in stop_ids)
+  out: list[list[int]] = [[] for _ in range(B)]
+  done = np.zeros(B, bool)
+  allowed = None
+  for t in range(max_new_tokens):
+    if logits_processor is not None:
+      masks = [logits_processor(b, out[b]) if not done[b] else None for b in range(B)]
+      allowed = np.ones((B, logits.shape[-1]), bool)
+      for b, m in enumerate(masks):
+        if m is not None:
+          allowed[b] = m
+      allowed = jnp.asarray(allowed)
+    nxt = pick(logits, jax.random.fold_in(key, t), temperature=float(temperature),
+               top_k=top_k, top_p=top_p, allowed=allowed)
+    ids = np.asarray(nxt)
+    emitted = []
+    for b in range(B):
+      if done[b]:
+        emitted.append(None)
+        continue
+      out[b].append(int(ids[b]))
+      emitted.append(int(ids[b]))
+      done[b] = int(ids[b]) in stop
+    if on_token is not None:
+      for b in on_token(emitted) or ():
+        done[b] = True
+    if done.all() or t == max_new_tokens - 1:
+      break
+    logits, cache = step(params, cache, nxt)
+  return out
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+class UserError(ValueError):
+  pass
+
+
+def load(args):
+  """-> (model config, params, tokenizer, chat special tokens available)."""
+  from k2jax import data as data_lib
+  if args.hf:
+    from k2jax.interop import hf
+    try:
+      cfg, params = hf.load_checkpoint(args.hf)
+    except (OSError, ValueError) as e:
+      raise UserError(str(e).splitlines()[0]) from None
+    tok_path = os.path.join(args.hf, "tiktoken.model")
+    tok = data_lib.get_tokenizer(tok_path if os.path.exists(tok_path) else "byte")
+    return cfg, params, tok
+  from k2jax.checkpoint import load_run
+  try:
+    config, params = load_run(args.workdir)
+  except (OSError, ValueError) as e:
+    raise UserError(str(e).splitlines()[0]) from None
+  return config.model, params, data_lib.get_tokenizer(config.data.tokenizer)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m k2jax.generate", description=__doc__.splitlines()[0])
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--workdir", help="a k2jax.train run: samples from its newest checkpoint")
+  src.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+  p.add_argument("--prompt", action="append", required=True,
+                 help="prompt text (repeat for a batch)")
+  p.add_argument("--chat", action="store_true", help="render each prompt as a user turn of K2's "
+                 "chat format and stop at the end of the assistant turn")
+  p.add_argument("--max_new_tokens", type=int, default=200)
+  p.add_argument("--temperature", type=float, default=0.8)
+  p.add_argument("--top_k", type=int, default=None)
+  p.add_argument("--top_p", type=float, default=0.95)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+  args = p.parse_args(argv)
+  try:
+    if args.max_new_tokens < 1:
+      raise UserError(f"--max_new_tokens {args.max_new_tokens}: must be >= 1")
+    if args.workdir and not os.path.isdir(args.workdir):
+      raise UserError(f"--workdir {args.workdir}: no such directory; pass the --workdir of a "
+                      "k2jax.train run")
+    cfg, params, tok = load(args)
+    stop_ids = [tok.eos_id]
+    texts = args.prompt
+    if args.chat:
+      from k2jax import chat
+      prompts = [chat.encode([{"role": "user", "content": t}], tokenizer=tok) for t in texts]
+      stop_ids += chat.stop_ids(tok)
+    else:
+      prompts = [[tok.bos_id] + list(tok.encode(t)) for t in texts]
+  except UserError as e:
+    print(f"k2jax.generate: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+  stream = len(prompts) == 1
+  generated: list[list[int]] = [[] for _ in prompts]
+  shown = [""]
+
+  def on_token(ids):
+    ended = set()
+    for b, i in enumerate(ids):
+      if i is None:
+        continue
+      generated[b].append(i)
+      if args.stop and any(s in tok.decode(generated[b]) for s in args.stop):
+        ended.add(b)
+    if stream and ids[0] is not None:
+      text = tok.decode([i for i in generated[0] if i not in stop_ids])
+      print(text[len(shown[0]):], end="", flush=True)
+      shown[0] = text
+    return ended
+
+  if stream:
+    print(texts[0], end="", flush=True)
+  t0 = time.perf_counter()
+  out = generate(cfg, params, prompts, max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 seed=args.seed, stop_ids=stop_ids, on_token=on_token)
+  dt = time.perf_counter() - t0
+  if not stream:
+    for b, ids in enumerate(out):
+      text = tok.decode([i for i in ids if i not in stop_ids])
+      for s in args.stop:
+        text = text.split(s)[0]
+      print(f"--- [{b}]\n{texts[b]}{text}")
+  n = sum(len(o) for o in out)
+  print(f"\n[{n} tokens in {dt:.2f}s (compile included): {n / dt:.1f} tokens/s, batch "
+        f"{len(out)}]", file=sys.stderr)
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,84 @@
+"""Decoding with MLA's latent cache: prefill in the training form, then one token at a time
+in the absorbed form (k2jax.model.attention.mla_absorbed).
+
+    cache = init_cache(cfg, batch=B, max_len=S)
+    logits, cache = prefill(cfg, params, tokens, lengths, cache)   # logits at each row's last token
+    logits, cache = decode_step(cfg, params, cache, next_tokens)   # [B] -> [B, vocab]
+
+The cache holds, per layer and token, only the normalized KV latent and the roped shared key
+(kv_lora_rank + qk_rope_head_dim values: 576 for K2), stacked like the parameters so a
+decode step is one scan per layer stack and compiles once whatever the depth. Rows have their
+own lengths: prompts of different lengths share one batch (right-padded; the padding is
+never attended to), and every row appends its next token at its own length.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from k2jax.model import rope
+from k2jax.model.attention import Latents, latents, mla_absorbed
+from k2jax.model.layers import rms_norm
+from k2jax.model.transformer import feed_forward, forward, stacks
+
+
+class Cache(NamedTuple):
+  layers: dict          # {stack name: Latents with [layers, B, S, ...] arrays}
+  lengths: jax.Array    # int32 [B]: tokens held per row
+
+
+def init_cache(cfg, batch: int, max_len: int, dtype=None) -> Cache:
+  dt = jnp.dtype(dtype or cfg.dtype)
+  layers = {st.name: Latents(jnp.zeros((st.size, batch, max_len, cfg.kv_lora_rank), dt),
+                             jnp.zeros((st.size, batch, max_len, cfg.qk_rope_head_dim), dt))
+            for st in stacks(cfg)}
+  return Cache(layers, jnp.zeros((batch,), jnp.int32))
+
+
+def cache_bytes_per_token(cfg, dtype=None) -> int:
+  """Bytes the latent cache holds per token (all layers)."""
+  dt = jnp.dtype(dtype or cfg.dtype)
+  return cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dt.itemsize
+
+
+def prefill(cfg, params, tokens, lengths, cache: Cache):
+  """Run right-padded prompts tokens [B, T] (row b holds lengths[b] tokens) through the model
+  in the training form, fill the cache, -> (logits [B, vocab] at each row's last token, cache)."""
+  B, T = tokens.shape
+  seg = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32)   # padding: segment 0
+  logits, _, lat = forward(cfg, params, tokens, segment_ids=seg, return_latents=True)
+  layers = {name: Latents(*(jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), 0, axis=2)
+                            for c, n in zip(cache.layers[name], lat[name])))
+            for name in cache.layers}
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return last, Cache(layers, lengths.astype(jnp.int32))
+
+
+def decode_step(cfg, params, cache: Cache, tokens):
+  """tokens [B] (one new token per row) -> (logits [B, vocab] f32, cache with them added)."""
+  dt = jnp.dtype(cfg.dtype)
+  B = tokens.shape[0]
+  S = next(iter(cache.layers.values())).latent.shape[2]
+  pos = cache.lengths[:, None]                                           # [B, 1]
+  valid = (jnp.arange(S)[None, None, :] <= pos[..., None])               # [B, 1, S]
+  rows = jnp.arange(B)
+  x = jnp.take(params["embed"], tokens[:, None], axis=0).astype(dt)
+  eps = cfg.rms_norm_eps
+  layers = {}
+  for st in stacks(cfg):
+    def body(x, layer):
+      p, c = layer
+      h = rms_norm(x, p["attn_norm"], eps)
+      cos, sin = rope.cos_sin(cfg, pos)
+      new = latents(cfg, p["attn"], h, cos, sin)                        # this token's entries
+      c = Latents(*(a.at[rows, cache.lengths].set(n[:, 0].astype(a.dtype))
+                    for a, n in zip(c, new)))
+      x = x + mla_absorbed(cfg, p["attn"], h, pos, c, valid)
+      y, _ = feed_forward(cfg, st.ffn, p, rms_norm(x, p["mlp_norm"], eps))
+      return x + y, c
+    x, layers[st.name] = jax.lax.scan(body, x, (params[st.name], cache.layers[st.name]))
+  x = rms_norm(x, params["final_norm"], eps)
+  logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt),
+                      preferred_element_type=jnp.float32)[:, 0]
+  return logits, Cache(layers, cache.lengths + 1)

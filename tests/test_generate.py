@@ -1,0 +1,145 @@
+"""Decoding over the MLA latent cache: teacher forcing equals the full forward, the absorbed
+attention equals the expanded one, greedy generation equals transformers' token for token,
+sampling options behave, the CLI samples from a trained run, and constrained decoding makes
+a random model emit valid tool calls."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k2jax import chat, configs, generate, model
+from k2jax.configs import base
+from k2jax.model import attention, decode, rope
+
+
+def tiny(**kw):
+  cfg = configs.get_config("tiny").model
+  cfg.update(kw)
+  return cfg
+
+
+CONFIGS = {
+    "plain": tiny(),
+    "no_q_lora": tiny(q_lora_rank=None),
+    "yarn": tiny(rope_scaling=base.yarn(4.0, 16, beta_fast=32.0, beta_slow=1.0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_teacher_forced_decoding_equals_the_full_forward(name):
+  cfg = CONFIGS[name]
+  params = model.init(cfg, jax.random.key(0))
+  params = jax.tree.map(lambda a: a * 3 if a.ndim >= 3 else a, params)   # livelier logits
+  B, T = 3, 14
+  toks = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size)
+  lengths = jnp.asarray([5, 9, 2])                                        # a ragged batch
+  full = np.asarray(model.forward(cfg, params, toks)[0])
+  cache = decode.init_cache(cfg, B, 32)
+  logits, cache = jax.jit(lambda p, t, l, c: decode.prefill(cfg, p, t, l, c))(params, toks,
+                                                                            lengths, cache)
+  step = jax.jit(lambda p, c, t: decode.decode_step(cfg, p, c, t))
+  errs = [np.abs(np.asarray(logits[b]) - full[b, lengths[b] - 1]).max() for b in range(B)]
+  for _ in range(4):
+    nxt = toks[jnp.arange(B), cache.lengths]
+    logits, cache = step(params, cache, nxt)
+    errs += [np.abs(np.asarray(logits[b]) - full[b, int(cache.lengths[b]) - 1]).max()
+             for b in range(B)]
+  assert max(errs) < 1e-4, max(errs)
+
+
+def test_absorbed_attention_equals_expanded_attention():
+  """mla_absorbed over a cache of latents == softmax(q k^T) v with k, v expanded by kv_b."""
+  cfg = CONFIGS["yarn"]
+  p = jax.tree.map(lambda a: a[0], model.init(cfg, jax.random.key(2))["moe_layers"]["attn"])
+  B, S = 2, 11
+  x = jax.random.normal(jax.random.key(3), (B, S, cfg.hidden_size))
+  pos = jnp.broadcast_to(jnp.arange(S), (B, S))
+  cos, sin = rope.cos_sin(cfg, pos)
+  lat = attention.latents(cfg, p, x, cos, sin)
+  valid = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
+  got = attention.mla_absorbed(cfg, p, x, pos, lat, valid)
+  want, _ = attention.mla(cfg, p, x, pos)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["k2_yarn", "groups_no_yarn", "q_proj_unnormalized", "all_dense"])
+def test_greedy_generation_equals_transformers(case, tmp_path):
+  from tests import hf_reference as ref
+  from tests.test_hf_parity import CASES
+  from k2jax.interop import hf
+  a, yarn, theta, _ = CASES[case]
+  cj = ref.hf_config_dict(a, yarn, theta)
+  tmodel = ref.make_model(cj, seed=7)
+  ref.write_dir(tmp_path, cj, ref.published_tensors(tmodel))
+  cfg, params = hf.load_checkpoint(str(tmp_path))
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(2, a["vocab_size"], n)) for n in (3, 7, 5)]
+  ours = generate.generate(cfg, params, prompts, max_new_tokens=8)
+  tmodel.generation_config.eos_token_id = None
+  tmodel.generation_config.pad_token_id = 0
+  for prompt, got in zip(prompts, ours):
+    with ref.torch.no_grad():
+      out = tmodel.generate(ref.torch.as_tensor([prompt]), max_new_tokens=8, do_sample=False,
+                            attention_mask=ref.torch.ones(1, len(prompt), dtype=ref.torch.long))
+    assert got == out[0, len(prompt):].tolist()
+
+
+def test_sampling_options():
+  cfg = CONFIGS["plain"]
+  params = model.init(cfg, jax.random.key(0))
+  prompts = [[257, 100, 101], [257, 50]]
+  greedy = generate.generate(cfg, params, prompts, max_new_tokens=6)
+  assert generate.generate(cfg, params, prompts, max_new_tokens=6, temperature=1.0, top_k=1,
+                           seed=3) == greedy
+  assert generate.generate(cfg, params, prompts, max_new_tokens=6, temperature=1.0,
+                           top_p=1e-6, seed=4) == greedy
+  a = generate.generate(cfg, params, prompts, max_new_tokens=6, temperature=1.5, seed=5)
+  assert a == generate.generate(cfg, params, prompts, max_new_tokens=6, temperature=1.5, seed=5)
+  assert a != greedy                       # at this temperature a uniform-ish model wanders
+  stop = greedy[0][2]                      # row 0 stops at its third token, row 1 runs on
+  out = generate.generate(cfg, params, prompts, max_new_tokens=6, stop_ids=[stop])
+  assert out[0] == greedy[0][:greedy[0].index(stop) + 1]
+  assert len(out[1]) == 6 or stop in out[1]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+  draws = {int(generate.sample(logits, jax.random.key(i), temperature=1.0, top_k=None,
+                               top_p=0.7)[0]) for i in range(200)}
+  assert draws == {0, 1}                   # 0.5 + 0.3 reaches 0.7: the rest never drawn
+
+
+def test_constrained_decoding_gives_valid_calls_from_a_random_model():
+  from tests.test_chat import TOOLS, _valid
+  from k2jax.data import ByteTokenizer
+  cfg = CONFIGS["plain"]
+  params = model.init(cfg, jax.random.key(9))
+  tok = ByteTokenizer()
+  prompt = chat.encode([{"role": "user", "content": "add 2 and 3"}], tools=TOOLS, tokenizer=tok)
+  constraint = chat.ToolCallConstraint(tok, TOOLS, max_calls=1)
+  out = generate.generate(cfg, params, [prompt], max_new_tokens=300, temperature=1.0, seed=1,
+                          stop_ids=[tok.eos_id], logits_processor=constraint)
+  text = tok.decode(out[0])
+  _, calls = chat.parse_tool_calls(text)
+  schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+  assert len(calls) == 1 and _valid(calls[0]["arguments"], schemas[calls[0]["name"]]), text
+
+
+def test_cli_samples_from_a_trained_run(tmp_path):
+  from tests.test_train import small_config
+  from k2jax import train
+  train.train(small_config(steps=4, checkpoint_every=4, eval_every=4), str(tmp_path))
+  p = subprocess.run([sys.executable, "-m", "k2jax.generate", "--workdir", str(tmp_path),
+                      "--prompt", "def ", "--max_new_tokens", "12", "--seed", "1"],
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.startswith("def ") and "tokens/s" in p.stderr
+  for args, fragment in [(["--workdir", str(tmp_path / "nope")], "no such directory"),
+                         (["--workdir", str(tmp_path), "--max_new_tokens", "0"], "must be >= 1")]:
+    p = subprocess.run([sys.executable, "-m", "k2jax.generate", *args, "--prompt", "x"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and fragment in p.stderr.strip().splitlines()[-1]
