@@ -62,13 +62,36 @@ _PROGRAMS: dict[str, tuple] = {}
 
 
 def _programs(cfg):
-  """(prefill, decode step, sampler), jitted once per model config (and then per shape)."""
+  """(prefill, decode step), each fused with sampling and jitted once per model config (and
+  then per shape): one dispatch per generated token."""
   key = cfg.to_json()
   if key not in _PROGRAMS:
-    _PROGRAMS[key] = (jax.jit(functools.partial(decode.prefill, cfg)),
-                      jax.jit(functools.partial(decode.decode_step, cfg), donate_argnums=1),
-                      jax.jit(sample, static_argnames=("temperature", "top_k", "top_p")))
+    opts = ("temperature", "top_k", "top_p")
+
+    def prefill(params, tokens, lengths, cache, key, allowed, **o):
+      logits, cache = decode.prefill(cfg, params, tokens, lengths, cache)
+      return sample(logits, key, allowed=allowed, **o), logits, cache
+
+    def step(params, cache, tokens, key, allowed, **o):
+      logits, cache = decode.decode_step(cfg, params, cache, tokens)
+      return sample(logits, key, allowed=allowed, **o), logits, cache
+
+    def steps(params, cache, tokens, key, start, n, **o):
+      """n decode steps on device (no logits processor): tokens [n, B]."""
+      def body(carry, i):
+        cache, tok = carry
+        nxt, _, cache = step(params, cache, tok, jax.random.fold_in(key, start + i), None, **o)
+        return (cache, nxt), nxt
+      (cache, _), toks = jax.lax.scan(body, (cache, tokens), jnp.arange(n))
+      return toks, cache
+
+    _PROGRAMS[key] = (jax.jit(prefill, static_argnames=opts),
+                      jax.jit(step, static_argnames=opts, donate_argnums=1),
+                      jax.jit(steps, static_argnames=opts + ("n",), donate_argnums=1))
   return _PROGRAMS[key]
+
+
+CHUNK = 16   # decode steps per dispatch when no logits processor needs the host every step
 
 
 def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -103,40 +126,54 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   tokens = np.zeros((B, T), np.int32)
   for b, p in enumerate(prompts):
     tokens[b, :len(p)] = p
-  prefill, step, pick = _programs(cfg)
-  cache = decode.init_cache(cfg, B, S)
-  logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+  prefill, step, steps = _programs(cfg)
+  opts = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
   key = jax.random.key(seed)
   stop = set(int(s) for s in stop_ids)
   out: list[list[int]] = [[] for _ in range(B)]
   done = np.zeros(B, bool)
-  allowed = None
-  for t in range(max_new_tokens):
-    if logits_processor is not None:
-      masks = [logits_processor(b, out[b]) if not done[b] else None for b in range(B)]
-      allowed = np.ones((B, logits.shape[-1]), bool)
-      for b, m in enumerate(masks):
-        if m is not None:
-          allowed[b] = m
-      allowed = jnp.asarray(allowed)
-    nxt = pick(logits, jax.random.fold_in(key, t), temperature=float(temperature),
-               top_k=top_k, top_p=top_p, allowed=allowed)
-    ids = np.asarray(nxt)
-    emitted = []
+
+  def allowed():
+    """The logits processor's masks (host side), or None: the on-device path."""
+    if logits_processor is None:
+      return None
+    mask = np.ones((B, cfg.vocab_size), bool)
     for b in range(B):
-      if done[b]:
-        emitted.append(None)
-        continue
-      out[b].append(int(ids[b]))
-      emitted.append(int(ids[b]))
-      done[b] = int(ids[b]) in stop
-    if on_token is not None:
-      for b in on_token(emitted) or ():
-        done[b] = True
-    if done.all() or t == max_new_tokens - 1:
-      break
-    logits, cache = step(params, cache, nxt)
-  return out
+      m = None if done[b] else logits_processor(b, out[b])
+      if m is not None:
+        mask[b, :len(m)] = m
+    return jnp.asarray(mask)
+
+  cache = decode.init_cache(cfg, B, S)
+  nxt, _, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+                          jax.random.fold_in(key, 0), allowed(), **opts)
+  pending = [np.asarray(nxt)]            # sampled, not yet handed out
+  t = 0
+  while True:
+    for ids in pending:
+      emitted = []
+      for b in range(B):
+        if done[b]:
+          emitted.append(None)
+          continue
+        out[b].append(int(ids[b]))
+        emitted.append(int(ids[b]))
+        done[b] = int(ids[b]) in stop
+      if on_token is not None:
+        for b in on_token(emitted) or ():
+          done[b] = True
+      t += 1
+      if done.all() or t == max_new_tokens:
+        return out
+    # Rows that finished inside a chunk keep decoding there; their extra tokens are dropped.
+    if logits_processor is None:
+      n = min(CHUNK, max_new_tokens - t)
+      toks, cache = steps(params, cache, nxt, key, t, n=n, **opts)
+      nxt = toks[-1]
+      pending = list(np.asarray(toks))
+    else:
+      nxt, _, cache = step(params, cache, nxt, jax.random.fold_in(key, t), allowed(), **opts)
+      pending = [np.asarray(nxt)]
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -19,6 +19,9 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
   pallas_gpu  the ragged path on Triton kernels that read x through the sort permutation and
             write the down projection back in token order scaled by the combine weights
             (kernels/moe_gpu.py), so x[order] and the unsort are never materialized.
+  gather    each assignment reads its expert's weights ([N k, d, f] gathers): no sorting or
+            padding, and only the chosen experts' weights are read, which is what decoding a
+            few tokens wants (k2jax.model.decode picks it when N k <= E).
   dense     every expert on every token: the reference.
 """
 
@@ -30,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from k2jax.kernels.gmm import grouped_matmul
 
-IMPLS = ("ragged", "capacity", "pallas_gpu", "dense")
+IMPLS = ("ragged", "capacity", "pallas_gpu", "gather", "dense")
 # Rows per expert kept in the capacity buffer, as a multiple of the balanced load.
 CAPACITY_FACTOR = 1.5
 
@@ -125,6 +128,15 @@ def _capacity(x, expert_ids, combine, gate, up, down, factor=CAPACITY_FACTOR):
                           down)
 
 
+def _gather(x, expert_ids, combine, gate, up, down):
+  dt = x.dtype
+  ids = expert_ids.reshape(-1)
+  xs = jnp.repeat(x, expert_ids.shape[1], axis=0)                      # [N k, d]
+  mm = lambda a, w: jnp.einsum("ad,adf->af", a, w[ids].astype(dt))
+  y = mm(_swiglu(mm(xs, gate), mm(xs, up)), down).reshape(expert_ids.shape + (-1,))
+  return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
+
+
 def _dense(x, expert_ids, combine, gate, up, down):
   dt = x.dtype
   mm = lambda a, w, eq: jnp.einsum(eq, a, w.astype(dt))
@@ -146,6 +158,8 @@ def routed_experts(x, expert_ids, combine, gate, up, down, *, impl: str = "auto"
   if impl == "pallas_gpu":
     from k2jax.kernels import moe_gpu
     return moe_gpu.routed_experts(x, expert_ids, combine, gate, up, down, interpret=interpret)
+  if impl == "gather":
+    return _gather(x, expert_ids, combine, gate, up, down)
   if impl == "dense":
     return _dense(x, expert_ids, combine, gate, up, down)
   raise ValueError(f"routed_experts impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")

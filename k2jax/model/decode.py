@@ -59,6 +59,10 @@ def decode_step(cfg, params, cache: Cache, tokens):
   """tokens [B] (one new token per row) -> (logits [B, vocab] f32, cache with them added)."""
   dt = jnp.dtype(cfg.dtype)
   B = tokens.shape[0]
+  if cfg.moe_impl == "auto" and B * cfg.num_experts_per_tok <= cfg.n_routed_experts:
+    # A few tokens: read just their experts' weights (no sort, no capacity buffers).
+    cfg = cfg.copy_and_resolve_references()
+    cfg.moe_impl = "gather"
   S = next(iter(cache.layers.values())).latent.shape[2]
   pos = cache.lengths[:, None]                                           # [B, 1]
   valid = (jnp.arange(S)[None, None, :] <= pos[..., None])               # [B, 1, S]
