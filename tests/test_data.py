@@ -299,7 +299,7 @@ def test_epochs_are_reshuffled_permutations(tmp_path):
 
 def test_build_with_bpe_tokenizer(tmp_path):
   glob, texts = write_docs(tmp_path, n=10)
-  data = pipeline.build(*cfgs(glob, tokenizer=str(write_bpe(tmp_path)), eval_fraction=0.0), 262)
+  data = pipeline.build(*cfgs(glob, tokenizer=str(write_bpe(tmp_path)), eval_fraction=0.0), 515)
   assert data.tokenizer.bos_id == 259 and data.num_eval_rows == 0 and data.eval_batches(2) == []
   stream = data.train_rows.stream
   assert (stream == 259).sum() == (stream == 260).sum() == len(texts)
