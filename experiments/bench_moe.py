@@ -256,7 +256,6 @@ def gpu(args):
     print(row, flush=True)
   # tile sweep of the gate / up kernel (forward), then of the backward's tgmm
   from k2jax.kernels import moe_gpu
-  default = dict(moe_gpu.TUNING)
   tuning_rows = []
   for cfg_ in [(128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 4)]:
     moe_gpu.TUNING["gmm"] = cfg_

@@ -150,6 +150,19 @@ def encode_with_mask(messages: Sequence[dict], tools: Sequence[dict] | None = No
   return ids, mask
 
 
+def encode_tool_results(results: Sequence[dict], tokenizer=None,
+                        add_generation_prompt: bool = True) -> list[int]:
+  """Token ids of tool-result messages ({"tool_call_id", "name", "content"}) continuing a
+  dialog after the assistant's tool calls, then the next assistant header: what an agent loop
+  appends to the ids it has (rendering the whole dialog again could re-tokenize the sampled
+  tokens differently)."""
+  tok = _tokenizer(tokenizer)
+  text = "".join(_turn("system", r.get("name") or "tool",
+                       f"## Return of {r['tool_call_id']}\n{r.get('content') or ''}")
+                 for r in results)
+  return _encode_text(text + (GENERATION_PROMPT if add_generation_prompt else ""), tok)
+
+
 def stop_ids(tokenizer) -> list[int]:
   """Token ids that end an assistant turn (<|im_end|> when the tokenizer has it)."""
   specials = getattr(tokenizer, "special_ids", {}) or {}

@@ -14,7 +14,6 @@ and, when given, apply a logits processor (e.g. k2jax.chat's tool-call constrain
 """
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -40,7 +39,7 @@ def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float |
   logits = logits.astype(jnp.float32)
   if allowed is not None:
     logits = jnp.where(allowed, logits, -jnp.inf)
-  if temperature <= 0:
+  if isinstance(temperature, (int, float)) and temperature <= 0:   # else: traced, > 0
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
   if top_k:
@@ -66,15 +65,20 @@ def _programs(cfg):
   then per shape): one dispatch per generated token."""
   key = cfg.to_json()
   if key not in _PROGRAMS:
-    opts = ("temperature", "top_k", "top_p")
+    # The temperature is traced (RL decays it every iteration: no recompilation); only
+    # greedy-or-not, top_k and top_p shape the program.
+    opts = ("greedy", "top_k", "top_p")
+
+    def _sample(logits, key, allowed, greedy, temperature, **o):
+      return sample(logits, key, allowed=allowed, temperature=0.0 if greedy else temperature, **o)
 
     def prefill(params, tokens, lengths, cache, key, allowed, **o):
       logits, cache = decode.prefill(cfg, params, tokens, lengths, cache)
-      return sample(logits, key, allowed=allowed, **o), logits, cache
+      return _sample(logits, key, allowed, **o), logits, cache
 
     def step(params, cache, tokens, key, allowed, **o):
       logits, cache = decode.decode_step(cfg, params, cache, tokens)
-      return sample(logits, key, allowed=allowed, **o), logits, cache
+      return _sample(logits, key, allowed, **o), logits, cache
 
     def steps(params, cache, tokens, key, start, n, **o):
       """n decode steps on device (no logits processor): tokens [n, B]."""
@@ -127,7 +131,8 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   for b, p in enumerate(prompts):
     tokens[b, :len(p)] = p
   prefill, step, steps = _programs(cfg)
-  opts = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
+  opts = dict(greedy=temperature <= 0, temperature=jnp.float32(max(float(temperature), 1e-6)),
+              top_k=top_k, top_p=top_p)
   key = jax.random.key(seed)
   stop = set(int(s) for s in stop_ids)
   out: list[list[int]] = [[] for _ in range(B)]

@@ -2,7 +2,6 @@
 parsers meet, and constrained decoding of tool calls against their JSON schemas."""
 
 import base64
-import json
 
 import numpy as np
 import pytest

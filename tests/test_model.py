@@ -170,7 +170,7 @@ def test_group_limited_routing_stays_in_top_groups():
 
 def test_balance_loss_is_one_when_balanced():
   # Every token scores all experts equally and the k picks are spread evenly.
-  E, k, T = 4, 2, 8
+  E, T = 4, 8   # top-2
   idx = jnp.asarray([[t % E, (t + 1) % E] for t in range(T)])
   loss = moe.balance_loss(jnp.ones((T, E)), idx, E, batch=1)
   assert float(loss) == pytest.approx(1.0)

@@ -1,0 +1,36 @@
+"""RL of the tiny model with the K1.5 loss (k2jax.rl), after k2jax.sft: one-digit arithmetic,
+8 prompts x 4 samples per iteration, partial rollouts of 16-token segments. (With
+rl.tools=True the calculator is offered; a byte-level tiny model needs ~200 tokens per call.)"""
+
+from ml_collections import config_dict
+
+from k2jax.configs import base, tiny_sft
+
+
+def get_config():
+  c = tiny_sft.get_config()
+  c.rl = config_dict.ConfigDict(dict(
+      envs="arithmetic",          # comma-separated: arithmetic, game24, code, self_critique
+      tools=False,                # offer arithmetic's calculator tool (multi-turn)
+      max_operand=9,              # arithmetic operands 0..max_operand
+      prompts=8,                  # groups (prompts) trained per iteration
+      samples=4,                  # K responses per prompt (the K1.5 baseline is their mean)
+      iterations=40,
+      tau=0.2,                    # K1.5 regularization strength
+      budget=32,                  # per-task maximum response tokens (arithmetic, critique)
+      truncation_penalty=-0.5,    # reward of a response cut off at its budget
+      segment_tokens=16,          # tokens per trajectory per iteration (partial rollouts)
+      max_turns=3,                # assistant turns with tool calls per trajectory
+      updates_per_iteration=2,
+      ptx_weight=0.1,             # auxiliary LM loss on curated chat data (report 3.2.3)
+      ptx_batch_size=4,
+      temperature_start=1.0,      # decayed linearly to temperature_end
+      temperature_end=0.5,
+      checkpoint_every=10,
+      inference_mesh=base.mesh_config(),   # the sampler's layout; weights are resharded to it
+  ))
+  # optimizer steps = iterations x updates_per_iteration
+  c.train.steps = c.rl.iterations * c.rl.updates_per_iteration
+  c.optimizer.update(dict(learning_rate=3e-4, end_learning_rate=3e-5, warmup_steps=5,
+                          decay_steps=20))
+  return c

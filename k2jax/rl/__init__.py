@@ -1,0 +1,6 @@
+"""Reinforcement learning for K2 (report 3.2): the K1.5 loss, environments, the code sandbox
+and the trainer (`python -m k2jax.rl`, k2jax.rl.train)."""
+
+from k2jax.rl.loss import budget_rewards, k15_loss, sequence_logprobs, temperature_at, with_ptx
+
+__all__ = ["k15_loss", "sequence_logprobs", "budget_rewards", "with_ptx", "temperature_at"]

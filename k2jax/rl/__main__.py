@@ -1,0 +1,3 @@
+from k2jax.rl.train import main
+
+main()

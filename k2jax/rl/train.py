@@ -1,0 +1,476 @@
+"""RL with the K1.5 loss (report 3.2.3): `python -m k2jax.rl --config tiny_rl --init RUN`.
+
+    python -m k2jax.sft --config tiny_sft --workdir runs/sft --init runs/tiny
+    python -m k2jax.rl --config tiny_rl --workdir runs/rl --init runs/sft
+    python -m k2jax.rl --config tiny_rl --workdir runs/rl --init runs/sft \\
+        --config.rl.envs=arithmetic,game24,code,self_critique
+
+One iteration:
+  1. hand the weights to the inference layout (jax.device_put onto rl.inference_mesh; a
+     no-op copy when it equals the training mesh);
+  2. roll out: keep rl.prompts groups of rl.samples trajectories in flight; every unfinished
+     trajectory decodes at most rl.segment_tokens more tokens at the current temperature
+     (rl.temperature_start -> rl.temperature_end over training). A trajectory that ends its
+     turn with tool calls gets the environment's results and goes on (multi-turn); one that
+     reaches its task's budget is truncated (reward rl.truncation_penalty); one that is
+     still running is paused and resumed next iteration with the newer weights (partial
+     rollouts: long answers do not hold a whole iteration back);
+  3. score complete groups (all K samples done) with their environment, compute
+     log pi_old(y|x) with the weights that sampled the last segment, and take
+     rl.updates_per_iteration optimizer steps on k15_loss + rl.ptx_weight x the language-model
+     loss on curated chat data (k2jax.sft's dialogs), MuonClip fed by this forward's max logits.
+Checkpoints hold the train state and the paused trajectories; a killed run resumes from the
+last one.
+"""
+
+import dataclasses
+import functools
+import logging
+import os
+import random
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from k2jax import chat, model, optim, parallel
+from k2jax import data as data_lib
+from k2jax.rl import envs as envs_lib
+from k2jax.rl.loss import k15_loss, sequence_logprobs, temperature_at
+from k2jax.step import TrainState, _gate, lm_loss
+
+log = logging.getLogger("k2jax.rl")
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One sample of a group: token ids so far, which of them the policy produced, and where
+  it stands (active, paused mid-turn, done)."""
+  group: int
+  sample: int
+  task: envs_lib.Task
+  ids: list[int]
+  policy: list[bool]
+  generated: int = 0          # policy tokens so far (against the task's budget)
+  turn_start: int = 0         # index in ids where the current assistant turn began
+  turns: int = 0
+  done: bool = False
+  truncated: bool = False
+  final_text: str = ""
+  segments: int = 0           # iterations it has decoded in (> 1: resumed partial rollout)
+
+  def to_json(self):
+    d = dataclasses.asdict(self)
+    return d
+
+  @classmethod
+  def from_json(cls, d):
+    d = dict(d)
+    d["task"] = envs_lib.Task(**d["task"])
+    return cls(**d)
+
+
+class PolicyJudge:
+  """The self-critique judge (report 3.2.2) run by a model - the policy by default: a response
+  scores log p("Yes") - log p("No") for a question that lists the rubrics; the environment
+  turns scores into ranks within the group."""
+
+  def __init__(self, cfg, tokenizer):
+    self.cfg, self.tok, self.params = cfg, tokenizer, None
+    self._fwd = jax.jit(lambda p, x: model.forward(cfg, p, x)[0][:, -1].astype(jnp.float32))
+
+  def __call__(self, question, responses, rubrics):
+    yes = chat._encode_text("Yes", self.tok)[0]
+    no = chat._encode_text("No", self.tok)[0]
+    rows = []
+    for r in responses:
+      q = (f"Question: {question}\nResponse: {r}\nRubrics:\n" +
+           "\n".join(f"- {x}" for x in rubrics) +
+           "\nDoes the response meet every rubric? Answer Yes or No.")
+      rows.append(chat.encode([{"role": "user", "content": q}], tokenizer=self.tok))
+    T = max(len(x) for x in rows)
+    # left-pad so the last position is every row's next-token prediction
+    x = np.asarray([[self.tok.pad_id] * (T - len(r)) + r for r in rows], np.int32)
+    logits = np.asarray(self._fwd(self.params, x))
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    return list(logp[:, yes] - logp[:, no])
+
+
+def _pad_rows(seqs, masks, pad_id, length):
+  n = len(seqs)
+  tok = np.full((n, length + 1), pad_id, np.int32)
+  msk = np.zeros((n, length + 1), np.float32)
+  seg = np.zeros((n, length + 1), np.int32)
+  for i, (s, m) in enumerate(zip(seqs, masks)):
+    s, m = s[:length + 1], m[:length + 1]
+    tok[i, :len(s)], msk[i, :len(s)], seg[i, :len(s)] = s, m, 1
+  pos = np.broadcast_to(np.arange(length, dtype=np.int32), (n, length)).copy()
+  return dict(inputs=tok[:, :-1], targets=tok[:, 1:], mask=msk[:, 1:],
+              segment_ids=seg[:, :-1], positions=pos)
+
+
+def rl_loss(config, params, batch, ptx):
+  """-> (k15 + ptx_weight x ptx loss + aux, (k15, ptx, ForwardStats)).
+
+  batch: inputs / targets / mask / segment_ids / positions [P*K, T], logp_old / rewards /
+  sample_mask [P, K]. ptx: a chat batch (lm_loss's keys) or None.
+  """
+  r, mcfg = config.rl, config.model
+  P, K = batch["rewards"].shape
+  logits, aux = model.forward(mcfg, params, batch["inputs"], positions=batch["positions"],
+                              segment_ids=batch["segment_ids"])
+  logp = sequence_logprobs(logits, batch["targets"], batch["mask"]).reshape(P, K)
+  k15 = k15_loss(logp, batch["logp_old"], batch["rewards"], r.tau, batch["sample_mask"])
+  loss, stats = k15 + aux.aux_loss, aux
+  ptx_loss = jnp.zeros(())
+  if ptx is not None:
+    ce, n, aux2 = lm_loss(mcfg, params, ptx)
+    ptx_loss = ce / jnp.maximum(n, 1.0)
+    loss = loss + r.ptx_weight * ptx_loss + aux2.aux_loss
+    stats = model.ForwardStats(max_logits=jnp.maximum(aux.max_logits, aux2.max_logits),
+                               expert_load=aux.expert_load + aux2.expert_load,
+                               aux_loss=aux.aux_loss + aux2.aux_loss)
+  return loss, (k15, ptx_loss, stats)
+
+
+def rl_step(config, tx, state: TrainState, batch, ptx):
+  """One optimizer step on rl_loss, gated on finiteness like the pre-training step."""
+  grads, (k15, ptx_loss, stats) = jax.grad(
+      lambda p: rl_loss(config, p, batch, ptx), has_aux=True)(state.params)
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(k15) & jnp.isfinite(grad_norm)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params,
+                                 max_logits=stats.max_logits, expert_load=stats.expert_load)
+  params = optax.apply_updates(state.params, updates)
+  new = TrainState(state.step + 1, _gate(finite, params, state.params),
+                   _gate(finite, opt_state, state.opt_state),
+                   jnp.where(finite, 0, state.nan_streak + 1),
+                   state.skipped + (~finite).astype(jnp.int32))
+  return new, {"k15_loss": k15, "ptx_loss": ptx_loss, "grad_norm": grad_norm,
+               "max_logit": jnp.max(stats.max_logits)}
+
+
+def old_logprobs(config, params, batch):
+  P, K = batch["rewards"].shape
+  logits, _ = model.forward(config.model, params, batch["inputs"], positions=batch["positions"],
+                            segment_ids=batch["segment_ids"])
+  return sequence_logprobs(logits, batch["targets"], batch["mask"]).reshape(P, K)
+
+
+class Rollouts:
+  """Trajectories in flight, grouped by prompt; decoding segments with generate()."""
+
+  END = "<|im_end|>"
+
+  def __init__(self, config, tokenizer, environments, rng: random.Random):
+    self.r, self.tok, self.envs, self.rng = config.rl, tokenizer, environments, rng
+    self.groups: dict[int, list[Trajectory]] = {}
+    self.next_group = 0
+    self.stop = set(chat.stop_ids(tokenizer))
+    self.resumed = 0
+
+  def refill(self):
+    """Start new groups until rl.prompts are in flight (paused ones count)."""
+    while len(self.groups) < self.r.prompts:
+      env = self.envs[self.next_group % len(self.envs)]
+      task = env.tasks(self.rng, 1)[0]
+      ids = chat.encode(task.messages, env.tools, tokenizer=self.tok)
+      g = self.next_group
+      self.groups[g] = [Trajectory(g, k, task, list(ids), [False] * len(ids),
+                                   turn_start=len(ids)) for k in range(self.r.samples)]
+      self.next_group += 1
+
+  def _env(self, traj):
+    return next(e for e in self.envs if e.name == traj.task.env)
+
+  def decode(self, cfg, params, temperature: float, seed: int):
+    """One segment for every unfinished trajectory; returns the number of tokens decoded."""
+    from k2jax.generate import generate
+    active = [t for g in self.groups.values() for t in g if not t.done]
+    self.resumed = sum(t.segments > 0 for t in active)   # paused earlier, going on now
+    if not active:
+      return 0
+    room = [min(self.r.segment_tokens, t.task.budget - t.generated) for t in active]
+    made = [0] * len(active)
+    # the end marker may straddle two segments: start from the turn's last tokens
+    tails = [t.ids[max(t.turn_start, len(t.ids) - 16):] for t in active]
+
+    def on_token(step_tokens):
+      end = set()
+      for i, tkn in enumerate(step_tokens):
+        if tkn is None:
+          continue
+        made[i] += 1
+        tails[i] = (tails[i] + [tkn])[-16:]
+        if made[i] >= room[i] or self.tok.decode(tails[i]).endswith(self.END):
+          end.add(i)
+      return end
+
+    out = generate(cfg, params, [t.ids for t in active], max_new_tokens=max(room),
+                   temperature=temperature, seed=seed, stop_ids=sorted(self.stop),
+                   on_token=on_token)
+    for t, new, cap in zip(active, out, room):
+      new = new[:cap]
+      t.ids += new
+      t.policy += [True] * len(new)
+      t.generated += len(new)
+      t.segments += 1
+      text = self.tok.decode(t.ids[t.turn_start:], **_specials(self.tok))
+      if text.endswith(self.END) or (new and new[-1] in self.stop):
+        self._end_turn(t, text[:-len(self.END)] if text.endswith(self.END) else text)
+      elif t.generated >= t.task.budget:
+        t.done, t.truncated, t.final_text = True, True, text
+    return sum(len(x) for x in out)
+
+  def _end_turn(self, t, text):
+    env = self._env(t)
+    content, calls = text, []
+    if env.tools:
+      try:
+        content, calls = chat.parse_tool_calls(text)
+      except chat.ToolCallParseError:
+        calls = []
+    if calls and t.turns + 1 < self.r.max_turns:
+      results = []
+      for c in calls:
+        try:
+          out = env.call_tool(c["name"], c["arguments"])
+        except Exception as e:  # the policy's call was wrong: it sees the error, as it would live
+          out = f"error: {e}"
+        results.append({"tool_call_id": c["id"], "name": c["name"], "content": out})
+      more = chat.encode_tool_results(results, tokenizer=self.tok)
+      t.ids += more
+      t.policy += [False] * len(more)
+      t.turns += 1
+      t.turn_start = len(t.ids)
+    else:
+      t.done, t.final_text = True, content
+
+  def complete_groups(self):
+    """Pop and return the groups whose samples are all done."""
+    done = [g for g, ts in self.groups.items() if all(t.done for t in ts)]
+    return [self.groups.pop(g) for g in done]
+
+  def state(self):
+    return {"groups": {str(g): [t.to_json() for t in ts] for g, ts in self.groups.items()},
+            "next_group": self.next_group, "rng": _rng_json(self.rng)}
+
+  def load(self, s):
+    self.groups = {int(g): [Trajectory.from_json(t) for t in ts]
+                   for g, ts in s["groups"].items()}
+    self.next_group = s["next_group"]
+    self.rng.setstate(_rng_unjson(s["rng"]))
+
+
+def _specials(tok):
+  return {"specials": True} if getattr(tok, "special_ids", None) else {}
+
+
+def _rng_json(rng):
+  v, state, g = rng.getstate()
+  return [v, list(state), g]
+
+
+def _rng_unjson(x):
+  return (x[0], tuple(x[1]), x[2])
+
+
+def make_environments(config, judge):
+  out = []
+  for name in [x.strip() for x in str(config.rl.envs).split(",") if x.strip()]:
+    if name == "arithmetic":
+      out.append(envs_lib.Arithmetic(use_tools=bool(config.rl.tools),
+                                     max_operand=int(config.rl.max_operand),
+                                     budget=int(config.rl.budget)))
+    elif name == "self_critique":
+      out.append(envs_lib.SelfCritique(judge=judge, budget=int(config.rl.budget)))
+    else:
+      out.append(envs_lib.make(name))
+  return out
+
+
+def score(groups, environments, penalty: float):
+  """-> rewards [P, K] (truncated samples get `penalty`)."""
+  rewards = []
+  for ts in groups:
+    env = next(e for e in environments if e.name == ts[0].task.env)
+    r = env.score_group(ts[0].task, [t.final_text for t in ts])
+    rewards.append([penalty if t.truncated else x for t, x in zip(ts, r)])
+  return np.asarray(rewards, np.float32)
+
+
+def batch_of(groups, rewards, prompts: int, pad_id: int):
+  """Padded arrays for rl_loss: [prompts x samples, T] with T a power of two (few compiles);
+  groups beyond the complete ones are masked out."""
+  from k2jax.generate import bucket
+  K = len(groups[0])
+  seqs = [t.ids for ts in groups for t in ts]
+  masks = [t.policy for ts in groups for t in ts]
+  T = bucket(max(len(s) for s in seqs) - 1, minimum=64)
+  n_pad = (prompts - len(groups)) * K
+  b = _pad_rows(seqs + [[pad_id]] * n_pad, masks + [[False]] * n_pad, pad_id, T)
+  R = np.zeros((prompts, K), np.float32)
+  R[:len(groups)] = rewards
+  sm = np.zeros((prompts, K), bool)
+  sm[:len(groups)] = True
+  b.update(rewards=R, sample_mask=sm, logp_old=np.zeros((prompts, K), np.float32))
+  return b
+
+
+def run(config, workdir: str, init=None) -> dict:
+  """Run (or resume) RL in workdir. init: fn() -> params of the starting policy (or None: a
+  random init, for tests)."""
+  from k2jax import sft
+  from k2jax.metrics import MetricsWriter
+  r, t = config.rl, config.train
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  tok = data_lib.get_tokenizer(config.data.tokenizer)
+  train_mesh = parallel.make_mesh(config.mesh)
+  inf_mesh = parallel.make_mesh(r.inference_mesh)
+  tx = optim.optimizer(config)
+  specs = model.param_specs(config.model)
+  from k2jax.step import init_state
+  abstract = jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(t.seed))
+  shardings = parallel.state_shardings(specs, train_mesh, abstract, tx)
+  inf_shardings = parallel.param_shardings(specs, inf_mesh)
+
+  manager = ocp.CheckpointManager(
+      os.path.abspath(os.path.join(workdir, "checkpoints")),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, cleanup_tmp_directories=True),
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})
+  judge = PolicyJudge(config.model, tok)
+  environments = make_environments(config, judge)
+  rollouts = Rollouts(config, tok, environments, random.Random(int(t.seed)))
+  latest = manager.latest_step()
+  with jax.set_mesh(train_mesh):
+    if latest is not None:
+      target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+      restored = manager.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+      state = TrainState(*restored.state)
+      rollouts.load(restored.meta["rollouts"])
+      start = restored.meta["iteration"]
+      log.info("resumed RL at iteration %d (%d groups in flight)", start, len(rollouts.groups))
+    else:
+      state = jax.jit(functools.partial(init_state, config, tx),
+                      out_shardings=shardings)(jax.random.key(t.seed))
+      if init is not None:
+        params = jax.device_put(init(), shardings.params)
+        state = state._replace(params=params, opt_state=jax.jit(
+            tx.init, out_shardings=shardings.opt_state)(params))
+      start = 0
+  ptx_rows = None
+  if r.ptx_weight > 0:
+    dialogs = sft.read_dialogs(config.data.files) if config.data.files else \
+        sft.default_dialogs(n=512, seed=1)
+    ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
+                             for d in dialogs], t.seq_len, tok.pad_id)
+  ptx_rng = np.random.default_rng(int(t.seed) + 1)
+  step_fn = jax.jit(functools.partial(rl_step, config, tx), donate_argnums=0)
+  logp_fn = jax.jit(functools.partial(old_logprobs, config))
+  writer = MetricsWriter(workdir, start)
+  history = []
+  try:
+    for it in range(start, r.iterations):
+      t0 = time.perf_counter()
+      temperature = temperature_at(it, r.iterations, r.temperature_start, r.temperature_end)
+      # training layout -> inference layout (a reshard when the meshes differ)
+      inf_params = jax.device_put(state.params, inf_shardings)
+      judge.params = inf_params
+      rollouts.refill()
+      with jax.set_mesh(inf_mesh):
+        decoded = rollouts.decode(config.model, inf_params, temperature, seed=it)
+      groups = rollouts.complete_groups()
+      row = {"temperature": temperature, "decoded_tokens": decoded,
+             "groups_trained": len(groups), "in_flight": len(rollouts.groups),
+             "resumed_trajectories": rollouts.resumed}
+      if groups:
+        rewards = score(groups, environments, r.truncation_penalty)
+        batch = batch_of(groups, rewards, r.prompts, tok.pad_id)
+        with jax.set_mesh(train_mesh):
+          batch["logp_old"] = logp_fn(state.params, batch)
+          for _ in range(r.updates_per_iteration):
+            ptx = None
+            if ptx_rows is not None:
+              idx = ptx_rng.integers(0, len(ptx_rows), size=r.ptx_batch_size)
+              rows = [ptx_rows[i] for i in idx]
+              ptx = {k: np.stack([x[k] for x in rows]) for k in rows[0]}
+            state, m = step_fn(state, batch, ptx)
+        trunc = [x.truncated for ts in groups for x in ts]
+        lengths = [x.generated for ts in groups for x in ts]
+        row.update({k: float(v) for k, v in jax.device_get(m).items()})
+        row.update(mean_reward=float(rewards.mean()), truncated_frac=float(np.mean(trunc)),
+                   mean_response_tokens=float(np.mean(lengths)),
+                   **{f"reward/{e.name}": float(np.mean([rewards[i].mean()
+                                                         for i, ts in enumerate(groups)
+                                                         if ts[0].task.env == e.name]))
+                      for e in environments if any(ts[0].task.env == e.name for ts in groups)})
+      row["seconds"] = time.perf_counter() - t0
+      writer.write(it + 1, row)
+      history.append(row)
+      log.info("iteration %d: %s", it + 1, ", ".join(
+          f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+      if (it + 1) % r.checkpoint_every == 0 or it + 1 == r.iterations:
+        manager.save(it + 1, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave({"iteration": it + 1, "rollouts": rollouts.state()})),
+            force=True)
+  finally:
+    manager.wait_until_finished()
+    manager.close()
+    writer.close()
+  return {"history": history, "state": state}
+
+
+def main(argv=None):
+  from k2jax import sft, train
+  argv = list(sys.argv if argv is None else argv)
+  init, argv = sft.pop_init(argv)
+  try:
+    config, workdir = train.parse(argv)
+    if "rl" not in config:
+      raise train.UserError("config has no rl group: start from the tiny_rl preset "
+                            "(--config tiny_rl)")
+    try:
+      configs_validate(config)
+    except ValueError as e:
+      raise train.UserError(str(e)) from None
+    workdir = train._writable_workdir(workdir)
+    params = None
+    if init is not None:
+      mcfg, params = sft.load_init(init)
+      config.model = mcfg
+    train._setup_logging(workdir)
+    train.enable_compilation_cache()
+    run(config, workdir, params)
+  except train.UserError as e:
+    print(f"k2jax.rl: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def configs_validate(config):
+  from k2jax import configs
+  configs.validate(config)
+  optim.validate(config)
+  r = config.rl
+  for k in ("prompts", "samples", "iterations", "segment_tokens", "budget", "max_turns",
+            "updates_per_iteration", "checkpoint_every"):
+    if int(r[k]) < 1:
+      raise ValueError(f"rl.{k} = {r[k]} must be >= 1")
+  names = [x.strip() for x in str(r.envs).split(",") if x.strip()]
+  if not names:
+    raise ValueError("rl.envs is empty: name one or more of " + ", ".join(envs_lib.ENVIRONMENTS))
+  for n in names:
+    if n not in envs_lib.ENVIRONMENTS:
+      raise ValueError(f"rl.envs: unknown environment {n!r}; choose from "
+                       + ", ".join(envs_lib.ENVIRONMENTS))
+  if r.samples < 2:
+    raise ValueError(f"rl.samples = {r.samples}: the K1.5 baseline needs >= 2 samples per prompt")

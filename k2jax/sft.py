@@ -1,0 +1,218 @@
+"""Supervised fine-tuning on chat data (report 3.1): `python -m k2jax.sft --config ... --init ...`.
+
+    python -m k2jax.sft --config tiny_sft --workdir runs/sft --init runs/tiny
+    python -m k2jax.sft --config tiny_sft --workdir runs/sft --init runs/tiny \\
+        --config.data.files='chats/*.jsonl'
+
+Each JSONL line is a dialog: {"messages": [...], "tools": [...]} in the OpenAI-style shape
+k2jax.chat renders (system / user / assistant with optional tool_calls / tool results). The
+loss covers the tokens the assistant produced (its text, tool calls and closing <|im_end|>)
+and nothing the user, system or tools wrote. Dialogs are packed into rows without attending
+across dialogs (segment ids). Without data.files an embedded, deterministically generated
+set is used: arithmetic and unit-conversion dialogs, half of them calling a calculator tool.
+Everything else is the pre-training trainer's: MuonClip by default (the report fine-tunes with
+Muon), resume, metrics, checkpoints. --init starts from a k2jax run's newest checkpoint or a
+Hugging Face directory; the model config comes from there.
+"""
+
+import json
+import logging
+import os
+import random
+import sys
+
+import numpy as np
+
+from k2jax import chat, data as data_lib
+
+log = logging.getLogger("k2jax.sft")
+
+CALCULATOR = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+UNITS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 60,
+         ("min", "s"): 60, ("l", "ml"): 1000}
+
+
+def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
+                    tool_fraction: float = 0.5) -> list[dict]:
+  """Deterministic arithmetic (operands 0..max_operand) and unit-conversion dialogs; a
+  tool_fraction of them call the calculator."""
+  rng = random.Random(seed)
+  out = []
+  for i in range(n):
+    if rng.random() < 0.7:
+      a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+      op = rng.choice("+-*")
+      expr = f"{a} {op} {b}"
+      value = eval(expr)  # noqa: S307 - our own two-integer expression
+      question = f"What is {expr}?"
+      answer = f"{expr} = {value}"
+    else:
+      (src, dst), k = rng.choice(sorted(UNITS.items()))
+      q = rng.randint(1, 50)
+      expr = f"{q} * {k}"
+      value = q * k
+      question = f"How many {dst} is {q} {src}?"
+      answer = f"{q} {src} = {value} {dst}"
+    if rng.random() >= tool_fraction:
+      out.append({"messages": [{"role": "user", "content": question},
+                               {"role": "assistant", "content": answer}]})
+    else:
+      cid = "functions.calculator:0"
+      out.append({"tools": CALCULATOR, "messages": [
+          {"role": "user", "content": question},
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": cid, "function": {"name": "calculator",
+                                       "arguments": {"expression": expr}}}]},
+          {"role": "tool", "tool_call_id": cid, "name": "calculator", "content": str(value)},
+          {"role": "assistant", "content": answer}]})
+  return out
+
+
+def read_dialogs(files: str) -> list[dict]:
+  """Dialogs from JSONL files (a glob); one line names the file and line it cannot read."""
+  paths = data_lib.corpus.match_files(files)
+  out = []
+  for path in paths:
+    with open(path) as f:
+      for lineno, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          d = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"data.files: {path}:{lineno} is not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict) or not isinstance(d.get("messages"), list):
+          raise ValueError(f"data.files: {path}:{lineno} has no \"messages\" list")
+        out.append(d)
+  if not out:
+    raise ValueError(f"data.files = {files!r}: no dialogs in the matched files")
+  return out
+
+
+class ChatRows:
+  """Dialogs packed into rows of seq_len tokens: inputs, targets, segment_ids (one per dialog,
+  0 = padding), positions (from each dialog's start) and loss_mask (targets the assistant
+  produced). A dialog longer than a row is cut to it."""
+
+  def __init__(self, encoded: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
+    self.seq_len, self.pad_id = seq_len, pad_id
+    self.rows: list[list[tuple[list[int], list[bool]]]] = []
+    row, used = [], 0
+    for ids, mask in encoded:
+      ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+      if used + len(ids) > seq_len + 1 and row:
+        self.rows.append(row)
+        row, used = [], 0
+      row.append((ids, mask))
+      used += len(ids)
+    if row:
+      self.rows.append(row)
+
+  def __len__(self):
+    return len(self.rows)
+
+  def __getitem__(self, i):
+    L = self.seq_len
+    tok = np.full(L + 1, self.pad_id, np.int32)
+    seg = np.zeros(L + 1, np.int32)
+    pos = np.zeros(L + 1, np.int32)
+    msk = np.zeros(L + 1, bool)
+    at = 0
+    for s, (ids, mask) in enumerate(self.rows[int(i)], 1):
+      n = len(ids)
+      tok[at:at + n], seg[at:at + n], pos[at:at + n], msk[at:at + n] = ids, s, np.arange(n), mask
+      at += n
+    same = seg[1:] == seg[:-1]
+    return dict(inputs=tok[:-1], targets=tok[1:], segment_ids=seg[:-1], positions=pos[:-1],
+                loss_mask=(msk[1:] & same & (seg[1:] > 0)).astype(np.float32))
+
+
+def build_data(config, process_index: int = 0, process_count: int = 1,
+               dialogs: list[dict] | None = None) -> data_lib.Data:
+  """The chat Data (train / eval split by dialog) for train.train(build_data=...): the given
+  dialogs, else data.files, else default_dialogs()."""
+  d, t = config.data, config.train
+  tok = data_lib.get_tokenizer(d.tokenizer)
+  if dialogs is None:
+    dialogs = read_dialogs(d.files) if d.files else default_dialogs()
+  encoded = [chat.encode_with_mask(x["messages"], x.get("tools"), tokenizer=tok) for x in dialogs]
+  order = np.random.default_rng(int(t.seed)).permutation(len(encoded))
+  n_eval = max(1, int(len(encoded) * d.eval_fraction)) if d.eval_fraction else 0
+  rows = lambda idx: ChatRows([encoded[i] for i in idx], t.seq_len, tok.pad_id)
+  train_rows, eval_rows = rows(order[n_eval:]), rows(order[:n_eval])
+  if not any(m for row in train_rows.rows for _, mask in row for m in mask[:t.seq_len + 1]):
+    raise ValueError(f"data: no assistant token fits in rows of train.seq_len = {t.seq_len} "
+                     f"(dialogs have {int(np.median([len(i) for i, _ in encoded]))} tokens at "
+                     "the median): raise --config.train.seq_len (the tiny_sft preset uses 512)")
+  if len(train_rows) < t.batch_size:
+    raise ValueError(f"data: {len(dialogs)} dialogs pack into {len(train_rows)} rows of "
+                     f"train.seq_len = {t.seq_len}, fewer than one batch of train.batch_size = "
+                     f"{t.batch_size}: add dialogs or lower train.batch_size")
+  cut = sum(len(i) > t.seq_len + 1 for i, _ in encoded)
+  if cut:
+    log.warning("sft data: %d of %d dialogs are longer than train.seq_len + 1 = %d tokens and "
+                "are cut (their end is not trained); raise --config.train.seq_len", cut,
+                len(encoded), t.seq_len + 1)
+  assistant = sum(sum(m) for _, m in encoded)
+  log.info("sft data: %d dialogs, %d tokens, %d trained (assistant); %d train / %d eval rows",
+           len(dialogs), sum(len(i) for i, _ in encoded), assistant, len(train_rows),
+           len(eval_rows))
+  return data_lib.Data(tokenizer=tok, train_rows=train_rows, eval_rows=eval_rows,
+                       batch_size=t.batch_size // process_count, seed=int(t.seed) % 2**32,
+                       process_index=process_index, process_count=process_count)
+
+
+def init_from(path: str):
+  """-> (model config, params fn) of a k2jax run directory or a Hugging Face directory."""
+  if os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(
+      os.path.join(path, "checkpoints")):
+    from k2jax.checkpoint import load_run
+    run_config, params = load_run(path)
+    return run_config.model, lambda: params
+  from k2jax.interop import hf
+  cfg, params = hf.load_checkpoint(path)
+  return cfg, lambda: params
+
+
+def pop_init(argv: list[str]) -> tuple[str | None, list[str]]:
+  """Take --init PATH (or --init=PATH) out of argv: -> (path or None, the other arguments)."""
+  argv = list(argv)
+  for i, a in enumerate(argv):
+    if a == "--init":
+      return (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2:]
+    if a.startswith("--init="):
+      return a[len("--init="):], argv[:i] + argv[i + 1:]
+  return None, argv
+
+
+def load_init(init: str):
+  """init_from with the user's mistakes as one-line UserErrors."""
+  from k2jax import train
+  if not init or not os.path.exists(init):
+    raise train.UserError(f"--init {init!r}: no such run or checkpoint directory")
+  try:
+    return init_from(init)
+  except (OSError, ValueError) as e:
+    raise train.UserError(f"--init {init}: {str(e).splitlines()[0]}") from None
+
+
+def main(argv=None):
+  from k2jax import train
+  init, argv = pop_init(sys.argv if argv is None else argv)
+  try:
+    config, workdir = train.parse(argv)
+    params = None
+    if init is not None:
+      config.model, params = load_init(init)
+    train.enable_compilation_cache()
+    train.train(config, workdir, build_data=build_data, init_params=params)
+  except train.UserError as e:
+    print(f"k2jax.sft: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+  main()

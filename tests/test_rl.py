@@ -1,0 +1,348 @@
+"""RL: the K1.5 loss against float64 brute force, environments' scorers, the sandbox's limits
+(as root and as an unprivileged user), multi-turn tool rollouts, the trainer end to end with
+partial rollouts and resume."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k2jax import chat, configs
+from k2jax.data import ByteTokenizer
+from k2jax.rl import budget_rewards, envs, k15_loss, sandbox, sequence_logprobs, temperature_at
+
+
+def k15_float64(logp, logp_old, rewards, tau, mask):
+  """The formula, written out per prompt and sample in float64."""
+  total = 0.0
+  for p in range(rewards.shape[0]):
+    idx = [i for i in range(rewards.shape[1]) if mask[p, i]]
+    base = sum(rewards[p, i] for i in idx) / len(idx)
+    total += sum((rewards[p, i] - base - tau * (logp[p, i] - logp_old[p, i])) ** 2
+                 for i in idx) / len(idx)
+  return total / rewards.shape[0]
+
+
+@pytest.mark.parametrize("P,K,tau", [(1, 2, 0.1), (3, 5, 1.0), (4, 3, 0.37)])
+def test_k15_loss_matches_float64_and_its_gradient(P, K, tau):
+  rng = np.random.default_rng(P * 10 + K)
+  logp = rng.normal(-20, 5, (P, K))
+  logp_old = logp + rng.normal(0, 0.5, (P, K))
+  rewards = rng.uniform(0, 1, (P, K))
+  mask = rng.uniform(size=(P, K)) < 0.8
+  mask[:, :2] = True                      # every group keeps >= 2 samples
+  f = lambda lp: k15_loss(lp, jnp.asarray(logp_old, jnp.float32),
+                          jnp.asarray(rewards, jnp.float32), tau, jnp.asarray(mask))
+  got = float(f(jnp.asarray(logp, jnp.float32)))
+  want = k15_float64(logp, logp_old, rewards, tau, mask)
+  assert abs(got - want) <= 1e-5 * max(1.0, abs(want))
+  grad = np.asarray(jax.grad(f)(jnp.asarray(logp, jnp.float32)))
+  eps = 1e-4
+  for p in range(P):
+    for i in range(K):
+      hi, lo = logp.copy(), logp.copy()
+      hi[p, i] += eps
+      lo[p, i] -= eps
+      fd = (k15_float64(hi, logp_old, rewards, tau, mask)
+            - k15_float64(lo, logp_old, rewards, tau, mask)) / (2 * eps)
+      assert abs(grad[p, i] - fd) <= 1e-4 * max(1.0, abs(fd)), (p, i, grad[p, i], fd)
+  # no gradient reaches the sampling policy or the rewards (they are data)
+  g_old = jax.grad(lambda lo: k15_loss(jnp.asarray(logp, jnp.float32), lo,
+                                       jnp.asarray(rewards, jnp.float32), tau))(
+                                           jnp.asarray(logp_old, jnp.float32))
+  assert not np.any(np.asarray(g_old))
+
+
+def test_k15_loss_is_zero_at_the_baseline_and_unmasked_by_default():
+  r = jnp.asarray([[0.3, 0.3, 0.3]])
+  lp = jnp.asarray([[-5.0, -6.0, -7.0]])
+  assert float(k15_loss(lp, lp, r, 0.5)) == 0.0
+  r2 = np.asarray([[1.0, 0.0]])
+  # without a mask: residuals +-0.5 -> mean 0.25
+  assert abs(float(k15_loss(lp[:, :2], lp[:, :2], jnp.asarray(r2), 0.5)) - 0.25) < 1e-7
+
+
+def test_sequence_logprobs_brute_force():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 5, 7))
+  targets = rng.integers(0, 7, (2, 5))
+  mask = rng.uniform(size=(2, 5)) < 0.6
+  got = np.asarray(sequence_logprobs(jnp.asarray(logits, jnp.float32), jnp.asarray(targets),
+                                     jnp.asarray(mask, jnp.float32)))
+  ls = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  want = [sum(ls[b, t, targets[b, t]] for t in range(5) if mask[b, t]) for b in range(2)]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_budget_penalty_and_temperature_decay():
+  np.testing.assert_array_equal(
+      budget_rewards(jnp.asarray([1.0, 0.0, 1.0]), jnp.asarray([False, True, True]), -0.5),
+      [1.0, -0.5, -0.5])
+  assert temperature_at(0, 10, 1.0, 0.5) == 1.0 and temperature_at(10, 10, 1.0, 0.5) == 0.5
+  assert temperature_at(5, 10, 1.0, 0.5) == 0.75 and temperature_at(99, 10, 1.0, 0.5) == 0.5
+
+
+# ------------------------------------------------------------------------- environments
+
+def test_arithmetic_scores_the_last_integer():
+  env = envs.Arithmetic(max_operand=9)
+  tasks = env.tasks(random.Random(1), 20)
+  assert tasks == env.tasks(random.Random(1), 20)           # deterministic from the rng
+  for t in tasks:
+    a = t.data["answer"]
+    q = t.messages[0]["content"][len("What is "):-1]
+    assert a == eval(q)  # noqa: S307 - our own two-digit expression
+    assert env.score(t, f"{q} = {a}") == 1.0
+    assert env.score(t, f"{q} = {a + 1}") == 0.0
+    assert env.score(t, "no idea") == 0.0
+
+
+def test_expression_parser_is_exact_and_refuses_code():
+  assert envs.evaluate("8 / (3 - 8 / 3)", [8, 3, 8, 3]) == 24      # needs exact rationals
+  for bad in ("__import__('os').system('true')", "2 ** 3", "x + 1", "1.5 * 16", "[1]",
+              "(lambda: 1)()"):
+    with pytest.raises(ValueError):
+      envs.evaluate(bad, None)
+  with pytest.raises(ValueError):
+    envs.evaluate("1 / (2 - 2)", None)
+
+
+def test_game24_scorer_and_solver():
+  env = envs.Game24()
+  t = envs.Task("game24", [], 64, {"numbers": [4, 7, 8, 8]})
+  assert env.score(t, "(7 - 8 / 8) * 4") == 1.0
+  assert env.score(t, "Let me think.\nAnswer: (7 - 8 / 8) * 4 = 24") == 1.0
+  assert env.score(t, "(7 - 8 / 8) * 4 * 1") == 0.0         # a number not given
+  assert env.score(t, "4 * 7 - 8 + 8") == 0.0               # 28: wrong value
+  assert env.score(t, "(7 - 7 / 8) * 4") == 0.0             # 7 used twice
+  assert env.score(t, "8 / (8 - 8) + 4 + 7") == 0.0         # division by zero
+  assert envs.solvable_24([4, 7, 8, 8]) and envs.solvable_24([3, 3, 8, 8])
+  assert not envs.solvable_24([1, 1, 1, 1])
+  assert all(envs.solvable_24(t.data["numbers"]) for t in env.tasks(random.Random(0), 5))
+
+
+def test_rank_rewards_share_ties():
+  assert envs.rank_rewards([0.1, 0.9, 0.5]) == [0.0, 1.0, 0.5]
+  assert envs.rank_rewards([1.0, 1.0, 0.0, 2.0]) == pytest.approx([0.5, 0.5, 0.0, 1.0])
+  assert envs.rank_rewards([3.0]) == [0.5]
+
+
+def test_self_critique_ranks_with_a_pluggable_judge():
+  judge = lambda q, rs, rubrics: [len(r) for r in rs]       # a stand-in judge: longer = better
+  env = envs.SelfCritique(judge=judge)
+  t = env.tasks(random.Random(0), 1)[0]
+  assert env.score_group(t, ["ab", "abcd", "a"]) == [0.5, 1.0, 0.0]
+  with pytest.raises(ValueError, match="judge"):
+    envs.SelfCritique().score_group(t, ["a", "b"])
+
+
+def test_code_environment_runs_unit_tests_in_the_sandbox():
+  env = envs.Code(problems=[("reverse", [("abc\n", "cba"), ("xy\n", "yx")])], timeout_s=3)
+  t = env.tasks(random.Random(0), 1)[0]
+  assert env.score(t, "Here:\n```python\nprint(input()[::-1])\n```") == 1.0
+  assert env.score(t, "```python\ns = input()\nprint('cba' if s == 'abc' else s)\n```") == 0.5
+  assert env.score(t, "```python\nwhile True: pass\n```") == 0.0
+  assert env.score(t, "```python\nraise SystemExit(1)\n```") == 0.0
+  assert env.score(t, "print(input()[::-1])") == 1.0                # no block: the whole text
+
+
+# ------------------------------------------------------------------------------ sandbox
+
+def test_sandbox_runs_and_limits():
+  r = sandbox.run("print(input()[::-1])", stdin="abc\n", timeout_s=5)
+  assert r.ok and r.stdout == "cba\n" and r.reason == "ok", r
+  r = sandbox.run("while True: pass", timeout_s=1)
+  assert not r.ok and r.reason == "timeout" and r.wall_s < 4
+  r = sandbox.run("x = bytearray(400 << 20)", memory_mb=128)
+  assert not r.ok and r.reason == "memory", r
+  r = sandbox.run("import sys; sys.exit(3)")
+  assert not r.ok and r.reason == "exit code 3"
+  r = sandbox.run("open('/big', 'w').write('x')")        # outside its temp dir: denied
+  assert not r.ok and not os.path.exists("/big")
+  r = sandbox.run("open('out.txt', 'w').write('x' * (4 << 20))", file_mb=1)
+  assert not r.ok                                         # file-size limit
+
+
+def test_sandbox_blocks_network_and_bounds_processes():
+  net = sandbox.run(textwrap.dedent("""
+      import socket
+      s = socket.socket(); s.settimeout(2)
+      try:
+          s.connect(("1.1.1.1", 80)); print("connected")
+      except OSError as e:
+          print("blocked", e.errno)
+  """), timeout_s=5)
+  assert net.ok and "blocked" in net.stdout, net
+  if os.geteuid() == 0:
+    assert net.network_isolated
+  forks = sandbox.run(textwrap.dedent("""
+      import os
+      n = 0
+      for _ in range(200):
+          try:
+              pid = os.fork()
+          except OSError:
+              break
+          if pid == 0:
+              import time; time.sleep(5); os._exit(0)
+          n += 1
+      print(n)
+  """), max_procs=8, timeout_s=10)
+  assert forks.ok and int(forks.stdout) <= 8, forks     # bounded (not 200)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+def test_sandbox_as_an_unprivileged_caller(tmp_path):
+  """The non-root path: a process that is already unprivileged (uid 65534) uses the sandbox;
+  the process limit must bind from its current count and timeouts still hold."""
+  script = tmp_path / "child.py"
+  script.write_text(textwrap.dedent(f"""
+      import importlib.util, json, os, sys
+      spec = importlib.util.spec_from_file_location("sandbox", {sandbox.__file__!r})
+      sandbox = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(sandbox)
+      os.setgroups([]); os.setgid(65534); os.setuid(65534)
+      os.chdir("/tmp")
+      ok = sandbox.run("print(6 * 7)", timeout_s=5)
+      slow = sandbox.run("while True: pass", timeout_s=1)
+      forks = sandbox.run('''
+      import os
+      n = 0
+      for _ in range(100):
+          try:
+              pid = os.fork()
+          except OSError:
+              break
+          if pid == 0:
+              import time; time.sleep(3); os._exit(0)
+          n += 1
+      print(n)
+      ''', max_procs=6, timeout_s=8)
+      print(json.dumps([ok.stdout, ok.reason, slow.reason, forks.stdout, forks.reason]))
+  """))
+  os.chmod(tmp_path, 0o755)
+  os.chmod(script, 0o644)
+  out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr[-2000:]
+  stdout, reason, slow, forks, forks_reason = json.loads(out.stdout.strip().splitlines()[-1])
+  assert (stdout, reason, slow) == ("42\n", "ok", "timeout")
+  assert forks_reason == "ok" and int(forks) <= 6   # bounded (not the 100 it asks for)
+
+
+# ------------------------------------------------------------------- rollouts and trainer
+
+def rl_config(**rl):
+  c = configs.get_config("tiny_rl")
+  c.model.update(dict(hidden_size=64, num_hidden_layers=2, n_routed_experts=4,
+                      moe_intermediate_size=32, intermediate_size=96, q_lora_rank=32,
+                      kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                      num_attention_heads=2))
+  c.rl.update({**dict(prompts=2, samples=2, iterations=2, segment_tokens=4, budget=6,
+                      updates_per_iteration=1, ptx_batch_size=2, checkpoint_every=1), **rl})
+  c.train.update(dict(seq_len=256, steps=8))
+  return c
+
+
+def test_tool_calls_continue_the_trajectory():
+  from k2jax.rl.train import Rollouts
+  c = rl_config(tools=True, max_operand=9)
+  tok = ByteTokenizer()
+  env = envs.Arithmetic(max_operand=9, use_tools=True)
+  ro = Rollouts(c, tok, [env], random.Random(0))
+  ro.refill()
+  traj = ro.groups[0][0]
+  answer = traj.task.data["answer"]
+  expr = traj.task.messages[0]["content"][len("What is "):-1]
+  n0 = len(traj.ids)
+  call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.calculator:0'
+          '<|tool_call_argument_begin|>{"expression": "%s"}<|tool_call_end|>'
+          '<|tool_calls_section_end|>' % expr)
+  ro._end_turn(traj, call)
+  assert not traj.done and traj.turns == 1
+  appended = tok.decode(traj.ids[n0:])
+  assert f"## Return of functions.calculator:0\n{answer}<|im_end|>" in appended
+  assert appended.endswith(chat.GENERATION_PROMPT) and not any(traj.policy[n0:])
+  ro._end_turn(traj, f"{expr} = {answer}")
+  assert traj.done and traj.final_text == f"{expr} = {answer}"
+  assert env.score_group(traj.task, [traj.final_text]) == [1.0]
+
+
+def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
+  from k2jax.rl import train as rl_train
+  c = rl_config()
+  out = rl_train.run(c, str(tmp_path))
+  hist = out["history"]
+  # 4-token segments against a 6-token budget: nothing finishes in iteration 1 (paused),
+  # iteration 2 resumes every trajectory and trains the finished groups
+  assert hist[0]["groups_trained"] == 0 and hist[0]["in_flight"] == 2
+  assert hist[1]["resumed_trajectories"] == 4 and hist[1]["groups_trained"] == 2
+  assert np.isfinite(hist[1]["k15_loss"]) and np.isfinite(hist[1]["ptx_loss"])
+  assert -0.5 <= hist[1]["mean_reward"] <= 1.0
+  rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2]
+  # killed after iteration 1 (trajectories paused mid-answer), resumed: iteration 2 is the
+  # uninterrupted run's, paused trajectories, sampler state and weights included
+  c.rl.iterations = 1
+  rl_train.run(c, str(tmp_path / "split"))
+  c.rl.iterations = 2
+  again = rl_train.run(c, str(tmp_path / "split"))["history"]
+  assert len(again) == 1 and again[0]["resumed_trajectories"] == 4
+  for k in ("mean_reward", "k15_loss", "ptx_loss", "mean_response_tokens"):
+    assert again[0][k] == pytest.approx(hist[1][k], rel=1e-5), k
+  rows = [json.loads(x) for x in open(tmp_path / "split" / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_rl_cli_bad_input(tmp_path):
+  def run(*args):
+    return subprocess.run([sys.executable, "-m", "k2jax.rl", *args], capture_output=True,
+                          text=True, timeout=120)
+  r = run("--config", "tiny_rl", "--workdir", str(tmp_path / "a"), "--init", str(tmp_path / "x"))
+  assert r.returncode == 2 and "--init" in r.stderr and "Traceback" not in r.stderr
+  r = run("--config", "tiny_rl", "--workdir", str(tmp_path / "b"), "--config.rl.envs=chess")
+  assert r.returncode == 2 and "chess" in r.stderr and "Traceback" not in r.stderr
+  r = run("--config", "tiny_rl", "--workdir", str(tmp_path / "c"), "--config.rl.samples=1")
+  assert r.returncode == 2 and "rl.samples" in r.stderr
+  r = run("--config", "tiny", "--workdir", str(tmp_path / "d"))
+  assert r.returncode == 2 and "tiny_rl" in r.stderr
+
+
+def test_an_end_marker_split_across_segments_ends_the_turn(monkeypatch):
+  """Partial rollouts: '<|im_en' at the end of one segment and 'd|>' in the next end the turn
+  (a decoder that only looked at the new segment would run on to the budget)."""
+  import k2jax.generate
+  from k2jax.rl.train import Rollouts
+  tok = ByteTokenizer()
+  script = iter(["7 + 1 = 8<|im_en", "d|>garbage after the end"])
+
+  def fake_generate(cfg, params, prompts, *, max_new_tokens, on_token, **kw):
+    text = next(script)
+    outs = [[] for _ in prompts]
+    for ch in tok.encode(text)[:max_new_tokens]:
+      alive = [i for i in range(len(prompts)) if i not in ended]
+      if not alive:
+        break
+      for i in alive:
+        outs[i].append(int(ch))
+      ended.update(on_token([int(ch) if i in alive else None for i in range(len(prompts))])
+                   or set())
+    return outs
+
+  ended = set()
+  monkeypatch.setattr(k2jax.generate, "generate", fake_generate)
+  c = rl_config(prompts=1, samples=2, segment_tokens=16, budget=64)
+  ro = Rollouts(c, tok, [envs.Arithmetic(max_operand=9)], random.Random(0))
+  ro.refill()
+  ro.decode(None, None, 1.0, seed=0)
+  assert not any(t.done for t in ro.groups[0])
+  ended.clear()
+  ro.decode(None, None, 1.0, seed=1)
+  for t in ro.groups[0]:
+    assert t.done and not t.truncated and t.final_text == "7 + 1 = 8" and t.generated == 19
