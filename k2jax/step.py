@@ -19,6 +19,7 @@ import optax
 
 from k2jax import model
 from k2jax.optim import load_imbalance
+from k2jax.parallel import pipeline
 
 
 class TrainState(NamedTuple):
@@ -55,12 +56,27 @@ def microbatches(batch, n: int):
                       batch)
 
 
-def _grads(mcfg, params, batch, grad_accum):
+def _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual):
+  """_grads with the microbatches flowing through pipeline stages (k2jax.parallel.pipeline):
+  one differentiated forward over all microbatches instead of a loop of them."""
+  def f(p):
+    ce_sum, n, aux_sum, stats = pipeline.loss(mcfg, p, microbatches(batch, grad_accum),
+                                              stages=stages, virtual=virtual)
+    return ce_sum + aux_sum, (ce_sum, n, stats)
+  g, (ce_sum, n, aux) = jax.grad(f, has_aux=True)(params)
+  n = jnp.maximum(n, 1.0)
+  return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
+
+
+def _grads(mcfg, params, batch, grad_accum, stages=1, virtual=1):
   """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32.
 
   -> (grads, mean loss, ForwardStats: max_logits maxed and expert_load summed over
   microbatches). Accumulator shapes come from the config, not from a trial forward pass.
+  With stages > 1 the microbatches run through the pipeline instead.
   """
+  if stages > 1:
+    return _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual)
 
   def micro(mb):
     def f(p):
@@ -109,7 +125,8 @@ def _gate(finite, new_state, old_state):
 def train_step(config, tx, schedule, state: TrainState, batch):
   """-> (new state, metrics). `config` is the full config (model, optimizer, train)."""
   mcfg, ocfg = config.model, config.optimizer
-  grads, loss, aux = _grads(mcfg, state.params, batch, config.train.grad_accum)
+  grads, loss, aux = _grads(mcfg, state.params, batch, config.train.grad_accum,
+                            config.mesh.pipeline, config.mesh.get("virtual_stages", 1))
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params,

@@ -29,6 +29,7 @@ from k2jax import configs, data as data_lib, metrics as metrics_lib, model, opti
 from k2jax import resume
 from k2jax.checkpoint import Checkpointer, CheckpointMismatch
 from k2jax.metrics import MetricsWriter
+from k2jax.parallel import pipeline
 from k2jax.step import TrainState, eval_step, init_state, train_step
 
 log = logging.getLogger("k2jax.train")
@@ -146,8 +147,8 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
     log.info("resuming with changed settings: %s", "; ".join(changes))
   t, m = config.train, config.model
   if config.mesh.pipeline > 1:
-    raise UserError(f"mesh.pipeline = {config.mesh.pipeline}: pipeline parallelism is not "
-                    "implemented yet; train with mesh.pipeline=1 (k2jax.plan accepts any mesh)")
+    log.info(pipeline.split(m, config.mesh.pipeline,
+                            config.mesh.get("virtual_stages", 1)).describe(m))
   try:  # mistakes in the mesh or the data files are the user's: one line, exit 2
     mesh = parallel.make_mesh(config.mesh)
     parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)

@@ -14,7 +14,8 @@ import numpy as np
 
 def meshes(out, *rest):
   """Train with the k2jax.train command line CLI_ARGS on each mesh spec: DxE (data x
-  expert), optionally /bB (train.batch_size B) and /aA (train.grad_accum A)."""
+  expert) or PxDxE (pipeline x data x expert), optionally /bB (train.batch_size B), /aA
+  (train.grad_accum A) and /vV (mesh.virtual_stages V)."""
   from k2jax import metrics, train
   sep = rest.index("--")
   specs, cli = rest[:sep], list(rest[sep + 1:])
@@ -22,11 +23,14 @@ def meshes(out, *rest):
   result = {}
   for s in specs:
     mesh, *opts = s.split("/")
-    d, e = map(int, mesh.split("x"))
+    sizes = [1] * (3 - len(mesh.split("x"))) + list(map(int, mesh.split("x")))
     config = base.copy_and_resolve_references()
-    config.mesh.update(dict(data=d, expert=e))
+    config.mesh.update(dict(zip(("pipeline", "data", "expert"), sizes)))
     for o in opts:
-      config.train[{"b": "batch_size", "a": "grad_accum"}[o[0]]] = int(o[1:])
+      if o[0] == "v":
+        config.mesh.virtual_stages = int(o[1:])
+      else:
+        config.train[{"b": "batch_size", "a": "grad_accum"}[o[0]]] = int(o[1:])
     workdir = f"{out}/{s.replace('/', '_')}"
     train.train(config, workdir)
     result[s] = {r["step"]: [r["loss"], r["max_logit"]] for r in metrics.read(workdir)}

@@ -123,6 +123,54 @@ def test_checkpoint_moves_between_meshes(tmp_path, runs):
     assert_close(losses(dst), runs["2x4"])
 
 
+# Deep enough to split: 1 dense + 8 MoE layers, 16-row batches, with the aux balance loss on
+# so its token weighting across microbatches is checked too.
+PIPE_CLI = [a.replace("num_hidden_layers=2", "num_hidden_layers=9").replace(
+    "batch_size=8", "batch_size=16").replace("steps=4", "steps=3") for a in CLI] + [
+    "--config.model.aux_loss_alpha=0.01"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+  """One device with the whole batch, and pipelined meshes on 8 devices: PxDxE/aM/vV."""
+  out = tmp_path_factory.mktemp("pipeline")
+  one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *PIPE_CLI, *NO_CHECKPOINTS)
+  eight = start_worker(8, "meshes", str(out / "eight"), "2x2x2/a2", "4x1x2/v2/a4", "8x1x1/a8",
+                       "2x4x1/v3/a4", "--", *PIPE_CLI, *NO_CHECKPOINTS)
+  return {**result(one), **result(eight)}
+
+
+@pytest.mark.parametrize("mesh", ["2x2x2/a2", "4x1x2/v2/a4", "8x1x1/a8", "2x4x1/v3/a4"])
+def test_pipeline_matches_one_device(pipeline_runs, mesh):
+  """pipeline=2 x data=2 x expert=2; pipeline=4 with 2 virtual stages over expert=2;
+  pipeline=8; and 8 MoE layers over 2 x 3 = 6 stages (2 per stage, the last two stages
+  identity): losses and max logits of one device with the whole batch (rel < 1e-5)."""
+  assert_close(pipeline_runs[mesh], pipeline_runs["1x1"])
+
+
+def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_runs):
+  src = tmp_path / "p2"
+  pipe = ["--config.mesh.pipeline=2", "--config.mesh.data=4", "--config.train.grad_accum=2"]
+  run = lambda devices, wd, *extra: subprocess.Popen(
+      [sys.executable, "-m", "k2jax.train", *PIPE_CLI, f"--workdir={wd}",
+       "--config.train.checkpoint_every=1", *extra], cwd=REPO, env=env(devices),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  err = finish(run(8, src, *pipe))
+  assert "pipeline: 8 moe_layers over 2 devices x 1 virtual" in err
+  assert_close(losses(src), pipeline_runs["1x1"])
+  one = tmp_path / "p1"
+  shutil.copytree(src, one)
+  for step in ("2", "3"):
+    shutil.rmtree(one / "checkpoints" / step)   # resume from step 1 on one device
+  assert "resumed from checkpoint step 1" in finish(run(1, one))
+  assert_close(losses(one), pipeline_runs["1x1"])
+  back = tmp_path / "back"
+  shutil.copytree(one, back)
+  shutil.rmtree(back / "checkpoints" / "3")     # and from step 2 on the pipeline again
+  assert "resumed from checkpoint step 2" in finish(run(8, back, *pipe))
+  assert_close(losses(back), pipeline_runs["1x1"])
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))

@@ -124,6 +124,12 @@ def validate(cfg: config_dict.ConfigDict) -> None:
   if t.batch_size % t.grad_accum:
     _fail("train.grad_accum", t.grad_accum, f"must divide train.batch_size ({t.batch_size})")
   _positive("mesh", mesh, "pipeline", "expert", "data")
+  if mesh.get("virtual_stages", 1) < 1:
+    _fail("mesh.virtual_stages", mesh.virtual_stages, "must be >= 1")
+  if mesh.pipeline > 1 and t.grad_accum < mesh.pipeline:
+    _fail("train.grad_accum", t.grad_accum,
+          f"must be >= mesh.pipeline ({mesh.pipeline}): the pipeline's microbatches are the "
+          "gradient-accumulation microbatches, and every stage needs one")
   if t.seq_len > cfg.model.max_position_embeddings:
     _fail("train.seq_len", t.seq_len,
           f"must be <= model.max_position_embeddings ({cfg.model.max_position_embeddings})")

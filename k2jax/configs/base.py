@@ -119,7 +119,8 @@ def train_config():
 
 
 def mesh_config():
-  return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1))
+  # virtual_stages: pipeline stages per pipeline device (interleaved schedule, report 2.4.2)
+  return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1, virtual_stages=1))
 
 
 def get_config():

@@ -39,9 +39,18 @@ def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model
 
 
 def param_shardings(specs, mesh: Mesh):
-  """NamedSharding per parameter of a parameter table (`k2jax.model.param_specs(cfg)`)."""
+  """NamedSharding per parameter of a parameter table (`k2jax.model.param_specs(cfg)`).
+
+  A layer stack whose depth the pipeline axis does not divide (K2: 60 MoE layers over 16
+  devices) is stored replicated over that axis: arrays keep their logical [layers, ...]
+  shape (checkpoints move between meshes) and device arrays need even shards. The pipeline
+  still runs each stage on its own device; only the storage is not split.
+  """
   def one(path, s):
     pspec = logical_spec(s.axes)
+    if (s.axes and s.axes[0] == "layers" and pspec[0] == "pipeline"
+        and s.shape[0] % mesh.shape["pipeline"]):
+      pspec = P(None, *pspec[1:])
     _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)
     return NamedSharding(mesh, pspec)
   return jax.tree_util.tree_map_with_path(one, specs, is_leaf=spec.is_spec)
