@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from k2jax.kernels.fp8 import fp8_saved
 from k2jax.kernels.gmm import grouped_matmul
 
 IMPLS = ("ragged", "capacity", "pallas_gpu", "gather", "dense")
@@ -69,6 +70,14 @@ def _swiglu(g, u):
   return checkpoint_name(h, "swiglu")
 
 
+def _up_and_swiglu(fp8: bool, mm):
+  """(up-projection, swiglu) for rows of tokens; with fp8 their saved inputs are FP8-E4M3
+  (report 2.4.3, kernels/fp8.py). mm(a, w) is the implementation's (grouped) matmul."""
+  if not fp8:
+    return mm, _swiglu
+  return fp8_saved(mm, 1), fp8_saved(_swiglu, 2)
+
+
 def sort_assignments(expert_ids, num_experts: int):
   """-> (order [A] assignment ids sorted by expert, group_sizes [E], rank [A] of each
   assignment within its expert), A = N k, assignments in token-major order."""
@@ -82,19 +91,23 @@ def sort_assignments(expert_ids, num_experts: int):
   return order, sizes, rank
 
 
-def _ragged(x, expert_ids, combine, gate, up, down, gmm_impl="auto", interpret=False):
+def _ragged(x, expert_ids, combine, gate, up, down, gmm_impl="auto", interpret=False,
+            fp8=False):
   N, k = expert_ids.shape
   order, sizes, _ = sort_assignments(expert_ids, gate.shape[0])
   dt = x.dtype
-  mm = lambda a, w: grouped_matmul(a, w.astype(dt), sizes, impl=gmm_impl, interpret=interpret)
+  gm = lambda a, w, sizes: grouped_matmul(a, w.astype(dt), sizes, impl=gmm_impl,
+                                          interpret=interpret)
+  up_mm, sw = _up_and_swiglu(fp8, gm)
   rows = checkpoint_name(take_rows(x, order // k, N), "moe_input")     # grouped by expert
-  y = checkpoint_name(mm(_swiglu(mm(rows, gate), mm(rows, up)), down), "moe_down")
+  y = checkpoint_name(gm(sw(up_mm(rows, gate, sizes), up_mm(rows, up, sizes)), down, sizes),
+                      "moe_down")
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   y = take_rows(y, inverse, y.shape[0]).reshape(N, k, -1)              # back to token order
   return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
 
 
-def _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank):
+def _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank, fp8=False):
   """The routed output of every assignment with rank < C (the rest contribute 0)."""
   N, k = expert_ids.shape
   E, d = gate.shape[0], x.shape[-1]
@@ -104,23 +117,24 @@ def _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank):
   src = jnp.full((E * C,), -1, jnp.int32).at[jnp.where(slot < 0, E * C, slot)].set(
       jnp.arange(N * k, dtype=jnp.int32) // k, mode="drop")
   xb = checkpoint_name(take_rows(x, src, N).reshape(E, C, d), "moe_input")
-  mm = lambda a, w, eq: jnp.einsum(eq, a, w.astype(dt))
-  h = _swiglu(mm(xb, gate, "ecd,edf->ecf"), mm(xb, up, "ecd,edf->ecf"))
-  yb = checkpoint_name(mm(h, down, "ecf,efd->ecd"), "moe_down").reshape(E * C, d)
+  up_mm, sw = _up_and_swiglu(fp8, lambda a, w: jnp.einsum("ecd,edf->ecf", a, w.astype(dt)))
+  h = sw(up_mm(xb, gate), up_mm(xb, up))
+  yb = checkpoint_name(jnp.einsum("ecf,efd->ecd", h, down.astype(dt)), "moe_down")
+  yb = yb.reshape(E * C, d)
   y = take_rows(yb, slot, E * C).reshape(N, k, d)
   return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
 
 
-def _capacity(x, expert_ids, combine, gate, up, down, factor=CAPACITY_FACTOR):
+def _capacity(x, expert_ids, combine, gate, up, down, factor=CAPACITY_FACTOR, fp8=False):
   N, k = expert_ids.shape
   E = gate.shape[0]
   _, sizes, rank = sort_assignments(expert_ids, E)
   C = min(N * k, max(8, -(-int(factor * N * k / E + 0.999) // 8) * 8))
-  y = _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank)
+  y = _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank, fp8)
   over = rank.reshape(expert_ids.shape) >= C
 
   def overflow(x, expert_ids, combine, gate, up, down):
-    return _ragged(x, expert_ids, jnp.where(over, combine, 0), gate, up, down)
+    return _ragged(x, expert_ids, jnp.where(over, combine, 0), gate, up, down, fp8=fp8)
 
   # Checkpointed so the untaken branch costs no residuals.
   return y + jax.lax.cond(jnp.any(over), jax.checkpoint(overflow),
@@ -148,13 +162,18 @@ def _dense(x, expert_ids, combine, gate, up, down):
 
 
 def routed_experts(x, expert_ids, combine, gate, up, down, *, impl: str = "auto",
-                   interpret: bool = False):
-  """The routed-expert output [N, d] (see the module docstring for the math and impls)."""
+                   interpret: bool = False, fp8_storage: bool = False):
+  """The routed-expert output [N, d] (see the module docstring for the math and impls).
+
+  fp8_storage: keep the up-projection and SwiGLU inputs saved for the backward pass in
+  FP8-E4M3 (ragged and capacity; the fused Pallas kernels save their own residuals, and
+  gather / dense serve decoding and tests).
+  """
   impl = auto_impl() if impl == "auto" else impl
   if impl == "ragged":
-    return _ragged(x, expert_ids, combine, gate, up, down)
+    return _ragged(x, expert_ids, combine, gate, up, down, fp8=fp8_storage)
   if impl == "capacity":
-    return _capacity(x, expert_ids, combine, gate, up, down)
+    return _capacity(x, expert_ids, combine, gate, up, down, fp8=fp8_storage)
   if impl == "pallas_gpu":
     from k2jax.kernels import moe_gpu
     return moe_gpu.routed_experts(x, expert_ids, combine, gate, up, down, interpret=interpret)

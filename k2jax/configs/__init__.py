@@ -103,6 +103,7 @@ def validate_model(m: config_dict.ConfigDict, group: str = "model") -> None:
           "tied embeddings are not implemented")
   for key, allowed in (("dtype", ("float32", "bfloat16")), ("param_dtype", ("float32", "bfloat16")),
                        ("moe_impl", ("auto", "ragged", "capacity", "pallas_gpu", "gather", "dense")), ("remat", ("none", "selective", "full")),
+                       ("activation_storage", ("model", "fp8")),
                        ("ep_transport", ("auto", "ragged", "bucketed", "padded")),
                        ("attention_impl", ("auto", "xla", "chunked", "pallas_gpu", "pallas_tpu"))):
     if m[key] not in allowed:

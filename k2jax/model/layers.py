@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from k2jax.kernels.fp8 import fp8_saved
 from k2jax.model import spec
 
 
@@ -26,7 +27,12 @@ def swiglu(gate, up):
   return checkpoint_name(h, "swiglu")
 
 
-def mlp(p, x):
+def mlp(p, x, fp8_storage: bool = False):
+  """fp8_storage: the up-projection and SwiGLU inputs are saved for backward in FP8-E4M3
+  (report 2.4.3, kernels/fp8.py); the forward pass is unchanged."""
   dt = x.dtype
-  h = swiglu(x @ p["gate"].astype(dt), x @ p["up"].astype(dt))
+  mm, sw = lambda a, w: a @ w.astype(dt), swiglu
+  if fp8_storage:
+    mm, sw = fp8_saved(mm, 1), fp8_saved(swiglu, 2)
+  h = sw(mm(x, p["gate"]), mm(x, p["up"]))
   return h @ p["down"].astype(dt)

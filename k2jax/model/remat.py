@@ -10,6 +10,8 @@ The model tags activations with `jax.ad_checkpoint.checkpoint_name`:
 so recomputation is a policy choice in `model.remat`, not a model change.
 """
 
+import logging
+
 import jax
 
 from k2jax.kernels import flash
@@ -18,15 +20,43 @@ from k2jax.kernels import flash
 SELECTIVE_RECOMPUTE = ("norm", "swiglu", "mla_up", "moe_down")
 
 
-def remat_policy(name: str):
-  """None (keep everything, no jax.checkpoint) | a jax.checkpoint policy."""
+# Every name the model tags (module docstring); what `offload` moves to host memory is the
+# part of these the recomputation policy keeps.
+NAMES = ("norm", "mla_up", "moe_input", "swiglu_input", "swiglu", "moe_down")
+
+
+def host_memory_kind():
+  """The backend's host memory space for offloaded activations, or None if it has none."""
+  kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+  return "pinned_host" if "pinned_host" in kinds else None
+
+
+def remat_policy(name: str, offload: bool = False):
+  """None (keep everything, no jax.checkpoint) | a jax.checkpoint policy.
+
+  offload=True (report 2.4.3, CPU offload): the named activations the policy would keep are
+  copied to host memory after the forward pass and back for the backward pass; untagged
+  intermediates are recomputed. On a backend without a host memory space it is the policy
+  without offload (and a warning).
+  """
+  if name not in ("none", "selective", "full"):
+    raise ValueError(f"model.remat = {name!r}: must be one of none, selective, full")
+  if offload and name != "full":
+    if host_memory_kind() is None:
+      logging.getLogger("k2jax.model").warning(
+          "model.offload: %s has no host memory space; activations stay on the device",
+          jax.default_backend())
+    else:
+      recompute = SELECTIVE_RECOMPUTE if name == "selective" else ()
+      return jax.checkpoint_policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=[
+              n for n in NAMES if n not in recompute],
+          offload_src="device", offload_dst="pinned_host")
   if name == "none":
     return None
   if name == "full":
     return jax.checkpoint_policies.nothing_saveable
-  if name == "selective":
-    return jax.checkpoint_policies.save_anything_except_these_names(*SELECTIVE_RECOMPUTE)
-  raise ValueError(f"model.remat = {name!r}: must be one of none, selective, full")
+  return jax.checkpoint_policies.save_anything_except_these_names(*SELECTIVE_RECOMPUTE)
 
 
 def saved_bytes_per_token(cfg, ffn: str, seq_len: int, *, remat: str, attention_impl: str,

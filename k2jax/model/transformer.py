@@ -83,7 +83,7 @@ def init(cfg, rng):
 def feed_forward(cfg, ffn, p, h, valid=None):
   """The layer's MLP half on normed h: (y, MoEStats or None for a dense layer)."""
   if ffn == "mlp":
-    return mlp(p["mlp"], h), None
+    return mlp(p["mlp"], h, cfg.activation_storage == "fp8"), None
   return moe(cfg, p["moe"], h, valid)
 
 
@@ -101,7 +101,7 @@ def _block(cfg, ffn, x, p, positions, segment_ids, return_latents=False):
 def _run_stack(cfg, ffn, stacked, x, positions, segment_ids, return_latents=False):
   def body(x, p):
     return _block(cfg, ffn, x, p, positions, segment_ids, return_latents)
-  policy = remat_policy(cfg.remat)
+  policy = remat_policy(cfg.remat, cfg.offload)
   if policy is not None:
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
   return jax.lax.scan(body, x, stacked)

@@ -101,7 +101,7 @@ def _stage_fn(cfg, ffn):
     y, (ml, ms) = transformer._block(cfg, ffn, x, p, positions, segment_ids)
     return jnp.where(on, y, x), (ml, ms)
 
-  policy = remat_policy(cfg.remat)
+  policy = remat_policy(cfg.remat, cfg.offload)
   if policy is not None:
     layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
