@@ -151,12 +151,13 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
                             config.mesh.get("virtual_stages", 1)).describe(m))
   try:  # mistakes in the mesh or the data files are the user's: one line, exit 2
     mesh = parallel.make_mesh(config.mesh)
-    parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
+    index, count = parallel.process_batch_slice(
+        parallel.batch_sharding(mesh, t.batch_size, t.grad_accum), t.batch_size)
     if build_data is None:
-      data = data_lib.build(config.data, t, m.vocab_size, process_index=jax.process_index(),
-                            process_count=jax.process_count())
+      data = data_lib.build(config.data, t, m.vocab_size, process_index=index,
+                            process_count=count)
     else:
-      data = build_data(config, jax.process_index(), jax.process_count())
+      data = build_data(config, index, count)
   except (ValueError, OSError) as e:
     raise UserError(str(e).splitlines()[0]) from None
   if main_process:

@@ -171,6 +171,21 @@ def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_run
   assert_close(losses(back), pipeline_runs["1x1"])
 
 
+def test_pipeline_across_two_processes_matches_one_device(tmp_path, pipeline_runs):
+  """2 processes x 4 devices, the pipeline axis across them (stage 0 on process 0): both
+  feed the same rows (k2jax.parallel.process_batch_slice) and the run equals one device."""
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "k2jax.train", *PIPE_CLI, *NO_CHECKPOINTS, f"--workdir={tmp_path}",
+       "--config.mesh.pipeline=2", "--config.mesh.data=2", "--config.mesh.expert=2",
+       "--config.train.grad_accum=2", f"--coordinator_address=localhost:{port}",
+       "--num_processes=2", f"--process_id={i}"], cwd=REPO, env=env(4),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  for p in procs:
+    finish(p)
+  assert_close(losses(tmp_path), pipeline_runs["1x1"])
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))

@@ -1,8 +1,8 @@
 """Meshes, logical-axis sharding rules and the shardings of the training state."""
 
 from k2jax.parallel.mesh import (MESH_AXES, RULES, batch_sharding, logical_spec, make_mesh,
-                                 param_shardings, replicated)
+                                 param_shardings, process_batch_slice, replicated)
 from k2jax.parallel.state import state_shardings
 
 __all__ = ["MESH_AXES", "RULES", "make_mesh", "logical_spec", "param_shardings",
-           "batch_sharding", "replicated", "state_shardings"]
+           "batch_sharding", "process_batch_slice", "replicated", "state_shardings"]

@@ -1,0 +1,204 @@
+"""Pipeline parallelism and activation reduction, measured on 8 simulated CPU devices.
+
+    python experiments/bench_pipeline.py [--loss-steps 200]
+
+Tables (printed, and CSV under experiments/results/pipeline/):
+  1. parameter bytes per device for pipeline = 1, 2, 4, 8 (1 dense + 8 MoE layers);
+  2. bubble: idle (device, iteration) slots of the schedule k2jax.parallel.pipeline runs,
+     counted, against (P - 1) / (M V + P - 1);
+  3. activation memory (compiled memory analysis, temp bytes of one device's gradient program)
+     vs microbatches M at a fixed microbatch size: pipeline=2 (GPipe-style: linear in M) and
+     the unpipelined accumulation loop (flat) beside it;
+  4. saved-activation bytes of one training step with model.activation_storage = model / fp8
+     and model.offload (host bytes are what moved off the device);
+  5. --loss-steps steps of the tiny config in bfloat16 with model / fp8 activation storage:
+     final losses (the report: FP8 storage costs no measurable loss).
+Wall times on simulated devices share 2 cores and say nothing about a real pipeline, so none
+are reported; the matmul rate of this machine is printed for scale.
+"""
+
+import argparse
+import csv
+import functools
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k2jax import configs, model, parallel  # noqa: E402
+from k2jax.parallel import pipeline  # noqa: E402
+from k2jax.step import _grads  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(__file__), "results", "pipeline")
+
+
+def write(name, rows):
+  os.makedirs(OUT, exist_ok=True)
+  with open(os.path.join(OUT, name), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+  keys = list(rows[0])
+  print(" | ".join(keys))
+  for r in rows:
+    print(" | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+  print()
+
+
+def matmul_rate():
+  a = jnp.ones((1024, 1024), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(5):
+    f(a).block_until_ready()
+  return 5 * 2 * 1024 ** 3 / (time.perf_counter() - t) / 1e9
+
+
+def deep_config(layers=9):
+  c = configs.get_config("tiny")
+  c.model.num_hidden_layers = layers
+  c.model.aux_loss_alpha = 0.01
+  return c
+
+
+def param_bytes():
+  m = deep_config().model
+  specs = model.param_specs(m)
+  abstract = jax.eval_shape(functools.partial(model.init, m), jax.random.key(0))
+  rows = []
+  total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+  for P in (1, 2, 4, 8):
+    mesh = parallel.make_mesh(dict(pipeline=P, data=8 // P, expert=1))
+    sh = parallel.param_shardings(specs, mesh)
+    per = sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+              for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(sh)))
+    rows.append(dict(pipeline=P, param_bytes_per_device=per, total_param_bytes=total,
+                     fraction=per / total, ideal=1 / P))
+  write("param_bytes.csv", rows)
+
+
+def idle_slots(P, V, M):
+  """Count the schedule's idle (device, iteration) slots: i = t - p outside [0, M V)."""
+  n_it = M * V + P - 1
+  busy = sum(1 for t in range(n_it) for p in range(P) if 0 <= t - p < M * V)
+  return 1 - busy / (n_it * P)
+
+
+def bubbles():
+  rows = []
+  for P, V, M in ((2, 1, 2), (2, 1, 8), (4, 1, 4), (4, 2, 4), (4, 2, 16), (8, 1, 8),
+                  (16, 1, 16), (16, 4, 32)):
+    rows.append(dict(pipeline=P, virtual=V, microbatches=M, counted=idle_slots(P, V, M),
+                     theory=pipeline.bubble(P, V, M)))
+  write("bubble.csv", rows)
+
+
+def batch(B, T, vocab, seed=0):
+  toks = np.random.default_rng(seed).integers(0, vocab, (B, T + 1))
+  return dict(inputs=jnp.asarray(toks[:, :-1]), targets=jnp.asarray(toks[:, 1:]),
+              positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
+              segment_ids=jnp.ones((B, T), jnp.int32), loss_mask=jnp.ones((B, T), jnp.float32))
+
+
+def temp_bytes(m, mesh_shape, B, T, M, P, V=1):
+  n = mesh_shape["pipeline"] * mesh_shape["data"] * mesh_shape["expert"]
+  mesh = parallel.make_mesh(mesh_shape, jax.devices()[:n])
+  with jax.set_mesh(mesh):
+    sh = parallel.param_shardings(model.param_specs(m), mesh)
+    abstract = jax.eval_shape(functools.partial(model.init, m), jax.random.key(0))
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, sh)
+    bs = parallel.batch_sharding(mesh, B, M)
+    b = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=bs),
+                     batch(B, T, m.vocab_size))
+    c = jax.jit(lambda p, b: _grads(m, p, b, M, P, V)).lower(params, b).compile()
+    return c.memory_analysis()
+
+
+def memory_vs_microbatches():
+  m = deep_config().model
+  m.remat = "selective"
+  rows = []
+  mb, T = 2, 64
+  for M in (2, 4, 8):
+    pipe = temp_bytes(m, dict(pipeline=2, data=4, expert=1), mb * 4 * M, T, M, 2)
+    loop = temp_bytes(m, dict(pipeline=1, data=8, expert=1), mb * 8 * M, T, M, 1)
+    rows.append(dict(microbatches=M, rows_per_microbatch_per_device=mb,
+                     pipeline2_temp_MB=pipe.temp_size_in_bytes / 1e6,
+                     accumulation_loop_temp_MB=loop.temp_size_in_bytes / 1e6))
+  write("memory_vs_microbatches.csv", rows)
+
+
+def storage():
+  rows = []
+  for remat in ("none", "selective"):
+    for store, offload in (("model", False), ("fp8", False), ("model", True)):
+      if remat == "none" and offload:
+        continue
+      c = deep_config(4)
+      m = c.model
+      m.update(dict(dtype="bfloat16", remat=remat, activation_storage=store, offload=offload,
+                    n_routed_experts=16, moe_intermediate_size=256, intermediate_size=512))
+      ma = temp_bytes(m, dict(pipeline=1, data=1, expert=1), 4, 512, 1, 1)
+      rows.append(dict(remat=remat, activation_storage=store, offload=offload,
+                       device_temp_MB=ma.temp_size_in_bytes / 1e6,
+                       host_temp_MB=ma.host_temp_size_in_bytes / 1e6))
+  base = {r["remat"]: r["device_temp_MB"] for r in rows
+          if r["activation_storage"] == "model" and not r["offload"]}
+  for r in rows:
+    r["device_vs_model_storage"] = r["device_temp_MB"] / base[r["remat"]]
+  write("activation_storage.csv", rows)
+
+
+def loss_fp8(steps):
+  """Each run in its own process: one device, the tiny preset's own mesh."""
+  import json
+  import shutil
+  import subprocess
+  rows = []
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  repo = os.path.join(os.path.dirname(__file__), "..")
+  env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+  for store in ("model", "fp8"):
+    wd = os.path.join("/tmp", f"k2jax_bench_pipeline_{store}")
+    shutil.rmtree(wd, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "k2jax.train", "--config=tiny", f"--workdir={wd}",
+                    "--config.model.dtype=bfloat16",
+                    f"--config.model.activation_storage={store}",
+                    f"--config.train.steps={steps}", "--config.train.checkpoint_every=0",
+                    f"--config.train.eval_every={steps}", "--config.train.log_every=10",
+                    f"--config.optimizer.warmup_steps={steps // 10}",
+                    f"--config.optimizer.decay_steps={steps // 4}"],
+                   check=True, env=env, cwd=repo, stderr=subprocess.DEVNULL)
+    with open(os.path.join(wd, "metrics.jsonl")) as f:
+      last = [json.loads(line) for line in f][-1]
+    rows.append(dict(activation_storage=store, steps=steps, final_train_loss=last["loss"],
+                     eval_loss=last.get("eval_loss", float("nan"))))
+  for r in rows:
+    r["eval_vs_model_storage"] = r["eval_loss"] / rows[0]["eval_loss"] - 1
+  write("fp8_loss.csv", rows)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--loss-steps", type=int, default=200)
+  ap.add_argument("--only", default="params,bubble,memory,storage,loss")
+  a = ap.parse_args()
+  only = a.only.split(",")
+  print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
+        "GFLOP/s on this machine\n")
+  steps = {"params": param_bytes, "bubble": bubbles, "memory": memory_vs_microbatches,
+           "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}
+  for name in only:
+    steps[name]()
+
+
+if __name__ == "__main__":
+  main()
