@@ -25,6 +25,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from k2jax import configs, model
 from k2jax.model import remat as remat_lib, spec
 from k2jax.parallel import MESH_AXES, logical_spec
+from k2jax.parallel.pipeline import bubble
 from k2jax.parallel.state import zero1
 
 GB = 1e9
@@ -73,7 +74,7 @@ def state_bytes(mcfg, mesh_shape, param_bytes=2, grad_bytes=4):
 
 
 def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
-                     attention_impl=None, storage=None):
+                     attention_impl=None, storage=None, virtual_stages=1, microbatches=None):
   """Activation memory of the first pipeline stage, the one holding the most.
 
   Per layer and token, what the configured implementation keeps for the backward pass
@@ -81,8 +82,11 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   and the activation storage), for every layer of the stage; plus the working set of the
   layer being differentiated (all its activations, recomputed ones included) and of the
   head (f32 logits and their gradient). Per device, micro_batch sequences of seq_len tokens
-  (tokens are split over data x expert), with up to `pipeline` microbatches in flight on the
-  first stage (1F1B). Settings default to the config's. Returns (bytes, the settings used).
+  (tokens are split over data x expert). With pipeline > 1, k2jax.parallel.pipeline's
+  schedule: every stage is recomputed in the backward pass, so a device keeps one stage input
+  ([micro_batch, seq_len, hidden]) per iteration, M V + P - 1 of them, plus one stage's saved
+  activations while it is differentiated. Settings default to the config's. Returns (bytes,
+  the settings used).
   """
   m = mcfg
   settings = dict(remat=remat or m.remat,
@@ -95,7 +99,14 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
       **settings, **kw}).values())
   saved = sum(layer(ffn) * n for ffn, n in (("mlp", dense), ("moe", per_stage - dense)))
   working = max(layer(ffn, remat="none") for ffn in ("mlp", "moe")) + 8 * m.vocab_size
-  return (saved * stages + working) * seq_len * micro_batch, settings
+  if stages == 1:
+    return (saved + working) * seq_len * micro_batch, settings
+  M = microbatches or stages
+  a = 4 if m.dtype == "float32" else 2
+  per_stage = math.ceil(m.num_hidden_layers / (stages * virtual_stages))
+  stage = layer("moe") * per_stage
+  inputs = (M * virtual_stages + stages - 1) * a * m.hidden_size
+  return (inputs + stage + working) * seq_len * micro_batch, settings
 
 
 def _leaves_with_path(tree):
@@ -123,11 +134,15 @@ def parse_mesh(text: str, devices: int | None) -> dict:
   return mesh
 
 
-def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4) -> str:
+def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4, *,
+           virtual_stages=None, microbatches=None, remat=None, storage=None) -> str:
   cfg = configs.get_config(name)
+  virtual_stages = virtual_stages or cfg.mesh.get("virtual_stages", 1)
   seq_len = seq_len or cfg.train.seq_len
   st = state_bytes(cfg.model, mesh, param_bytes, grad_bytes)
-  act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch)
+  M = microbatches or max(mesh["pipeline"], cfg.train.grad_accum)
+  act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
+                               storage=storage, virtual_stages=virtual_stages, microbatches=M)
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
            f"params {param_bytes} B, grads {grad_bytes} B, seq_len {seq_len}, "
@@ -141,6 +156,10 @@ def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4)
   lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}   remat={used['remat']}, "
                f"attention={used['attention_impl']}, storage={used['storage']}")
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
+  if mesh["pipeline"] > 1:
+    P = mesh["pipeline"]
+    lines.append(f"pipeline: {P} devices x {virtual_stages} virtual stages, {M} microbatches: "
+                 f"bubble (P - 1) / (M V + P - 1) = {bubble(P, virtual_stages, M):.1%}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "
@@ -161,11 +180,21 @@ def main(argv=None):
   p.add_argument("--micro_batch", type=int, default=1, help="sequences per device per microbatch")
   p.add_argument("--param_bytes", type=int, default=2)
   p.add_argument("--grad_bytes", type=int, default=4)
+  p.add_argument("--virtual_stages", type=int, default=None,
+                 help="pipeline stages per device (default: the config's)")
+  p.add_argument("--microbatches", type=int, default=None,
+                 help="pipeline microbatches (train.grad_accum; default max(pipeline, config's))")
+  p.add_argument("--remat", choices=("none", "selective", "full"), default=None)
+  p.add_argument("--storage", choices=("model", "fp8"), default=None,
+                 help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
   args = p.parse_args(argv)
   try:
     mesh = parse_mesh(args.mesh, args.devices)
+    if (args.virtual_stages or 1) < 1 or (args.microbatches or mesh["pipeline"]) < mesh["pipeline"]:
+      raise ValueError("--virtual_stages must be >= 1 and --microbatches >= pipeline")
     print(report(args.config, mesh, args.seq_len, args.micro_batch, args.param_bytes,
-                 args.grad_bytes))
+                 args.grad_bytes, virtual_stages=args.virtual_stages,
+                 microbatches=args.microbatches, remat=args.remat, storage=args.storage))
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)
     raise SystemExit(2)

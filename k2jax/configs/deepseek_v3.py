@@ -41,4 +41,5 @@ def get_config():
   ))
   c.train.update(dict(seq_len=4096, batch_size=15360))
   c.mesh.update(dict(pipeline=16, expert=16, data=1))
+  c.train.grad_accum = 16     # every pipeline stage needs a microbatch
   return c
