@@ -65,7 +65,7 @@ def main():
           print("decode: experiments/bench_decode.py not present, skipped")
           continue
         import bench_decode
-        bench_decode.gpu(argparse.Namespace(out=os.path.join(args.out, "decode")))
+        bench_decode.gpu(argparse.Namespace(out=os.path.join(args.out, "decode"), new_tokens=64))
       summary.append(f"{part}: ok in {time.time() - t0:.0f}s")
     except Exception:
       traceback.print_exc()

@@ -43,6 +43,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sft-steps", type=int, default=1000)
   ap.add_argument("--iterations", type=int, default=40)
+  ap.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (tiny_rl's by default)")
   ap.add_argument("--out", default="experiments/out/rl_arithmetic")
   ap.add_argument("--results", default="experiments/results/rl")
   a = ap.parse_args()
@@ -64,15 +65,19 @@ def main():
   r.rl.iterations = a.iterations
   r.train.steps = r.rl.iterations * r.rl.updates_per_iteration
   r.model = c.model
+  rl_dir = os.path.join(a.out, "rl")
+  if a.rl_lr is not None:
+    r.optimizer.update(dict(learning_rate=a.rl_lr, end_learning_rate=a.rl_lr / 10))
+    rl_dir += f"_lr{a.rl_lr:g}"
   # greedy SFT output is well formed; sampling at 1.0 from a tiny model mostly runs past the
   # 32-token budget, leaving no reward signal to learn from
   r.rl.temperature_start = 0.8
-  out = rl_train.run(r, os.path.join(a.out, "rl"), init=lambda: sft_params)
+  out = rl_train.run(r, rl_dir, init=lambda: sft_params)
   after, examples_after = greedy_accuracy(r.model, out["state"].params, tok)
   print(f"after RL: greedy accuracy {after:.3f}; e.g. {examples_after}")
 
   rows = []
-  with open(os.path.join(a.out, "rl", "metrics.jsonl")) as f:
+  with open(os.path.join(rl_dir, "metrics.jsonl")) as f:
     for line in f:
       m = json.loads(line)
       rows.append({k: m.get(k, "") for k in ("step", "mean_reward", "truncated_frac",
@@ -84,6 +89,7 @@ def main():
     w.writeheader()
     w.writerows(rows)
   summary = {"sft_steps": a.sft_steps, "iterations": a.iterations,
+             "rl_learning_rate": r.optimizer.learning_rate,
              "greedy_accuracy_after_sft": before, "greedy_accuracy_after_rl": after,
              "examples_after_rl": examples_after}
   with open(os.path.join(a.results, "summary.json"), "w") as f:
