@@ -7,8 +7,8 @@ Tables (printed, and CSV under experiments/results/pipeline/):
   2. bubble: idle (device, iteration) slots of the schedule k2jax.parallel.pipeline runs,
      counted, against (P - 1) / (M V + P - 1);
   3. activation memory (compiled memory analysis, temp bytes of one device's gradient program)
-     vs microbatches M at a fixed microbatch size: pipeline=2 (GPipe-style: linear in M) and
-     the unpipelined accumulation loop (flat) beside it;
+     vs microbatches M at a fixed microbatch size: pipeline=2 with the 1f1b schedule (flat in
+     M) and the gpipe schedule (linear in M), and the unpipelined accumulation loop beside;
   4. saved-activation bytes of one training step with model.activation_storage = model / fp8
      and model.offload (host bytes are what moved off the device);
   5. --loss-steps steps of the tiny config in bfloat16 with model / fp8 activation storage:
@@ -107,7 +107,7 @@ def batch(B, T, vocab, seed=0):
               segment_ids=jnp.ones((B, T), jnp.int32), loss_mask=jnp.ones((B, T), jnp.float32))
 
 
-def temp_bytes(m, mesh_shape, B, T, M, P, V=1):
+def temp_bytes(m, mesh_shape, B, T, M, P, V=1, schedule="1f1b"):
   n = mesh_shape["pipeline"] * mesh_shape["data"] * mesh_shape["expert"]
   mesh = parallel.make_mesh(mesh_shape, jax.devices()[:n])
   with jax.set_mesh(mesh):
@@ -118,7 +118,7 @@ def temp_bytes(m, mesh_shape, B, T, M, P, V=1):
     bs = parallel.batch_sharding(mesh, B, M)
     b = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=bs),
                      batch(B, T, m.vocab_size))
-    c = jax.jit(lambda p, b: _grads(m, p, b, M, P, V)).lower(params, b).compile()
+    c = jax.jit(lambda p, b: _grads(m, p, b, M, P, V, schedule)).lower(params, b).compile()
     return c.memory_analysis()
 
 
@@ -127,11 +127,13 @@ def memory_vs_microbatches():
   m.remat = "selective"
   rows = []
   mb, T = 2, 64
-  for M in (2, 4, 8):
-    pipe = temp_bytes(m, dict(pipeline=2, data=4, expert=1), mb * 4 * M, T, M, 2)
+  for M in (2, 4, 8, 16):
+    f1b = temp_bytes(m, dict(pipeline=2, data=4, expert=1), mb * 4 * M, T, M, 2, 1, "1f1b")
+    pipe = temp_bytes(m, dict(pipeline=2, data=4, expert=1), mb * 4 * M, T, M, 2, 1, "gpipe")
     loop = temp_bytes(m, dict(pipeline=1, data=8, expert=1), mb * 8 * M, T, M, 1)
     rows.append(dict(microbatches=M, rows_per_microbatch_per_device=mb,
-                     pipeline2_temp_MB=pipe.temp_size_in_bytes / 1e6,
+                     pipeline2_1f1b_temp_MB=f1b.temp_size_in_bytes / 1e6,
+                     pipeline2_gpipe_temp_MB=pipe.temp_size_in_bytes / 1e6,
                      accumulation_loop_temp_MB=loop.temp_size_in_bytes / 1e6))
   write("memory_vs_microbatches.csv", rows)
 

@@ -74,7 +74,8 @@ def state_bytes(mcfg, mesh_shape, param_bytes=2, grad_bytes=4):
 
 
 def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
-                     attention_impl=None, storage=None, virtual_stages=1, microbatches=None):
+                     attention_impl=None, storage=None, virtual_stages=1, microbatches=None,
+                     schedule="1f1b"):
   """Activation memory of the first pipeline stage, the one holding the most.
 
   Per layer and token, what the configured implementation keeps for the backward pass
@@ -83,9 +84,9 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   layer being differentiated (all its activations, recomputed ones included) and of the
   head (f32 logits and their gradient). Per device, micro_batch sequences of seq_len tokens
   (tokens are split over data x expert). With pipeline > 1, k2jax.parallel.pipeline's
-  schedule: every stage is recomputed in the backward pass, so a device keeps one stage input
-  ([micro_batch, seq_len, hidden]) per iteration, M V + P - 1 of them, plus one stage's saved
-  activations while it is differentiated. Settings default to the config's. Returns (bytes,
+  schedule: 1f1b keeps at most 2 P V stage inputs ([micro_batch, seq_len, hidden]) and one
+  stage's saved activations while it is differentiated; gpipe keeps every stage's saved
+  activations for all M microbatches. Settings default to the config's. Returns (bytes,
   the settings used).
   """
   m = mcfg
@@ -105,7 +106,9 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   a = 4 if m.dtype == "float32" else 2
   per_stage = math.ceil(m.num_hidden_layers / (stages * virtual_stages))
   stage = layer("moe") * per_stage
-  inputs = (M * virtual_stages + stages - 1) * a * m.hidden_size
+  if schedule == "gpipe":   # every stage's activations of every microbatch
+    return (stage * M * virtual_stages + working) * seq_len * micro_batch, settings
+  inputs = 2 * stages * virtual_stages * a * m.hidden_size
   return (inputs + stage + working) * seq_len * micro_batch, settings
 
 
@@ -141,8 +144,10 @@ def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4,
   seq_len = seq_len or cfg.train.seq_len
   st = state_bytes(cfg.model, mesh, param_bytes, grad_bytes)
   M = microbatches or max(mesh["pipeline"], cfg.train.grad_accum)
+  schedule = cfg.mesh.get("pipeline_schedule", "1f1b")
   act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
-                               storage=storage, virtual_stages=virtual_stages, microbatches=M)
+                               storage=storage, virtual_stages=virtual_stages, microbatches=M,
+                               schedule=schedule)
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
            f"params {param_bytes} B, grads {grad_bytes} B, seq_len {seq_len}, "
@@ -158,7 +163,8 @@ def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4,
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
   if mesh["pipeline"] > 1:
     P = mesh["pipeline"]
-    lines.append(f"pipeline: {P} devices x {virtual_stages} virtual stages, {M} microbatches: "
+    lines.append(f"pipeline ({schedule}): {P} devices x {virtual_stages} virtual stages, "
+                 f"{M} microbatches: "
                  f"bubble (P - 1) / (M V + P - 1) = {bubble(P, virtual_stages, M):.1%}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12

@@ -56,19 +56,24 @@ def microbatches(batch, n: int):
                       batch)
 
 
-def _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual):
+def _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual, schedule="1f1b"):
   """_grads with the microbatches flowing through pipeline stages (k2jax.parallel.pipeline):
-  one differentiated forward over all microbatches instead of a loop of them."""
-  def f(p):
-    ce_sum, n, aux_sum, stats = pipeline.loss(mcfg, p, microbatches(batch, grad_accum),
-                                              stages=stages, virtual=virtual)
-    return ce_sum + aux_sum, (ce_sum, n, stats)
-  g, (ce_sum, n, aux) = jax.grad(f, has_aux=True)(params)
+  "1f1b" interleaves each stage's forward and backward passes (activation memory
+  independent of the microbatch count); "gpipe" differentiates the pipelined forward."""
+  mbs = microbatches(batch, grad_accum)
+  if schedule == "1f1b":
+    ce_sum, n, _, aux, g = pipeline.loss_and_grads_1f1b(mcfg, params, mbs, stages=stages,
+                                                        virtual=virtual)
+  else:
+    def f(p):
+      ce_sum, n, aux_sum, stats = pipeline.loss(mcfg, p, mbs, stages=stages, virtual=virtual)
+      return ce_sum + aux_sum, (ce_sum, n, stats)
+    g, (ce_sum, n, aux) = jax.grad(f, has_aux=True)(params)
   n = jnp.maximum(n, 1.0)
   return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
 
 
-def _grads(mcfg, params, batch, grad_accum, stages=1, virtual=1):
+def _grads(mcfg, params, batch, grad_accum, stages=1, virtual=1, schedule="1f1b"):
   """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32.
 
   -> (grads, mean loss, ForwardStats: max_logits maxed and expert_load summed over
@@ -76,7 +81,7 @@ def _grads(mcfg, params, batch, grad_accum, stages=1, virtual=1):
   With stages > 1 the microbatches run through the pipeline instead.
   """
   if stages > 1:
-    return _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual)
+    return _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual, schedule)
 
   def micro(mb):
     def f(p):
@@ -126,7 +131,8 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   """-> (new state, metrics). `config` is the full config (model, optimizer, train)."""
   mcfg, ocfg = config.model, config.optimizer
   grads, loss, aux = _grads(mcfg, state.params, batch, config.train.grad_accum,
-                            config.mesh.pipeline, config.mesh.get("virtual_stages", 1))
+                            config.mesh.pipeline, config.mesh.get("virtual_stages", 1),
+                            config.mesh.get("pipeline_schedule", "1f1b"))
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params,

@@ -135,16 +135,22 @@ def pipeline_runs(tmp_path_factory):
   """One device with the whole batch, and pipelined meshes on 8 devices: PxDxE/aM/vV."""
   out = tmp_path_factory.mktemp("pipeline")
   one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *PIPE_CLI, *NO_CHECKPOINTS)
-  eight = start_worker(8, "meshes", str(out / "eight"), "2x2x2/a2", "4x1x2/v2/a4", "8x1x1/a8",
-                       "2x4x1/v3/a4", "--", *PIPE_CLI, *NO_CHECKPOINTS)
+  eight = start_worker(8, "meshes", str(out / "eight"), *PIPELINE_MESHES, "--", *PIPE_CLI,
+                       *NO_CHECKPOINTS)
   return {**result(one), **result(eight)}
 
 
-@pytest.mark.parametrize("mesh", ["2x2x2/a2", "4x1x2/v2/a4", "8x1x1/a8", "2x4x1/v3/a4"])
+# PxDxE/aM/vV/sSCHEDULE; the 1f1b schedule unless named.
+PIPELINE_MESHES = ("2x2x2/a2", "4x1x2/v2/a4", "8x1x1/a8", "2x4x1/v3/a4", "2x2x2/v2/a4",
+                   "4x1x2/v2/a4/sgpipe")
+
+
+@pytest.mark.parametrize("mesh", PIPELINE_MESHES)
 def test_pipeline_matches_one_device(pipeline_runs, mesh):
   """pipeline=2 x data=2 x expert=2; pipeline=4 with 2 virtual stages over expert=2;
-  pipeline=8; and 8 MoE layers over 2 x 3 = 6 stages (2 per stage, the last two stages
-  identity): losses and max logits of one device with the whole batch (rel < 1e-5)."""
+  pipeline=8; 8 MoE layers over 2 x 3 = 6 stages (2 per stage, the last two stages
+  identity); two groups of microbatches through 2 x 2 stages; and the GPipe schedule:
+  losses and max logits of one device with the whole batch (rel < 1e-5)."""
   assert_close(pipeline_runs[mesh], pipeline_runs["1x1"])
 
 

@@ -127,6 +127,13 @@ def validate(cfg: config_dict.ConfigDict) -> None:
   _positive("mesh", mesh, "pipeline", "expert", "data")
   if mesh.get("virtual_stages", 1) < 1:
     _fail("mesh.virtual_stages", mesh.virtual_stages, "must be >= 1")
+  if mesh.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe"):
+    _fail("mesh.pipeline_schedule", mesh.pipeline_schedule, "must be one of 1f1b, gpipe")
+  if (mesh.pipeline > 1 and mesh.get("pipeline_schedule", "1f1b") == "1f1b"
+      and t.grad_accum % mesh.pipeline):
+    _fail("train.grad_accum", t.grad_accum,
+          f"must be a multiple of mesh.pipeline ({mesh.pipeline}) for the 1f1b schedule "
+          "(microbatches go through the stages in groups of the pipeline size)")
   if mesh.pipeline > 1 and t.grad_accum < mesh.pipeline:
     _fail("train.grad_accum", t.grad_accum,
           f"must be >= mesh.pipeline ({mesh.pipeline}): the pipeline's microbatches are the "

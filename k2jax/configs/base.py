@@ -121,8 +121,10 @@ def train_config():
 
 
 def mesh_config():
-  # virtual_stages: pipeline stages per pipeline device (interleaved schedule, report 2.4.2)
-  return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1, virtual_stages=1))
+  # virtual_stages: pipeline stages per pipeline device (interleaved schedule, report 2.4.2);
+  # pipeline_schedule: 1f1b (activations independent of the microbatch count) | gpipe
+  return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1, virtual_stages=1,
+                                     pipeline_schedule="1f1b"))
 
 
 def get_config():

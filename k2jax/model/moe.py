@@ -127,6 +127,9 @@ def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
                                            valid.reshape(-1))
          if cfg.aux_loss_alpha else jnp.zeros((), jnp.float32))
   if batch_axes:
+    # After the dispatch's collectives (a barrier on y), not concurrently with them: XLA:CPU
+    # may order independent collectives differently per device and deadlock.
+    y, load, aux = jax.lax.optimization_barrier((y, load, aux))
     load, aux = jax.lax.psum(load, batch_axes), jax.lax.pmean(aux, batch_axes)
   return y.reshape(B, T, d), MoEStats(load, aux)
 

@@ -93,6 +93,12 @@ def _block(cfg, ffn, x, p, positions, segment_ids, return_latents=False):
   attn = mla(cfg, p["attn"], rms_norm(x, p["attn_norm"], eps), positions, segment_ids,
              return_latents=return_latents)
   x = x + attn[0]
+  if not jax.sharding.get_abstract_mesh().empty:
+    # The max-logit reduction over a sharded batch is a collective independent of the
+    # MoE's; XLA:CPU may issue independent collectives in a different order on different
+    # devices and deadlock (simulated devices). Finish it before the MoE starts.
+    x, max_logits = jax.lax.optimization_barrier((x, attn[1]))
+    attn = (attn[0], max_logits) + tuple(attn[2:])
   valid = None if segment_ids is None else segment_ids > 0   # segment 0 = padding
   y, moe_stats = feed_forward(cfg, ffn, p, rms_norm(x, p["mlp_norm"], eps), valid)
   return x + y, (attn[1], moe_stats) + tuple(attn[2:])

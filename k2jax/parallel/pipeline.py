@@ -9,17 +9,23 @@ the end (e.g. K2's 60 MoE layers over 16 x 1 stages: 4 per stage, 4 identity).
 
 Everything runs in the one jitted step: `shard_map` makes only the `pipeline` axis manual
 (data / expert stay automatic, so the MoE's own expert-parallel shard_map nests inside) and
-activations move between stages with `ppermute`. With M microbatches (train.grad_accum,
-M >= P) the schedule takes M V + P - 1 iterations; at iteration t device p runs its virtual
-stage v on microbatch m, where i = t - p, m = i mod M, v = i // M (idle when i is outside
-[0, M V)). The bubble is (P - 1) / (M V + P - 1) of the time. Device 0 parks the outputs of
-stage P-1 in a buffer until their next lap starts (they arrive M - P iterations early).
+activations move between stages with `ppermute`. Two schedules (mesh.pipeline_schedule), with
+M microbatches (train.grad_accum, M >= P):
 
-The backward pass is JAX's transpose of that loop: the reverse schedule with the ppermutes
-reversed. Each stage is rematerialized (`jax.checkpoint` around the stage, the configured
-per-layer policy inside), so a device keeps one stage input per iteration, M V + P - 1 of
-them; a 1F1B schedule would keep about P. That is GPipe's memory with recomputation, not
-1F1B's: the reverse pass is derived by autodiff rather than hand-interleaved.
+  1f1b   (default) Megatron-style interleaved one-forward-one-backward: microbatches enter in
+         groups of P, each device runs one stage forward and one stage backward per
+         iteration (`loss_and_grads_1f1b`: the gradients are formed inside the loop with
+         jax.vjp per stage, cotangents travel the ring backwards). A device keeps at most
+         2 P V stage inputs, whatever M. M V + P V + P - 1 iterations.
+  gpipe  the forward loop (`loss`) differentiated by JAX: the reverse schedule with the
+         ppermutes reversed. A device keeps every stage's activations of every microbatch
+         until the backward pass (only the per-layer model.remat policy applies): linear in
+         M; the reference schedule. At iteration t device p runs its
+         virtual stage v = i // M on microbatch i mod M, i = t - p; device 0 parks the
+         outputs of stage P-1 until their next lap (they arrive M - P iterations early).
+
+1f1b recomputes each stage once in the backward pass. The forward bubble is
+(P - 1) / (M V + P - 1) of the time.
 
 The embedding and the leading dense layers run before the loop and the final norm, head and
 loss after it, on the whole batch; they are not split over the pipeline axis (their
@@ -107,8 +113,38 @@ def _stage_fn(cfg, ffn):
 
   def stage(p, on, x, positions, segment_ids):
     return jax.lax.scan(lambda x, po: layer(x, po, positions, segment_ids), x, (p, on))
-  # Keep only the stage input per iteration; the stage is recomputed in the backward pass.
-  return jax.checkpoint(stage, prevent_cse=False)
+  return stage
+
+
+def _pipeline_model_cfg(cfg):
+  if routed_impl(cfg.moe_impl) != "capacity":
+    return cfg
+  # The capacity path's overflow is a lax.cond on a per-shard predicate. Inside the pipeline
+  # loop XLA:CPU places data-axis collectives in its branches, so shards that disagree
+  # deadlock (8 simulated devices, pipeline=4 x data=2); sort + grouped matmul has no
+  # data-dependent branch.
+  cfg = cfg.copy_and_resolve_references()
+  cfg.moe_impl = "ragged"
+  return cfg
+
+
+def _pre(cfg, sp: Split, params, mb):
+  """The embedding and the leading (dense) stacks, per microbatch, outside the pipeline.
+  -> (stage-0 inputs [M, mb, T, d], their max logits [dense layers, H])."""
+  x = jnp.take(params["embed"], mb["inputs"], axis=0).astype(jnp.dtype(cfg.dtype))
+  pre_max = [jnp.full((0, cfg.num_attention_heads), -jnp.inf, jnp.float32)]
+  for st in transformer.stacks(cfg):
+    if st == sp.stack:
+      break
+    def dense(x, pos, seg, st=st):
+      y, (ml, _) = transformer._run_stack(cfg, st.ffn, params[st.name], x, pos, seg)
+      return y, ml
+    # Checkpointed per microbatch: the backward pass recomputes one microbatch's dense layers
+    # at a time instead of keeping all M of them (which would grow with M).
+    dense = jax.checkpoint(dense, prevent_cse=False)
+    x, ml = jax.lax.map(lambda a: dense(*a), (x, mb["positions"], mb["segment_ids"]))
+    pre_max.append(jnp.max(ml, axis=0))
+  return x, jax.lax.stop_gradient(jnp.concatenate(pre_max, axis=0))
 
 
 def _schedule(cfg, sp: Split, M: int, params, on, x, positions, segment_ids, tokens):
@@ -117,6 +153,8 @@ def _schedule(cfg, sp: Split, M: int, params, on, x, positions, segment_ids, tok
   of each microbatch's aux loss. -> (last stage outputs [M, mb, T, d], per-stage stats)."""
   Pn, V, L = sp.stages, sp.virtual, sp.per_stage
   p = jax.lax.axis_index(AXIS)
+  # Not checkpointed: a recomputed stage's collectives would be independent of the incoming
+  # cotangent's ppermute in the backward pass, an ordering XLA:CPU can deadlock on.
   stage = _stage_fn(cfg, sp.stack.ffn)
   H, E = cfg.num_attention_heads, cfg.n_routed_experts
   moe = sp.stack.ffn == "moe"
@@ -166,13 +204,7 @@ def loss(cfg, params, microbatches, *, stages: int, virtual: int = 1):
   """
   sp = split(cfg, stages, virtual)
   M = microbatches["inputs"].shape[0]
-  if routed_impl(cfg.moe_impl) == "capacity":
-    # The capacity path's overflow is a lax.cond on a per-shard predicate. Inside the
-    # pipeline loop XLA:CPU places data-axis collectives in its branches, so shards that
-    # disagree deadlock (8 simulated devices, pipeline=4 x data=2); sort + grouped matmul
-    # has no data-dependent branch.
-    cfg = cfg.copy_and_resolve_references()
-    cfg.moe_impl = "ragged"
+  cfg = _pipeline_model_cfg(cfg)
   if M < stages:
     raise ValueError(f"train.grad_accum = {M} microbatches for mesh.pipeline = {stages} "
                      f"stages: need at least {stages} so every stage has work; raise "
@@ -183,17 +215,7 @@ def loss(cfg, params, microbatches, *, stages: int, virtual: int = 1):
   mask = mb["loss_mask"].astype(jnp.float32)
   tokens = jnp.sum(mask, axis=(1, 2))
 
-  # Embedding and the leading (dense) stacks, per microbatch, outside the pipeline.
-  x = jnp.take(params["embed"], mb["inputs"], axis=0).astype(dt)
-  pre_max = []
-  for st in transformer.stacks(cfg):
-    if st == sp.stack:
-      break
-    def dense(x, pos, seg, st=st):
-      y, (ml, _) = transformer._run_stack(cfg, st.ffn, params[st.name], x, pos, seg)
-      return y, ml
-    x, ml = jax.lax.map(lambda a: dense(*a), (x, positions, segment_ids))
-    pre_max.append(jnp.max(ml, axis=0))
+  x, pre_max = _pre(cfg, sp, params, mb)
 
   stage_params = jax.tree.map(lambda a: _to_stages(sp, a), params[sp.stack.name])
   on = _to_stages(sp, jnp.ones((sp.stack.size,), bool))
@@ -209,7 +231,7 @@ def loss(cfg, params, microbatches, *, stages: int, virtual: int = 1):
                       preferred_element_type=jnp.float32)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"])
   n = jnp.sum(mask)
-  max_logits = jnp.concatenate(pre_max + [_from_stages(sp, mx)], axis=0)
+  max_logits = jnp.concatenate([pre_max, _from_stages(sp, mx)], axis=0)
   moe = sp.stack.ffn == "moe"
   expert_load = (_from_stages(sp, load) if moe
                  else jnp.zeros((0, cfg.n_routed_experts), jnp.float32))
@@ -217,3 +239,159 @@ def loss(cfg, params, microbatches, *, stages: int, virtual: int = 1):
                                    expert_load=expert_load,
                                    aux_loss=aux / jnp.maximum(n, 1.0))
   return jnp.sum(ce * mask), n, aux, stats
+
+
+def _schedule_1f1b(cfg, sp: Split, M: int, params, on, head, x, positions, segment_ids,
+                   targets, mask, tokens):
+  """Inside shard_map (pipeline manual): forward AND backward of every stage, interleaved.
+
+  Microbatches go in groups of P (Megatron's interleaved schedule): forward item i = t - p
+  of device p is microbatch g P + r mod P of group g = i // (P V) on its virtual stage
+  v = (i mod P V) // P. The backward of an item starts at the last stage one iteration after
+  its forward there and walks the stages in reverse, one per iteration: backward item
+  j = t - P V - (P - 1 - p), virtual stage V - 1 - (j mod P V) // P. An item's stage input
+  waits at most 2 P V - 1 iterations for its backward, so a ring of 2 P V stage inputs per
+  device holds everything, whatever M: the 1F1B property. The backward recomputes the stage
+  (jax.vjp at the saved input), as the checkpointed GPipe schedule does.
+
+  head: {"final_norm", "lm_head"}; targets / mask [M, mb, T]. -> (cross-entropy sum, aux
+  sum, max logits and expert load per stage, stage-parameter grads, head grads, d(stage-0
+  inputs) [M, mb, T, d]).
+  """
+  Pn, V, L = sp.stages, sp.virtual, sp.per_stage
+  PV, K, T0 = Pn * V, 2 * Pn * V, Pn * V
+  p = jax.lax.axis_index(AXIS)
+  stage = _stage_fn(cfg, sp.stack.ffn)
+  H, E = cfg.num_attention_heads, cfg.n_routed_experts
+  moe = sp.stack.ffn == "moe"
+  dt = x.dtype
+  fwd_ring = [(j, (j + 1) % Pn) for j in range(Pn)]
+  bwd_ring = [(j, (j - 1) % Pn) for j in range(Pn)]
+
+  def run_stage(pv, onv, xin, m):
+    y, (ml, ms) = stage(pv, onv, xin, positions[m], segment_ids[m])
+    aux = jnp.sum(ms.aux_loss * onv) * tokens[m] if moe else jnp.zeros((), jnp.float32)
+    return (y, aux), (ml, ms)
+
+  def head_loss(hp, h, m):
+    h = rms_norm(h, hp["final_norm"], cfg.rms_norm_eps)
+    logits = jnp.einsum("btd,dv->btv", h, hp["lm_head"].astype(dt),
+                        preferred_element_type=jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets[m])
+    return jnp.sum(ce * mask[m])
+
+  def item(i):
+    g, r = i // PV, i % PV
+    return g * Pn + r % Pn, r // Pn
+
+  def where_tree(c, a, b):
+    return jax.tree.map(lambda u, w: jnp.where(c, u, w), a, b)
+
+  def it(carry, t):
+    (xf, db, dh_prev, buf, mx, load, ce_acc, aux_acc, g_stage, g_head, dx0) = carry
+    # Forward item.
+    i = t - p
+    fvalid = (i >= 0) & (i < M * V)
+    ic = jnp.clip(i, 0, M * V - 1)
+    m, v = item(ic)
+    inp = jnp.where((p == 0) & (v == 0), x[m], xf)
+    pv = jax.tree.map(lambda a: a[v], params)
+    (y, aux), (ml, ms) = run_stage(pv, on[v], inp, m)
+    slot = ic % K
+    buf = buf.at[slot].set(jnp.where(fvalid, inp, buf[slot]))
+    mx = mx.at[v].max(jnp.where(fvalid, ml, -jnp.inf))
+    if moe:
+      load = load.at[v].add(jnp.where(fvalid, ms.expert_load, 0.0))
+    aux_acc = aux_acc + jnp.where(fvalid, aux, 0.0)
+    last = fvalid & (p == Pn - 1) & (v == V - 1)
+    ce, (gh, dh) = jax.value_and_grad(head_loss, argnums=(0, 1))(head, y, m)
+    # Every collective of this iteration in one order on every device (forward stage, head,
+    # backward stage, then the two ring transfers): XLA:CPU may otherwise issue independent
+    # collectives in different orders on different devices and deadlock.
+    ce, gh, dh, db, buf = jax.lax.optimization_barrier((ce, gh, dh, db, buf))
+    ce_acc = ce_acc + jnp.where(last, ce, 0.0)
+    g_head = jax.tree.map(lambda a, b: a + jnp.where(last, b, 0.0), g_head, gh)
+    # Backward item: the forward item (m_b, v_b) of this device, recomputed from its input.
+    j = t - T0 - (Pn - 1 - p)
+    bvalid = (j >= 0) & (j < M * V)
+    jc = jnp.clip(j, 0, M * V - 1)
+    g, r = jc // PV, jc % PV
+    v_b = V - 1 - r // Pn
+    m_b = g * Pn + r % Pn
+    i_b = g * PV + v_b * Pn + r % Pn
+    dy = jnp.where((p == Pn - 1) & (v_b == V - 1), dh_prev, db)
+    pvb = jax.tree.map(lambda a: a[v_b], params)
+    _, vjp = jax.vjp(lambda pp, xx: run_stage(pp, on[v_b], xx, m_b)[0], pvb, buf[i_b % K])
+    gp, dx = vjp((dy.astype(dt), jnp.ones((), jnp.float32)))
+    g_stage = jax.tree.map(
+        lambda acc, gg: acc.at[v_b].add(jnp.where(bvalid, gg.astype(jnp.float32), 0.0)),
+        g_stage, gp)
+    first = bvalid & (p == 0) & (v_b == 0)
+    dx0 = dx0.at[m_b].set(jnp.where(first, dx, dx0[m_b]))
+    y, dx, g_stage, dx0 = jax.lax.optimization_barrier((y, dx, g_stage, dx0))
+    xf = jax.lax.ppermute(y, AXIS, fwd_ring)
+    xf, dx = jax.lax.optimization_barrier((xf, dx))
+    db = jax.lax.ppermute(dx, AXIS, bwd_ring)
+    return (xf, db, dh.astype(jnp.float32), buf, mx, load, ce_acc, aux_acc, g_stage, g_head,
+            dx0), None
+
+  zero = jnp.zeros_like(x[0])
+  f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
+  init = (zero, zero, f32(x[0]), jnp.zeros((K,) + x.shape[1:], dt),
+          jnp.full((V, L, H), -jnp.inf, jnp.float32),
+          jnp.zeros((V, L, E if moe else 0), jnp.float32), jnp.zeros((), jnp.float32),
+          jnp.zeros((), jnp.float32), jax.tree.map(f32, params), jax.tree.map(f32, head),
+          jnp.zeros_like(x))
+  n_it = T0 + M * V + Pn - 1
+  (_, _, _, _, mx, load, ce, aux, g_stage, g_head, dx0), _ = jax.lax.scan(
+      it, init, jnp.arange(n_it))
+  sum_ = lambda a: jax.lax.psum(a, AXIS)
+  return (sum_(ce), sum_(aux), mx[None], load[None], jax.tree.map(lambda a: a[None], g_stage),
+          jax.tree.map(sum_, g_head), sum_(dx0))
+
+
+def loss_and_grads_1f1b(cfg, params, microbatches, *, stages: int, virtual: int = 1):
+  """The interleaved 1F1B schedule (_schedule_1f1b): loss and gradients in one pass.
+
+  -> (summed cross entropy, token count, summed token-weighted aux loss, ForwardStats,
+      gradients of cross entropy + aux loss summed over microbatches (not divided by
+      the token count)), the same quantities `jax.grad` of `loss` gives.
+  """
+  sp = split(cfg, stages, virtual)
+  mb = microbatches
+  M = mb["inputs"].shape[0]
+  if M < stages or M % stages:
+    raise ValueError(f"train.grad_accum = {M} microbatches for mesh.pipeline = {stages} "
+                     "with the 1f1b schedule: must be a multiple of the pipeline size; "
+                     f"set train.grad_accum to {stages * max(1, M // stages)}")
+  cfg = _pipeline_model_cfg(cfg)
+  mask = mb["loss_mask"].astype(jnp.float32)
+  tokens = jnp.sum(mask, axis=(1, 2))
+  pre_names = ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]
+  (x, pre_max), pre_vjp = jax.vjp(
+      lambda pp: _pre(cfg, sp, pp, mb), {k: params[k] for k in pre_names})
+  head = {k: params[k] for k in ("final_norm", "lm_head")}
+  stage_params = jax.tree.map(lambda a: _to_stages(sp, a), params[sp.stack.name])
+  on = _to_stages(sp, jnp.ones((sp.stack.size,), bool))
+  specs = jax.tree.map(lambda _: P(AXIS), stage_params)
+  run = jax.shard_map(
+      lambda prm, on, *a: _schedule_1f1b(cfg, sp, M, jax.tree.map(lambda b: b[0], prm), on[0],
+                                         *a),
+      in_specs=(specs, P(AXIS), P(), P(), P(), P(), P(), P(), P()),
+      out_specs=(P(), P(), P(AXIS), P(AXIS), specs, P(), P()), axis_names={AXIS},
+      check_vma=False)
+  ce, aux, mx, load, g_stage, g_head, dx0 = run(
+      stage_params, on, head, x, mb["positions"], mb["segment_ids"], mb["targets"], mask,
+      tokens)
+  (g_pre,) = pre_vjp((dx0, jnp.zeros_like(pre_max)))
+  grads = {**g_pre, **g_head,
+           sp.stack.name: jax.tree.map(lambda a: _from_stages(sp, a), g_stage)}
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  n = jnp.sum(mask)
+  moe = sp.stack.ffn == "moe"
+  stats = transformer.ForwardStats(
+      max_logits=jnp.concatenate([pre_max, _from_stages(sp, mx)], axis=0),
+      expert_load=(_from_stages(sp, load) if moe
+                   else jnp.zeros((0, cfg.n_routed_experts), jnp.float32)),
+      aux_loss=aux / jnp.maximum(n, 1.0))
+  return ce, n, aux, stats, grads
