@@ -4,8 +4,8 @@
 
 Tables (printed, and CSV under experiments/results/pipeline/):
   1. parameter bytes per device for pipeline = 1, 2, 4, 8 (1 dense + 8 MoE layers);
-  2. bubble: idle (device, iteration) slots of the schedule k2jax.parallel.pipeline runs,
-     counted, against (P - 1) / (M V + P - 1);
+  2. bubble: idle (device, iteration) slots of both schedules k2jax.parallel.pipeline runs,
+     counted, against their closed forms (gpipe: (P - 1) / (M V + P - 1));
   3. activation memory (compiled memory analysis, temp bytes of one device's gradient program)
      vs microbatches M at a fixed microbatch size: pipeline=2 with the 1f1b schedule (flat in
      M) and the gpipe schedule (linear in M), and the unpipelined accumulation loop beside;
@@ -84,19 +84,31 @@ def param_bytes():
   write("param_bytes.csv", rows)
 
 
-def idle_slots(P, V, M):
-  """Count the schedule's idle (device, iteration) slots: i = t - p outside [0, M V)."""
-  n_it = M * V + P - 1
-  busy = sum(1 for t in range(n_it) for p in range(P) if 0 <= t - p < M * V)
-  return 1 - busy / (n_it * P)
+def idle_slots(P, V, M, schedule):
+  """Count idle (device, iteration, slot) cells of the schedules k2jax.parallel.pipeline runs
+  (the same index arithmetic as its loops), independently of its closed forms."""
+  if schedule == "gpipe":   # forward loop; its transpose has the same cells
+    n_it = M * V + P - 1
+    busy = sum(1 for t in range(n_it) for p in range(P) if 0 <= t - p < M * V)
+    return 1 - busy / (n_it * P)
+  n_it = M * V + P * V + P - 1
+  busy = 0
+  for t in range(n_it):
+    for p in range(P):
+      busy += 0 <= t - p < M * V                          # forward slot
+      busy += 0 <= t - P * V - (P - 1 - p) < M * V        # backward slot
+  return 1 - busy / (2 * n_it * P)
 
 
 def bubbles():
   rows = []
   for P, V, M in ((2, 1, 2), (2, 1, 8), (4, 1, 4), (4, 2, 4), (4, 2, 16), (8, 1, 8),
-                  (16, 1, 16), (16, 4, 32)):
-    rows.append(dict(pipeline=P, virtual=V, microbatches=M, counted=idle_slots(P, V, M),
-                     theory=pipeline.bubble(P, V, M)))
+                  (16, 1, 16), (16, 2, 32), (16, 4, 32)):
+    rows.append(dict(pipeline=P, virtual=V, microbatches=M,
+                     gpipe_counted=idle_slots(P, V, M, "gpipe"),
+                     gpipe_formula=pipeline.bubble(P, V, M, "gpipe"),
+                     f1b_counted=idle_slots(P, V, M, "1f1b"),
+                     f1b_formula=pipeline.bubble(P, V, M, "1f1b")))
   write("bubble.csv", rows)
 
 

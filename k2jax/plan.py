@@ -164,8 +164,8 @@ def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4,
   if mesh["pipeline"] > 1:
     P = mesh["pipeline"]
     lines.append(f"pipeline ({schedule}): {P} devices x {virtual_stages} virtual stages, "
-                 f"{M} microbatches: "
-                 f"bubble (P - 1) / (M V + P - 1) = {bubble(P, virtual_stages, M):.1%}")
+                 f"{M} microbatches: idle stage slots "
+                 f"{bubble(P, virtual_stages, M, schedule):.1%}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "

@@ -24,8 +24,9 @@ M microbatches (train.grad_accum, M >= P):
          virtual stage v = i // M on microbatch i mod M, i = t - p; device 0 parks the
          outputs of stage P-1 until their next lap (they arrive M - P iterations early).
 
-1f1b recomputes each stage once in the backward pass. The forward bubble is
-(P - 1) / (M V + P - 1) of the time.
+1f1b recomputes each stage once in the backward pass. Idle slots (`bubble`): gpipe
+(P - 1) / (M V + P - 1); 1f1b (P V + P - 1) / (M V + P V + P - 1), since a masked slot costs
+as much as a busy one under SPMD: 1f1b trades about twice the bubble for flat memory.
 
 The embedding and the leading dense layers run before the loop and the final norm, head and
 loss after it, on the whole batch; they are not split over the pipeline axis (their
@@ -82,9 +83,19 @@ def routed_impl(impl: str) -> str:
   return moe_kernels.auto_impl() if impl == "auto" else impl
 
 
-def bubble(stages: int, virtual: int, microbatches: int) -> float:
-  """Idle fraction of the schedule: (P - 1) / (M V + P - 1)."""
-  return (stages - 1) / (microbatches * virtual + stages - 1)
+def bubble(stages: int, virtual: int, microbatches: int, schedule: str = "gpipe") -> float:
+  """Idle fraction of a device's stage slots.
+
+  gpipe: (P - 1) / (M V + P - 1), in the forward loop and again in its transpose.
+  1f1b: (P V + P - 1) / (M V + P V + P - 1): every iteration has a forward and a backward
+  slot, and under SPMD a masked slot costs as much as a busy one, so the warm-up (forwards
+  only) and cool-down (backwards only) iterations are paid in full. The price of keeping
+  activations independent of M.
+  """
+  P, V, M = stages, virtual, microbatches
+  if schedule == "1f1b":
+    return (P * V + P - 1) / (M * V + P * V + P - 1)
+  return (P - 1) / (M * V + P - 1)
 
 
 def _to_stages(sp: Split, x):
