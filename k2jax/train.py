@@ -149,6 +149,12 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
   if config.mesh.pipeline > 1:
     log.info(pipeline.split(m, config.mesh.pipeline,
                             config.mesh.get("virtual_stages", 1)).describe(m))
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+      # Seen hanging under load (CI, 2 cores): XLA:CPU's gloo collectives tag every
+      # collective-permute alike, so two in flight between the same pair of devices can
+      # take each other's messages. GPU / TPU collectives do not share this.
+      log.warning("pipeline across processes on XLA:CPU (gloo) can hang when the machine "
+                  "is loaded; use one process with several CPU devices, or GPU / TPU")
   try:  # mistakes in the mesh or the data files are the user's: one line, exit 2
     mesh = parallel.make_mesh(config.mesh)
     index, count = parallel.process_batch_slice(

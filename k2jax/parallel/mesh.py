@@ -72,12 +72,18 @@ def batch_sharding(mesh: Mesh, global_batch: int, grad_accum: int = 1) -> NamedS
   return NamedSharding(mesh, pspec)
 
 
-def process_batch_slice(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
+def process_batch_slice(sharding: NamedSharding, global_batch: int,
+                        devices=None) -> tuple[int, int]:
   """(index, count): this process feeds rows [index, index + 1) x global_batch / count of
   the batch. The rows a process feeds are those its devices hold; a mesh axis that spans
   processes without splitting the batch (the pipeline axis across hosts) means several
-  processes feed the same rows, so count is not always the process count."""
-  rows = [idx[0] for idx in sharding.addressable_devices_indices_map((global_batch, 1)).values()]
+  processes feed the same rows, so count is not always the process count.
+
+  devices: the process's devices (default: this process's addressable devices).
+  """
+  index_map = sharding.devices_indices_map((global_batch, 1))
+  devices = sharding.addressable_devices if devices is None else devices
+  rows = [index_map[d][0] for d in devices]
   lo = min(r.start or 0 for r in rows)
   hi = max(global_batch if r.stop is None else r.stop for r in rows)
   return lo // (hi - lo), global_batch // (hi - lo)
