@@ -116,9 +116,22 @@ def cpu(args):
   for r in sweep:
     r["vs_8"] = r["fwd_bwd_ms"] / next(s["fwd_bwd_ms"] for s in sweep
                                        if s["experts"] == 8 and s["impl"] == r["impl"])
+  blocks = []
+  for M_, G_ in ((2048, 8), (2048, 16), (2048, 256)):
+    sizes = np.random.default_rng(G_).multinomial(M_, np.ones(G_) / G_)
+    gs = jnp.asarray(sizes, jnp.int32)
+    xg = jax.random.normal(jax.random.key(3), (M_, d))
+    wg = jax.random.normal(jax.random.key(4), (G_, d, f)) / 16
+    for b in (32, 64, 128, 256):
+      L = lambda x, w, b=b: jnp.sum(gm.grouped_matmul_blocked(x, w, gs, block=b) ** 2)
+      blocks.append(dict(rows=M_, groups=G_, block=b, picked=gm.blocked_block_size(M_, G_) == b,
+                         fwd_bwd_ms=1e3 * timeit(jax.jit(jax.grad(L, (0, 1))), xg, wg,
+                                                 reps=reps)))
+      print(blocks[-1], flush=True)
   step = [] if args.quick else train_step_vs_torch()
   write(os.path.join(out, "cpu_layer.csv"), layer)
   write(os.path.join(out, "cpu_experts_sweep.csv"), sweep)
+  write(os.path.join(out, "cpu_blocked_blocks.csv"), blocks)
   if step:
     write(os.path.join(out, "cpu_train_step.csv"), step)
   print(f"\nceilings: 1024^3 f32 matmul {mm_rate:.0f} GFLOP/s; plain matmul of the layer's shape "
@@ -131,9 +144,16 @@ def cpu(args):
   print("experts at equal tokens (forward + backward, relative to 8 experts)")
   for r in sweep:
     print(f"  {r['impl']:<10}{r['experts']:>5} experts {r['fwd_bwd_ms']:>8.1f} ms  {r['vs_8']:.2f}x")
+  print("blocked block sweep: grouped matmul fwd + bwd ms by block size (* = blocked_block_size)")
+  for M_, G_ in sorted({(r["rows"], r["groups"]) for r in blocks}):
+    cells = [f"{r['block']}{'*' if r['picked'] else ' '} {r['fwd_bwd_ms']:6.1f}" for r in blocks
+             if (r["rows"], r["groups"]) == (M_, G_)]
+    print(f"  rows {M_} groups {G_:>3}: " + "   ".join(cells))
   for r in step:
-    print(f"train step ({r['what']}): k2jax {r['k2jax_ms']:.0f} ms, PyTorch {r['torch_ms']:.0f} ms "
-          f"-> k2jax is {r['torch_ms'] / r['k2jax_ms']:.2f}x as fast")
+    print(f"train step ({r['what']}): k2jax {r['k2jax_ms']:.0f} ms (moe_impl capacity "
+          f"{r['k2jax_capacity_ms']:.0f}), PyTorch {r['torch_ms']:.0f} ms -> k2jax is "
+          f"{r['torch_ms'] / r['k2jax_ms']:.2f}x as fast; router load max / mean at the first "
+          f"step {r['first_step_load_imbalance']:.1f}")
 
 
 def train_step_vs_torch(steps=6):
@@ -163,28 +183,33 @@ def train_step_vs_torch(steps=6):
   with tempfile.TemporaryDirectory() as tmp:
     ref.write_dir(tmp, cj, ref.published_tensors(tmodel))
     mcfg, params = hf.load_checkpoint(tmp)
-  config = configs.get_config("tiny")
-  config.model = mcfg
-  config.optimizer.update(dict(name="adamw", learning_rate=1e-4, warmup_steps=0, decay_steps=0,
-                               weight_decay=0.0))
-  config.train.update(dict(batch_size=B, seq_len=T))
-  tx, schedule = optim.optimizer(config), optim.learning_rate_schedule(config)
-  state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), jnp.zeros((), jnp.int32),
-                     jnp.zeros((), jnp.int32))
   batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
            "loss_mask": np.ones((B, T), np.float32),
            "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
            "segment_ids": np.ones((B, T), np.int32)}
-  step = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0)
-  state, _ = step(state, batch)
-  jax.block_until_ready(state)
-  ts = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
+  k2, imbalance = {}, None
+  for impl in ("capacity", "ragged"):  # ragged is the CPU default (kernels/moe.py auto_impl)
+    config = configs.get_config("tiny")
+    config.model = mcfg
+    config.model.moe_impl = impl
+    config.optimizer.update(dict(name="adamw", learning_rate=1e-4, warmup_steps=0,
+                                 decay_steps=0, weight_decay=0.0))
+    config.train.update(dict(batch_size=B, seq_len=T))
+    tx, schedule = optim.optimizer(config), optim.learning_rate_schedule(config)
+    p = jax.tree.map(jnp.array, params)
+    state = TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), jnp.zeros((), jnp.int32),
+                       jnp.zeros((), jnp.int32))
+    step = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0)
     state, m = step(state, batch)
-    jax.block_until_ready(m["loss"])
-    ts.append(time.perf_counter() - t0)
-  k2 = 1e3 * float(np.median(ts))
+    jax.block_until_ready(state)
+    imbalance = imbalance or float(m["expert_load_imbalance"])
+    ts = []
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      state, m = step(state, batch)
+      jax.block_until_ready(m["loss"])
+      ts.append(time.perf_counter() - t0)
+    k2[impl] = 1e3 * float(np.median(ts))
   tmodel.train()
   for n, p in tmodel.named_parameters():
     p.requires_grad_("e_score_correction_bias" not in n)
@@ -203,7 +228,9 @@ def train_step_vs_torch(steps=6):
     if i:
       ts.append(time.perf_counter() - t0)
   th = 1e3 * float(np.median(ts))
-  rows.append(dict(what=f"bench config, batch {B} x {T}, AdamW, f32", k2jax_ms=k2, torch_ms=th))
+  rows.append(dict(what=f"bench config, batch {B} x {T}, AdamW, f32", k2jax_ms=k2["ragged"],
+                   k2jax_capacity_ms=k2["capacity"], torch_ms=th,
+                   first_step_load_imbalance=imbalance))
   print(rows[-1], flush=True)
   return rows
 

@@ -13,8 +13,8 @@ Implementations (same signature, same result):
               kernel for it and runs every group over every row (G times the work).
   blocked     pad each group to a multiple of `block` rows, gather each block's weight
               matrix and run one batched matmul: dropless, at most G * (block - 1) padded
-              rows; the CPU choice for sorted rows (k2jax.kernels.routed_experts uses the
-              faster capacity layout instead).
+              rows, the block picked per shape (`blocked_block_size`); the CPU choice
+              (routed_experts' ragged path, its CPU default, runs on it).
   pallas_gpu  Triton kernels with the gather / combine fused (kernels/moe_gpu.py).
   megablox    the TPU grouped matmul shipped with jax (pallas.ops.tpu.megablox).
   tokamax     tokamax's ragged_dot, when the optional `tokamax` package is installed.
@@ -40,10 +40,27 @@ def _count_at_or_below(boundaries, n: int):
   return jnp.cumsum(marks)[:n]
 
 
-def grouped_matmul_blocked(x, w, group_sizes, block: int = 64, interpret: bool = False):
+# XLA:CPU's batched matmul per row of a [blocks, block, K] @ [blocks, K, N] product, relative
+# to block 128 (2-core CPU, K = N = 256, experiments/bench_moe.py "blocked block sweep"):
+# blocks of 32 or 64 rows run ~2.6x slower per row than 128 or more, so small blocks only pay
+# where they save much padding (many groups).
+_ROW_COST = {32: 2.6, 64: 2.6, 128: 1.0}
+
+
+def blocked_block_size(rows: int, groups: int) -> int:
+  """The block minimizing (rows + groups (block - 1)) x per-row cost: the static padded row
+  count times what XLA:CPU spends on a row at that block size. Measured fwd + bwd, M = 2048,
+  K = N = 256: 8 / 16 groups take block 128 (1.7x / 1.4x faster than 64), 256 groups block
+  32 (1.6x faster than 64)."""
+  return min(_ROW_COST, key=lambda b: ((rows + groups * (b - 1)) * _ROW_COST[b], b))
+
+
+def grouped_matmul_blocked(x, w, group_sizes, block: int | None = None,
+                           interpret: bool = False):
   del interpret
   M, K = x.shape
   G = w.shape[0]
+  block = block or blocked_block_size(M, G)
   group_sizes = group_sizes.astype(jnp.int32)
   padded = (group_sizes + block - 1) // block * block
   padded_end = jnp.cumsum(padded)

@@ -7,15 +7,16 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
 
   ragged    sort the N k assignments by expert, three grouped matmuls over the sorted rows
             (k2jax.kernels.gmm, its own `auto` per backend), unsort, combine.
-  capacity  (CPU) each expert's first C rows in an [E, C, d] buffer and three batched
-            matmuls with no weight gathers, C = CAPACITY_FACTOR x the balanced load N k / E;
-            rows past an expert's capacity (rare once the router bias balances) go through
-            the ragged path under a lax.cond, so nothing is ever dropped. The overflow is a
-            cond rather than a switch over capacities because XLA:CPU runs the body of a
-            conditional without intra-op threads (measured: the same branch 1.8x slower
-            inside a cond on 2 cores, equal on 1); the blocked grouped matmul it replaces
-            pays for padding, per-block weight gathers and the scatter-add transposes of its
-            row gathers, which `take_rows` replaces with segment sums.
+  capacity  each expert's first C rows in an [E, C, d] buffer and three batched matmuls
+            with no weight gathers, C = CAPACITY_FACTOR x the balanced load N k / E; rows
+            past an expert's capacity go through the ragged path under a lax.cond, so
+            nothing is dropped (a cond, not a switch over capacities: XLA:CPU runs a
+            conditional's body without intra-op threads, 1.8x slower on 2 cores). 1.45x
+            faster than ragged for a balanced layer of 16 experts on 2 CPU cores, but not
+            the CPU default: a fresh router sends up to 6x the mean load to one expert, so
+            the overflow runs every step, and with 64+ experts the [E, C] buffers are mostly
+            padding (experiments/bench_moe.py: train step 817 ms vs 566 ms for ragged; the
+            tiny config trains 4-20% slower).
   pallas_gpu  the ragged path on Triton kernels that read x through the sort permutation and
             write the down projection back in token order scaled by the combine weights
             (kernels/moe_gpu.py), so x[order] and the unsort are never materialized.
@@ -41,7 +42,7 @@ CAPACITY_FACTOR = 1.5
 
 def auto_impl(backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
-  return {"cpu": "capacity", "gpu": "pallas_gpu"}.get(backend, "ragged")
+  return {"gpu": "pallas_gpu"}.get(backend, "ragged")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -24,7 +24,8 @@ def _impls():
       except ImportError:
         continue
     out.append(impl)
-  return out
+  # blocked at each size blocked_block_size can pick (auto picks 32 at these small shapes)
+  return out + [f"blocked/{b}" for b in gm._ROW_COST]
 
 
 def _loop(x, w, sizes, rows=None):
@@ -49,7 +50,10 @@ def test_grouped_matmul_forward_and_gradients_match_loop(impl, sizes):
   x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
   gs = jnp.asarray(sizes, jnp.int32)
-  run = lambda x, w: gm.grouped_matmul(x, w, gs, impl=impl, interpret=True)
+  if impl.startswith("blocked/"):
+    run = lambda x, w: gm.grouped_matmul_blocked(x, w, gs, block=int(impl.split("/")[1]))
+  else:
+    run = lambda x, w: gm.grouped_matmul(x, w, gs, impl=impl, interpret=True)
   want = np.zeros((M, N))
   want[:sum(sizes)] = _loop(x, w, sizes)
   y, vjp = jax.vjp(run, x, w)
