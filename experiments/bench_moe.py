@@ -98,7 +98,7 @@ def cpu(args):
   plain = flops / (3 * timeit(jax.jit(lambda a, b: a @ b), xa, wa, reps=reps)) / 1e9
   layer = []
   args_ = layer_inputs(N, d, f, E, k)
-  for impl in ("dense", "ragged", "capacity"):
+  for impl in ("dense", "blocked", "ragged", "capacity"):
     fwd, grad = layer_fns(impl)
     tf, tb = timeit(fwd, *args_, reps=reps), timeit(grad, *args_, reps=reps)
     fl = flops * (E / k if impl == "dense" else 1)
@@ -109,24 +109,21 @@ def cpu(args):
   sweep = []
   for E_ in (8, 16, 64, 256):
     a = layer_inputs(N, d, f, E_, k, seed=E_)
-    for impl in ("ragged", "capacity"):
+    for impl in ("blocked", "ragged", "capacity"):
       _, grad = layer_fns(impl)
       sweep.append(dict(experts=E_, impl=impl, fwd_bwd_ms=1e3 * timeit(grad, *a, reps=reps)))
       print(sweep[-1], flush=True)
   for r in sweep:
     r["vs_8"] = r["fwd_bwd_ms"] / next(s["fwd_bwd_ms"] for s in sweep
                                        if s["experts"] == 8 and s["impl"] == r["impl"])
-  blocks = []
-  for M_, G_ in ((2048, 8), (2048, 16), (2048, 256)):
-    sizes = np.random.default_rng(G_).multinomial(M_, np.ones(G_) / G_)
-    gs = jnp.asarray(sizes, jnp.int32)
-    xg = jax.random.normal(jax.random.key(3), (M_, d))
-    wg = jax.random.normal(jax.random.key(4), (G_, d, f)) / 16
+  blocks = []   # the blocked layer at each block size: where gmm._ROW_COST comes from
+  for E_ in (8, 16, 64, 256):
+    x_, i_, c_, g_, u_, d_ = layer_inputs(N, d, f, E_, k, seed=E_)
     for b in (32, 64, 128, 256):
-      L = lambda x, w, b=b: jnp.sum(gm.grouped_matmul_blocked(x, w, gs, block=b) ** 2)
-      blocks.append(dict(rows=M_, groups=G_, block=b, picked=gm.blocked_block_size(M_, G_) == b,
-                         fwd_bwd_ms=1e3 * timeit(jax.jit(jax.grad(L, (0, 1))), xg, wg,
-                                                 reps=reps)))
+      L = lambda x, g, u, dn, b=b: jnp.sum(moe._blocked(x, i_, c_, g, u, dn, block=b) ** 2)
+      ms = 1e3 * timeit(jax.jit(jax.grad(L, (0, 1, 2, 3))), x_, g_, u_, d_, reps=reps)
+      blocks.append(dict(rows=N * k, groups=E_, block=b,
+                         picked=gm.blocked_block_size(N * k, E_) == b, fwd_bwd_ms=ms))
       print(blocks[-1], flush=True)
   step = [] if args.quick else train_step_vs_torch()
   write(os.path.join(out, "cpu_layer.csv"), layer)
@@ -144,19 +141,20 @@ def cpu(args):
   print("experts at equal tokens (forward + backward, relative to 8 experts)")
   for r in sweep:
     print(f"  {r['impl']:<10}{r['experts']:>5} experts {r['fwd_bwd_ms']:>8.1f} ms  {r['vs_8']:.2f}x")
-  print("blocked block sweep: grouped matmul fwd + bwd ms by block size (* = blocked_block_size)")
+  print("blocked block sweep: layer fwd + bwd ms by block size (* = blocked_block_size)")
   for M_, G_ in sorted({(r["rows"], r["groups"]) for r in blocks}):
     cells = [f"{r['block']}{'*' if r['picked'] else ' '} {r['fwd_bwd_ms']:6.1f}" for r in blocks
              if (r["rows"], r["groups"]) == (M_, G_)]
     print(f"  rows {M_} groups {G_:>3}: " + "   ".join(cells))
   for r in step:
-    print(f"train step ({r['what']}): k2jax {r['k2jax_ms']:.0f} ms (moe_impl capacity "
-          f"{r['k2jax_capacity_ms']:.0f}), PyTorch {r['torch_ms']:.0f} ms -> k2jax is "
+    print(f"train step ({r['what']}): k2jax {r['k2jax_ms']:.0f} ms (moe_impl ragged "
+          f"{r['k2jax_ragged_ms']:.0f}, capacity {r['k2jax_capacity_ms']:.0f}), PyTorch "
+          f"{r['torch_ms']:.0f} ms -> k2jax is "
           f"{r['torch_ms'] / r['k2jax_ms']:.2f}x as fast; router load max / mean at the first "
           f"step {r['first_step_load_imbalance']:.1f}")
 
 
-def train_step_vs_torch(steps=6):
+def train_step_vs_torch(steps=10):
   """One AdamW train step of the bench config, k2jax vs transformers on the same weights."""
   try:
     import torch
@@ -187,8 +185,8 @@ def train_step_vs_torch(steps=6):
            "loss_mask": np.ones((B, T), np.float32),
            "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
            "segment_ids": np.ones((B, T), np.int32)}
-  k2, imbalance = {}, None
-  for impl in ("capacity", "ragged"):  # ragged is the CPU default (kernels/moe.py auto_impl)
+  steps_, imbalance = {}, None
+  for impl in ("blocked", "ragged", "capacity"):  # blocked is the CPU default (moe.auto_impl)
     config = configs.get_config("tiny")
     config.model = mcfg
     config.model.moe_impl = impl
@@ -203,13 +201,7 @@ def train_step_vs_torch(steps=6):
     state, m = step(state, batch)
     jax.block_until_ready(state)
     imbalance = imbalance or float(m["expert_load_imbalance"])
-    ts = []
-    for _ in range(steps):
-      t0 = time.perf_counter()
-      state, m = step(state, batch)
-      jax.block_until_ready(m["loss"])
-      ts.append(time.perf_counter() - t0)
-    k2[impl] = 1e3 * float(np.median(ts))
+    steps_[impl] = [step, state]
   tmodel.train()
   for n, p in tmodel.named_parameters():
     p.requires_grad_("e_score_correction_bias" not in n)
@@ -217,19 +209,31 @@ def train_step_vs_torch(steps=6):
                           weight_decay=0.0)
   tmodel.config._attn_implementation = "sdpa"
   inp = torch.as_tensor(tokens[:, :-1]); tgt = torch.as_tensor(tokens[:, 1:])
-  ts = []
-  for i in range(steps + 1):
-    t0 = time.perf_counter()
+
+  def torch_step():
     logits = tmodel(input_ids=inp, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             tgt.reshape(-1))
     opt.zero_grad()
     loss.backward()
     opt.step()
-    if i:
-      ts.append(time.perf_counter() - t0)
-  th = 1e3 * float(np.median(ts))
-  rows.append(dict(what=f"bench config, batch {B} x {T}, AdamW, f32", k2jax_ms=k2["ragged"],
-                   k2jax_capacity_ms=k2["capacity"], torch_ms=th,
+
+  torch_step()
+  # Rounds interleave every candidate, so load on a shared machine hits them alike.
+  ts = {name: [] for name in (*steps_, "torch")}
+  for _ in range(steps):
+    for impl, s in steps_.items():
+      t0 = time.perf_counter()
+      s[1], m = s[0](s[1], batch)
+      jax.block_until_ready(m["loss"])
+      ts[impl].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    torch_step()
+    ts["torch"].append(time.perf_counter() - t0)
+  k2 = {name: 1e3 * float(np.median(t)) for name, t in ts.items()}
+  th = k2.pop("torch")
+  rows.append(dict(what=f"bench config, batch {B} x {T}, AdamW, f32", k2jax_ms=k2["blocked"],
+                   k2jax_ragged_ms=k2["ragged"], k2jax_capacity_ms=k2["capacity"], torch_ms=th,
                    first_step_load_imbalance=imbalance))
   print(rows[-1], flush=True)
   return rows

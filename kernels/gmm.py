@@ -11,10 +11,11 @@ token-order slots, inside the kernel:
 Implementations (same signature, same result):
   ragged_dot  `jax.lax.ragged_dot`: XLA's native grouped GEMM on GPU / TPU. XLA:CPU has no
               kernel for it and runs every group over every row (G times the work).
-  blocked     pad each group to a multiple of `block` rows, gather each block's weight
-              matrix and run one batched matmul: dropless, at most G * (block - 1) padded
-              rows, the block picked per shape (`blocked_block_size`); the CPU choice
-              (routed_experts' ragged path, its CPU default, runs on it).
+  blocked     pad each group to a multiple of `block` rows and loop over the used blocks,
+              one [block, K] @ [K, N] matmul each (`block_matmul`): dropless, about half
+              a block of padding per group, the block picked per shape
+              (`blocked_block_size`); the CPU choice (routed_experts' `blocked` path, its
+              CPU default, uses block_matmul directly).
   pallas_gpu  Triton kernels with the gather / combine fused (kernels/moe_gpu.py).
   megablox    the TPU grouped matmul shipped with jax (pallas.ops.tpu.megablox).
   tokamax     tokamax's ragged_dot, when the optional `tokamax` package is installed.
@@ -40,19 +41,68 @@ def _count_at_or_below(boundaries, n: int):
   return jnp.cumsum(marks)[:n]
 
 
-# XLA:CPU's batched matmul per row of a [blocks, block, K] @ [blocks, K, N] product, relative
-# to block 128 (2-core CPU, K = N = 256, experiments/bench_moe.py "blocked block sweep"):
-# blocks of 32 or 64 rows run ~2.6x slower per row than 128 or more, so small blocks only pay
-# where they save much padding (many groups).
-_ROW_COST = {32: 2.6, 64: 2.6, 128: 1.0}
+# Relative cost per row of block_matmul at each block size (2-core CPU, K = N = 256, fwd +
+# bwd of one MoE layer of 8 / 16 / 64 experts, interleaved runs; experiments/bench_moe.py
+# "blocked block sweep"): a smaller block pads less but spends more per row (more loop
+# steps, each reading its expert's weights). Measured 1.3-1.9x (32) and 1.1-1.4x (64).
+_ROW_COST = {32: 1.5, 64: 1.25, 128: 1.0}
 
 
 def blocked_block_size(rows: int, groups: int) -> int:
-  """The block minimizing (rows + groups (block - 1)) x per-row cost: the static padded row
-  count times what XLA:CPU spends on a row at that block size. Measured fwd + bwd, M = 2048,
-  K = N = 256: 8 / 16 groups take block 128 (1.7x / 1.4x faster than 64), 256 groups block
-  32 (1.6x faster than 64)."""
-  return min(_ROW_COST, key=lambda b: ((rows + groups * (b - 1)) * _ROW_COST[b], b))
+  """The block minimizing (rows + groups block / 2) x per-row cost: the expected padded rows
+  (half a block per group; blocks past the last used one cost nothing) times the measured
+  cost of a row at that block. 1024 tokens top-2, d = f = 256: 8 and 16 experts take 128,
+  64 and 256 take 32."""
+  return min(_ROW_COST, key=lambda b: ((rows + groups * b / 2) * _ROW_COST[b], -b))
+
+
+@jax.custom_vjp
+def block_matmul(xp, ws, block_group, used_blocks):
+  """ys[i][j] = xp[j] @ ws[i][block_group[j]] for blocks j < used_blocks, 0 after.
+
+  xp [B, b, K]; ws a tuple of [G, K, N_i] sharing the row blocks (an MoE's gate and up
+  projections read xp once); block_group [B] int; used_blocks an int scalar. A loop over
+  the used blocks that slices each block's weight in place: a batched matmul over weights
+  gathered per block ([B, K, N] copies, saved again for the backward pass) ran 1.1-3x slower
+  on XLA:CPU, more so with more groups, and here padding past used_blocks costs nothing.
+  The backward pass loops the same way:
+
+      dxp[j] = sum_i dys_i[j] ws_i[g]^T,    dws_i[g] += xp[j]^T dys_i[j],   g = block_group[j]
+
+  accumulating in float32 whatever the input dtype."""
+  return _block_matmul_fwd(xp, ws, block_group, used_blocks)[0]
+
+
+def _block_matmul_fwd(xp, ws, block_group, used_blocks):
+  acc = jnp.promote_types(xp.dtype, jnp.float32)
+
+  def body(j, ys):
+    xj, g = xp[j], block_group[j]
+    return tuple(y.at[j].set(jnp.dot(xj, w[g], preferred_element_type=acc).astype(y.dtype))
+                 for y, w in zip(ys, ws))
+
+  ys = tuple(jnp.zeros(xp.shape[:2] + w.shape[2:], xp.dtype) for w in ws)
+  return jax.lax.fori_loop(0, used_blocks, body, ys), (xp, ws, block_group, used_blocks)
+
+
+def _block_matmul_bwd(res, dys):
+  xp, ws, block_group, used_blocks = res
+  acc = jnp.promote_types(xp.dtype, jnp.float32)
+
+  def body(j, carry):
+    dxp, dws = carry
+    xj, g = xp[j], block_group[j]
+    dx = sum(jnp.dot(dy[j], w[g].T, preferred_element_type=acc) for dy, w in zip(dys, ws))
+    dws = tuple(dw.at[g].add(jnp.dot(xj.T, dy[j], preferred_element_type=acc))
+                for dw, dy in zip(dws, dys))
+    return dxp.at[j].set(dx.astype(dxp.dtype)), dws
+
+  init = (jnp.zeros_like(xp), tuple(jnp.zeros(w.shape, acc) for w in ws))
+  dxp, dws = jax.lax.fori_loop(0, used_blocks, body, init)
+  return dxp, tuple(dw.astype(w.dtype) for dw, w in zip(dws, ws)), None, None
+
+
+block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 
 
 def grouped_matmul_blocked(x, w, group_sizes, block: int | None = None,
@@ -72,10 +122,9 @@ def grouped_matmul_blocked(x, w, group_sizes, block: int | None = None,
   g = jnp.minimum(g, G - 1)
   dest = jnp.where(valid, padded_end[g] - padded[g] + r - (end[g] - group_sizes[g]), rows)
   xp = jnp.zeros((rows, K), x.dtype).at[dest].set(x, mode="drop")
-  n_blocks = rows // block
-  block_start = _count_at_or_below(padded_end, rows)[::block]
-  block_group = jnp.minimum(block_start, G - 1)
-  yp = jnp.einsum("nbk,nkf->nbf", xp.reshape(n_blocks, block, K), w[block_group])
+  block_group = jnp.minimum(_count_at_or_below(padded_end, rows)[::block], G - 1)
+  (yp,) = block_matmul(xp.reshape(rows // block, block, K), (w,), block_group,
+                       padded_end[-1] // block)
   y = yp.reshape(rows, -1)[jnp.minimum(dest, rows - 1)]
   return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
 

@@ -5,18 +5,25 @@
 
 x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implementations:
 
+  blocked   the CPU default. Each expert's rows are gathered once into a padded layout of
+            whole blocks (`blocked_layout`: about half a block of padding per expert, the
+            block chosen per shape), then gate and up, and down, run as one loop over the
+            used blocks each (k2jax.kernels.gmm.block_matmul: the block's weight is sliced
+            in place, no per-block weight copies); rows come back by one gather. Against
+            `ragged` on the same loop: 1.0-1.6x faster for a layer fwd + bwd, 8-256
+            experts (one layout instead of three scatter / gather pairs).
   ragged    sort the N k assignments by expert, three grouped matmuls over the sorted rows
-            (k2jax.kernels.gmm, its own `auto` per backend), unsort, combine.
+            (k2jax.kernels.gmm, its own `auto` per backend), unsort, combine; the default
+            where no fused kernel is better (TPU: megablox).
   capacity  each expert's first C rows in an [E, C, d] buffer and three batched matmuls
             with no weight gathers, C = CAPACITY_FACTOR x the balanced load N k / E; rows
             past an expert's capacity go through the ragged path under a lax.cond, so
             nothing is dropped (a cond, not a switch over capacities: XLA:CPU runs a
-            conditional's body without intra-op threads, 1.8x slower on 2 cores). 1.45x
-            faster than ragged for a balanced layer of 16 experts on 2 CPU cores, but not
-            the CPU default: a fresh router sends up to 6x the mean load to one expert, so
-            the overflow runs every step, and with 64+ experts the [E, C] buffers are mostly
-            padding (experiments/bench_moe.py: train step 817 ms vs 566 ms for ragged; the
-            tiny config trains 4-20% slower).
+            conditional's body without intra-op threads, 1.8x slower on 2 cores). Faster
+            than blocked for a balanced layer of 8-16 experts on 2 CPU cores, but not the
+            CPU default: a fresh router sends up to 6x the mean load to one expert, so the
+            overflow runs every step, and with 64+ experts the [E, C] buffers are mostly
+            padding (experiments/bench_moe.py has both in the train step).
   pallas_gpu  the ragged path on Triton kernels that read x through the sort permutation and
             write the down projection back in token order scaled by the combine weights
             (kernels/moe_gpu.py), so x[order] and the unsort are never materialized.
@@ -33,16 +40,17 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from k2jax.kernels.fp8 import fp8_saved
-from k2jax.kernels.gmm import grouped_matmul
+from k2jax.kernels.gmm import (_count_at_or_below, block_matmul, blocked_block_size,
+                              grouped_matmul)
 
-IMPLS = ("ragged", "capacity", "pallas_gpu", "gather", "dense")
+IMPLS = ("blocked", "ragged", "capacity", "pallas_gpu", "gather", "dense")
 # Rows per expert kept in the capacity buffer, as a multiple of the balanced load.
 CAPACITY_FACTOR = 1.5
 
 
 def auto_impl(backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
-  return {"gpu": "pallas_gpu"}.get(backend, "ragged")
+  return {"gpu": "pallas_gpu", "cpu": "blocked"}.get(backend, "ragged")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -108,6 +116,41 @@ def _ragged(x, expert_ids, combine, gate, up, down, gmm_impl="auto", interpret=F
   return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
 
 
+# The padded-block layout of the `blocked` path: each expert's rows padded to whole blocks.
+def blocked_layout(expert_ids, num_experts: int, block: int):
+  """-> (src [R] token of each padded row (-1: padding), slot [N k] padded row of each
+  assignment (token-major), block_expert [R / block], used_blocks), R the static bound
+  N k + E (block - 1) rounded up to whole blocks; blocks past used_blocks hold no rows."""
+  N, k = expert_ids.shape
+  E, A = num_experts, N * k
+  flat = expert_ids.reshape(-1)
+  _, sizes, rank = sort_assignments(expert_ids, E)
+  padded = (sizes + block - 1) // block * block
+  end = jnp.cumsum(padded)
+  R = -(-(A + E * (block - 1)) // block) * block
+  slot = (end - padded)[flat] + rank
+  src = jnp.full((R,), -1, jnp.int32).at[slot].set(jnp.arange(A, dtype=jnp.int32) // k)
+  block_expert = jnp.minimum(_count_at_or_below(end, R)[::block], E - 1)
+  return src, slot, block_expert, end[-1] // block
+
+
+def _blocked(x, expert_ids, combine, gate, up, down, block=None, fp8=False):
+  N, k = expert_ids.shape
+  E, d = gate.shape[0], x.shape[-1]
+  dt = x.dtype
+  block = block or blocked_block_size(N * k, E)
+  src, slot, block_expert, used = blocked_layout(expert_ids, E, block)
+  R = src.shape[0]
+  xp = checkpoint_name(take_rows(x, src, N), "moe_input").reshape(R // block, block, d)
+  # The block layout travels as arguments: fp8_saved's custom VJP must not close over it.
+  up_mm, sw = _up_and_swiglu(fp8, block_matmul)
+  g, u = up_mm(xp, (gate.astype(dt), up.astype(dt)), block_expert, used)
+  (yp,) = block_matmul(sw(g, u), (down.astype(dt),), block_expert, used)
+  yp = checkpoint_name(yp.reshape(R, d), "moe_down")
+  y = take_rows(yp, slot, R).reshape(N, k, d)
+  return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
+
+
 def _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank, fp8=False):
   """The routed output of every assignment with rank < C (the rest contribute 0)."""
   N, k = expert_ids.shape
@@ -135,7 +178,7 @@ def _capacity(x, expert_ids, combine, gate, up, down, factor=CAPACITY_FACTOR, fp
   over = rank.reshape(expert_ids.shape) >= C
 
   def overflow(x, expert_ids, combine, gate, up, down):
-    return _ragged(x, expert_ids, jnp.where(over, combine, 0), gate, up, down, fp8=fp8)
+    return _blocked(x, expert_ids, jnp.where(over, combine, 0), gate, up, down, fp8=fp8)
 
   # Checkpointed so the untaken branch costs no residuals.
   return y + jax.lax.cond(jnp.any(over), jax.checkpoint(overflow),
@@ -171,6 +214,8 @@ def routed_experts(x, expert_ids, combine, gate, up, down, *, impl: str = "auto"
   gather / dense serve decoding and tests).
   """
   impl = auto_impl() if impl == "auto" else impl
+  if impl == "blocked":
+    return _blocked(x, expert_ids, combine, gate, up, down, fp8=fp8_storage)
   if impl == "ragged":
     return _ragged(x, expert_ids, combine, gate, up, down, fp8=fp8_storage)
   if impl == "capacity":

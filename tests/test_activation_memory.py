@@ -65,7 +65,7 @@ def test_fp8_saved_swiglu_gradients_are_those_at_the_rounded_inputs():
   np.testing.assert_allclose(da, g64 * b64 * sig * (1 + a64 * (1 - sig)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["ragged", "capacity"])
+@pytest.mark.parametrize("impl", ["blocked", "ragged", "capacity"])
 def test_routed_experts_fp8_storage_same_forward_close_gradients(impl):
   E, d, f, N, k = 8, 128, 64, 40, 2
   ks = jax.random.split(jax.random.key(4), 6)

@@ -132,7 +132,8 @@ def _dense64(x, ids, comb, gate, up, down):
   return y
 
 
-@pytest.mark.parametrize("impl", ["ragged", "capacity", "pallas_gpu", "dense"])
+@pytest.mark.parametrize("impl", ["blocked", "blocked/32", "blocked/128", "ragged", "capacity",
+                                  "pallas_gpu", "dense"])
 @pytest.mark.parametrize("routing", ["spread", "one_expert_takes_all"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_routed_experts_match_float64(impl, routing, dtype):
@@ -152,8 +153,12 @@ def test_routed_experts_match_float64(impl, routing, dtype):
   f32 = [np.asarray(a) if a.dtype == jnp.int32 else np.asarray(a.astype(jnp.float32))
          for a in args]
   want = _dense64(*f32)
-  run = lambda x, c, g, u, dn: moe.routed_experts(x, args[1], c, g, u, dn, impl=impl,
-                                                  interpret=True)
+  if impl.startswith("blocked/"):   # the blocked path at a block other than its own pick
+    run = lambda x, c, g, u, dn: moe._blocked(x, args[1], c, g, u, dn,
+                                              block=int(impl.split("/")[1]))
+  else:
+    run = lambda x, c, g, u, dn: moe.routed_experts(x, args[1], c, g, u, dn, impl=impl,
+                                                    interpret=True)
   y, vjp = jax.vjp(run, args[0], *args[2:])
   tol = 1e-4 if dtype == jnp.float32 else 5e-2
   scale = np.abs(want).max()

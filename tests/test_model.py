@@ -120,7 +120,8 @@ def test_max_logits_carry_no_gradient():
 
 
 @pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
-def test_ragged_dispatch_equals_dense_reference(groups):
+@pytest.mark.parametrize("impl", ["blocked", "ragged"])
+def test_sorted_dispatch_equals_dense_reference(groups, impl):
   cfg = tiny(n_routed_experts=16, num_experts_per_tok=3, n_group=groups[0], topk_group=groups[1])
   params = model.init(cfg, jax.random.key(1))
   p = jax.tree.map(lambda a: a[0], params["moe_layers"]["moe"])
@@ -133,7 +134,7 @@ def test_ragged_dispatch_equals_dense_reference(groups):
     y, stats = moe.moe(c, p, x)
     return jnp.sum(jnp.sin(y)), (y, stats)
 
-  (_, (y_r, s_r)), g_r = jax.value_and_grad(run, argnums=(1, 2), has_aux=True)("ragged", p, x)
+  (_, (y_r, s_r)), g_r = jax.value_and_grad(run, argnums=(1, 2), has_aux=True)(impl, p, x)
   (_, (y_d, s_d)), g_d = jax.value_and_grad(run, argnums=(1, 2), has_aux=True)("dense", p, x)
   np.testing.assert_allclose(y_r, y_d, atol=1e-5)
   np.testing.assert_array_equal(s_r.expert_load, s_d.expert_load)

@@ -9,7 +9,7 @@ normalised to sum to one, times routed_scaling_factor:
     y = sum_{i in topk(s + b)} (s_i / sum_j s_j) * rsf * expert_i(x) + shared(x)
 
 Dispatch is dropless: `k2jax.kernels.routed_experts` (model.moe_impl: fused Pallas kernels on
-GPU, sorted grouped matmuls (the CPU default), capacity buffers, or the dense reference that
+GPU, padded expert blocks (the CPU default), sorted grouped matmuls, capacity buffers, or the dense reference that
 runs every expert on every token); with expert parallelism the rows travel to their expert's shard
 first (k2jax.model.expert_parallel).
 """
