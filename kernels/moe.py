@@ -10,14 +10,14 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
             block chosen per shape), then gate and up, and down, run as one loop over the
             used blocks each (k2jax.kernels.gmm.block_matmul: the block's weight is sliced
             in place, no per-block weight copies); rows come back by one gather. Against
-            `ragged` on the same loop: 1.0-1.6x faster for a layer fwd + bwd, 8-256
+            `ragged` on the same loop: 1.1-1.3x faster for a layer fwd + bwd, 8-256
             experts (one layout instead of three scatter / gather pairs).
   ragged    sort the N k assignments by expert, three grouped matmuls over the sorted rows
             (k2jax.kernels.gmm, its own `auto` per backend), unsort, combine; the default
             where no fused kernel is better (TPU: megablox).
   capacity  each expert's first C rows in an [E, C, d] buffer and three batched matmuls
             with no weight gathers, C = CAPACITY_FACTOR x the balanced load N k / E; rows
-            past an expert's capacity go through the ragged path under a lax.cond, so
+            past an expert's capacity go through the blocked path under a lax.cond, so
             nothing is dropped (a cond, not a switch over capacities: XLA:CPU runs a
             conditional's body without intra-op threads, 1.8x slower on 2 cores). Faster
             than blocked for a balanced layer of 8-16 experts on 2 CPU cores, but not the
@@ -210,7 +210,7 @@ def routed_experts(x, expert_ids, combine, gate, up, down, *, impl: str = "auto"
   """The routed-expert output [N, d] (see the module docstring for the math and impls).
 
   fp8_storage: keep the up-projection and SwiGLU inputs saved for the backward pass in
-  FP8-E4M3 (ragged and capacity; the fused Pallas kernels save their own residuals, and
+  FP8-E4M3 (blocked, ragged and capacity; the fused Pallas kernels save their own residuals, and
   gather / dense serve decoding and tests).
   """
   impl = auto_impl() if impl == "auto" else impl
