@@ -1,20 +1,29 @@
 """Pipeline parallelism and activation reduction, measured on 8 simulated CPU devices.
 
-    python experiments/bench_pipeline.py [--loss-steps 200]
+    python experiments/bench_pipeline.py [--loss-steps 200] [--only a,b,...]
 
 Tables (printed, and CSV under experiments/results/pipeline/):
-  1. parameter bytes per device for pipeline = 1, 2, 4, 8 (1 dense + 8 MoE layers);
-  2. bubble: idle (device, iteration) slots of both schedules k2jax.parallel.pipeline runs,
-     counted, against their closed forms (gpipe: (P - 1) / (M V + P - 1));
-  3. activation memory (compiled memory analysis, temp bytes of one device's gradient program)
-     vs microbatches M at a fixed microbatch size: pipeline=2 with the 1f1b schedule (flat in
-     M) and the gpipe schedule (linear in M), and the unpipelined accumulation loop beside;
-  4. saved-activation bytes of one training step with model.activation_storage = model / fp8
-     and model.offload (host bytes are what moved off the device);
-  5. --loss-steps steps of the tiny config in bfloat16 with model / fp8 activation storage:
-     final losses (the report: FP8 storage costs no measurable loss).
-Wall times on simulated devices share 2 cores and say nothing about a real pipeline, so none
-are reported; the matmul rate of this machine is printed for scale.
+  params       parameter bytes per device for pipeline = 1, 2, 4, 8 (1 dense + 8 MoE
+               layers), the pipelined stack in its stored layout (k2jax.parallel.layout);
+  bubble       idle device time of each schedule table (k2jax.parallel.schedules) with idle
+               phases skipped, against the interleaved-1F1B closed form and against the
+               previous loop, which computed every masked slot;
+  collectives  bytes a compiled train step moves between pipeline devices, outside the tick
+               loop (weights, gradients, statistics) and inside it (stage activations and
+               their cotangents), against the pipelined stack's parameter bytes
+               (experiments/pipeline_hlo.py; run it on an older commit for the "before" row);
+  step_time    the pipelined step's wall time over the same model and batch on pipeline=1 x
+               data=8 (8 simulated devices share 2 cores: wall time is total work, so
+               skipped work shows up), for both ways of skipping idle phases;
+  memory       activation memory (compiled memory analysis, temp bytes of one device's
+               gradient program) vs microbatches M at a fixed microbatch size: pipeline=2 with
+               the 1f1b schedule (flat in M) and the gpipe schedule (linear in M), and the
+               unpipelined accumulation loop beside;
+  storage      saved-activation bytes of one training step with model.activation_storage =
+               model / fp8 and model.offload (host bytes are what moved off the device);
+  loss         --loss-steps steps of the tiny config in bfloat16 with model / fp8 activation
+               storage: final losses (the report: FP8 storage costs no measurable loss).
+The matmul rate of this machine is printed for scale.
 """
 
 import argparse
@@ -32,8 +41,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k2jax import configs, model, parallel  # noqa: E402
-from k2jax.parallel import pipeline  # noqa: E402
+from k2jax.parallel import layout, schedules  # noqa: E402
 from k2jax.step import _grads  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import pipeline_hlo  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results", "pipeline")
 
@@ -70,13 +82,14 @@ def deep_config(layers=9):
 
 def param_bytes():
   m = deep_config().model
-  specs = model.param_specs(m)
-  abstract = jax.eval_shape(functools.partial(model.init, m), jax.random.key(0))
+  total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
+      jax.eval_shape(functools.partial(model.init, m), jax.random.key(0))))
   rows = []
-  total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
   for P in (1, 2, 4, 8):
     mesh = parallel.make_mesh(dict(pipeline=P, data=8 // P, expert=1))
-    sh = parallel.param_shardings(specs, mesh)
+    sm = layout.stored_model(m, layout.split(m, P)) if P > 1 else m
+    abstract = jax.eval_shape(functools.partial(model.init, sm), jax.random.key(0))
+    sh = parallel.param_shardings(model.param_specs(sm), mesh)
     per = sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
               for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(sh)))
     rows.append(dict(pipeline=P, param_bytes_per_device=per, total_param_bytes=total,
@@ -84,32 +97,37 @@ def param_bytes():
   write("param_bytes.csv", rows)
 
 
-def idle_slots(P, V, M, schedule):
-  """Count idle (device, iteration, slot) cells of the schedules k2jax.parallel.pipeline runs
-  (the same index arithmetic as its loops), independently of its closed forms."""
-  if schedule == "gpipe":   # forward loop; its transpose has the same cells
-    n_it = M * V + P - 1
-    busy = sum(1 for t in range(n_it) for p in range(P) if 0 <= t - p < M * V)
-    return 1 - busy / (n_it * P)
-  n_it = M * V + P * V + P - 1
-  busy = 0
-  for t in range(n_it):
-    for p in range(P):
-      busy += 0 <= t - p < M * V                          # forward slot
-      busy += 0 <= t - P * V - (P - 1 - p) < M * V        # backward slot
-  return 1 - busy / (2 * n_it * P)
-
-
 def bubbles():
+  """Idle device time from each schedule's table (idle phases skipped), the interleaved
+  closed form (P - 1) / (M V + P - 1), and the previous loop's, which computed its masked
+  slots: (P V + P - 1) / (M V + P V + P - 1)."""
   rows = []
   for P, V, M in ((2, 1, 2), (2, 1, 8), (4, 1, 4), (4, 2, 4), (4, 2, 16), (8, 1, 8),
                   (16, 1, 16), (16, 2, 32), (16, 4, 32)):
+    f1b, gp = schedules.build("1f1b", P, V, M), schedules.build("gpipe", P, V, M)
     rows.append(dict(pipeline=P, virtual=V, microbatches=M,
-                     gpipe_counted=idle_slots(P, V, M, "gpipe"),
-                     gpipe_formula=pipeline.bubble(P, V, M, "gpipe"),
-                     f1b_counted=idle_slots(P, V, M, "1f1b"),
-                     f1b_formula=pipeline.bubble(P, V, M, "1f1b")))
+                     f1b_idle=f1b.idle_fraction(), closed_form=(P - 1) / (M * V + P - 1),
+                     previous_loop=(P * V + P - 1) / (M * V + P * V + P - 1),
+                     f1b_in_flight=f1b.in_flight, gpipe_idle=gp.idle_fraction(),
+                     gpipe_in_flight=gp.in_flight))
   write("bubble.csv", rows)
+
+
+def collectives():
+  rows = [pipeline_hlo.measure(s) for s in ((4, 1, 2), (4, 2, 1))]
+  write("collectives.csv", [{k: v for k, v in r.items() if k != "step_s"} for r in rows])
+
+
+def step_time():
+  """Same model (1 dense + 8 MoE layers), batch and microbatches on 8 devices."""
+  rows = []
+  plain = pipeline_hlo.measure((1, 8, 1), steps=3)["step_s"]
+  for shape, skip in (((4, 2, 1), "tick"), ((4, 1, 2), "tick"), ((4, 1, 2), "device")):
+    r = pipeline_hlo.measure(shape, steps=3, skip=skip)
+    rows.append(dict(mesh=r["mesh"], virtual=2, microbatches=8, skip=skip,
+                     pipelined_s=r["step_s"], plain_1x8x1_s=plain,
+                     ratio=r["step_s"] / plain))
+  write("step_time.csv", rows)
 
 
 def batch(B, T, vocab, seed=0):
@@ -122,15 +140,17 @@ def batch(B, T, vocab, seed=0):
 def temp_bytes(m, mesh_shape, B, T, M, P, V=1, schedule="1f1b"):
   n = mesh_shape["pipeline"] * mesh_shape["data"] * mesh_shape["expert"]
   mesh = parallel.make_mesh(mesh_shape, jax.devices()[:n])
+  sm = layout.stored_model(m, layout.split(m, P, V)) if P > 1 else m
+  tab = schedules.build(schedule, P, V, M) if P > 1 else None
   with jax.set_mesh(mesh):
-    sh = parallel.param_shardings(model.param_specs(m), mesh)
-    abstract = jax.eval_shape(functools.partial(model.init, m), jax.random.key(0))
+    sh = parallel.param_shardings(model.param_specs(sm), mesh)
+    abstract = jax.eval_shape(functools.partial(model.init, sm), jax.random.key(0))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, sh)
     bs = parallel.batch_sharding(mesh, B, M)
     b = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=bs),
                      batch(B, T, m.vocab_size))
-    c = jax.jit(lambda p, b: _grads(m, p, b, M, P, V, schedule)).lower(params, b).compile()
+    c = jax.jit(lambda p, b: _grads(m, p, b, M, tab)).lower(params, b).compile()
     return c.memory_analysis()
 
 
@@ -203,12 +223,14 @@ def loss_fp8(steps):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--loss-steps", type=int, default=200)
-  ap.add_argument("--only", default="params,bubble,memory,storage,loss")
+  ap.add_argument("--only",
+                  default="params,bubble,collectives,step_time,memory,storage,loss")
   a = ap.parse_args()
   only = a.only.split(",")
   print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
         "GFLOP/s on this machine\n")
-  steps = {"params": param_bytes, "bubble": bubbles, "memory": memory_vs_microbatches,
+  steps = {"params": param_bytes, "bubble": bubbles, "collectives": collectives,
+           "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}
   for name in only:
     steps[name]()

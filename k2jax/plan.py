@@ -1,120 +1,109 @@
-"""Per-device memory of a config on a mesh, from abstract shapes and the real sharding rules.
+"""Per-device memory of a config on a mesh, asked of the code that shards and schedules.
 
-    python -m k2jax.plan --config kimi_k2 --mesh pipeline=16,expert=16,data=1
+    python -m k2jax.plan --config kimi_k2
     python -m k2jax.plan --config kimi_k2 --mesh pipeline=16,expert=16 --devices 2048
 
-Nothing is allocated: every parameter's logical axes go through k2jax.parallel.RULES to a
-PartitionSpec, and its shard on the fullest device is its shape divided (rounded up, as an
-uneven layer split puts the extra layer on some stage) by the mesh axes it is split over.
-States, per device:
-  params        --param_bytes per element (bf16 = 2, as K2 stores them)
-  grads         --grad_bytes per element (K2's fp32 accumulation buffer = 4)
-  optimizer     ZeRO-1 (split over `data` too): fp32 master copy + Muon momentum for Muon
-                matrices, fp32 master + Adam m, v for the rest
+Nothing is allocated. States come from the trainer's own shardings: the abstract train
+state of the stored layout (k2jax.parallel.layout: the pipelined stack padded and in
+schedule order, as `k2jax.train` holds it) and `k2jax.parallel.state_shardings` on an
+abstract mesh; a device's bytes are its shard of every leaf (the fullest device: shards are
+even). Per device:
+  params        in model.param_dtype (K2: bf16)
+  grads         the float32 gradient buffer of that parameter shard (--grad_bytes)
+  optimizer     ZeRO-1 (split over `data` too): Muon momentum / Adam moments, the float32
+                master weights when params are lower precision, QK-Clip's record
   activations   an estimate of what the configured implementation keeps (remat policy,
-                attention implementation, activation storage), see `activation_bytes`
+                attention implementation, activation storage) times what the pipeline
+                schedule's table keeps in flight, see `activation_bytes`
 """
 
 import argparse
+import functools
 import math
 import sys
 
 import jax
-from jax.sharding import AbstractMesh, NamedSharding
+import numpy as np
+from jax.sharding import AbstractMesh
 
-from k2jax import configs, model
-from k2jax.model import remat as remat_lib, spec
-from k2jax.parallel import MESH_AXES, logical_spec
-from k2jax.parallel.pipeline import bubble
-from k2jax.parallel.state import zero1
+from k2jax import configs, model, optim
+from k2jax.model import remat as remat_lib
+from k2jax.parallel import MESH_AXES, layout, schedules, state_shardings
+from k2jax.step import init_state
 
 GB = 1e9
 
 
-def shard_elements(shape, pspec, mesh_shape) -> int:
-  n = 1
-  for size, axes in zip(shape, tuple(pspec) + (None,) * (len(shape) - len(pspec))):
-    axes = () if axes is None else ((axes,) if isinstance(axes, str) else axes)
-    n *= math.ceil(size / math.prod(mesh_shape[a] for a in axes))
-  return n
+def _with_mesh(config, mesh_shape, virtual_stages=None, microbatches=None, param_dtype=None):
+  config = config.copy_and_resolve_references()
+  config.mesh.update({a: mesh_shape[a] for a in MESH_AXES})
+  if virtual_stages:
+    config.mesh.virtual_stages = virtual_stages
+  if microbatches:
+    config.train.grad_accum = microbatches
+  if param_dtype:
+    config.model.param_dtype = param_dtype
+  return config
 
 
-def state_bytes(mcfg, mesh_shape, param_bytes=2, grad_bytes=4):
-  """Bytes of params, grads and ZeRO-1 optimizer state on the fullest device, and in total.
-
-  Layer stacks are split over pipeline stages (rounded up); the embedding sits on the first
-  stage and the head on the last, so with pipeline > 1 the fullest device holds the larger
-  of the two, not both.
-  """
+def state_bytes(config, mesh_shape, grad_bytes=4):
+  """Bytes of params, gradient buffer and optimizer state on the fullest device, and totals,
+  from `state_shardings` of the train state `k2jax.train` builds for `config` (a full
+  config) on a mesh of `mesh_shape` {pipeline, data, expert}."""
+  config = _with_mesh(config, mesh_shape)
+  stored = layout.stored_config(config)
+  tx = optim.optimizer(stored)
+  abstract = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
   mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
-  per_elem = {"params": param_bytes, "grads": grad_bytes}
-  layers = dict(params=0, grads=0, optimizer=0)
-  ends = {}  # non-layer parameters by pipeline end: first (embed) | last (head, final norm)
-  totals = dict(params=0, grads=0)
-  for path, s in _leaves_with_path(model.param_specs(mcfg)):
-    pspec = logical_spec(s.axes)
-    n = shard_elements(s.shape, pspec, mesh_shape)
-    n_opt = shard_elements(s.shape, zero1(NamedSharding(mesh, pspec), s.shape).spec, mesh_shape)
-    # fp32 master + Muon momentum | fp32 master + Adam m, v | frozen router bias: fp32 only
-    b = dict(params=n * param_bytes, grads=n * grad_bytes,
-             optimizer=n_opt * 4 * {"muon": 2, "adamw": 3, "frozen": 1}[s.group])
-    if "layers" in s.axes or mesh_shape["pipeline"] == 1:
-      target = layers
-    else:
-      target = ends.setdefault("first" if path[0] == "embed" else "last",
-                               dict(params=0, grads=0, optimizer=0))
-    for k in b:
-      target[k] += b[k]
-    for k in totals:
-      totals[k] += spec.size(s) * per_elem[k]
-  end = max(ends.values(), key=lambda e: e["params"], default=dict(params=0, grads=0, optimizer=0))
-  out = {k: layers[k] + end[k] for k in layers}
-  out.update(total_params=totals["params"], total_grads=totals["grads"])
-  return out
+  sh = state_shardings(model.param_specs(stored.model), mesh, abstract, tx)
+
+  def per_device(tree, shardings, itemsize=None):
+    return sum(int(np.prod(s.shard_shape(a.shape))) * (itemsize or a.dtype.itemsize)
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+  n = model.count_params(config.model)["total"]
+  param_size = np.dtype(config.model.param_dtype).itemsize
+  return dict(params=per_device(abstract.params, sh.params),
+              grads=per_device(abstract.params, sh.params, grad_bytes),
+              optimizer=per_device(abstract.opt_state, sh.opt_state),
+              total_params=n * param_size, total_grads=n * grad_bytes)
 
 
 def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
                      attention_impl=None, storage=None, virtual_stages=1, microbatches=None,
                      schedule="1f1b"):
-  """Activation memory of the first pipeline stage, the one holding the most.
+  """Activation memory of the device holding the most.
 
   Per layer and token, what the configured implementation keeps for the backward pass
   (k2jax.model.remat.saved_bytes_per_token: the remat policy, the attention implementation
-  and the activation storage), for every layer of the stage; plus the working set of the
-  layer being differentiated (all its activations, recomputed ones included) and of the
-  head (f32 logits and their gradient). Per device, micro_batch sequences of seq_len tokens
-  (tokens are split over data x expert). With pipeline > 1, k2jax.parallel.pipeline's
-  schedule: 1f1b keeps at most 2 P V stage inputs ([micro_batch, seq_len, hidden]) and one
-  stage's saved activations while it is differentiated; gpipe keeps every stage's saved
-  activations for all M microbatches. Settings default to the config's. Returns (bytes,
-  the settings used).
+  and the activation storage); plus the working set of the layer being differentiated (all
+  its activations, recomputed ones included) and of the head (f32 logits and their
+  gradient). Per device, micro_batch sequences of seq_len tokens (tokens are split over
+  data x expert). With pipeline > 1, the schedule's table (k2jax.parallel.schedules) says how
+  many stage activations a device keeps at once (`in_flight`: each what a stage's layers save
+  under the remat policy) and how many stage inputs / cotangents wait in its buffers.
+  Settings default to the config's. Returns (bytes, the settings used).
   """
   m = mcfg
   settings = dict(remat=remat or m.remat,
                   attention_impl=attention_impl or m.attention_impl,
                   storage=storage or m.get("activation_storage", "model"))
   stages = mesh_shape["pipeline"]
-  per_stage = math.ceil(m.num_hidden_layers / stages)
-  dense = min(m.first_k_dense_replace, per_stage)    # the first stage starts with dense layers
   layer = lambda ffn, **kw: sum(remat_lib.saved_bytes_per_token(m, ffn, seq_len, **{
       **settings, **kw}).values())
-  saved = sum(layer(ffn) * n for ffn, n in (("mlp", dense), ("moe", per_stage - dense)))
   working = max(layer(ffn, remat="none") for ffn in ("mlp", "moe")) + 8 * m.vocab_size
   if stages == 1:
+    saved = sum(layer(ffn) * n for ffn, n in (("mlp", m.first_k_dense_replace),
+                                              ("moe", m.num_hidden_layers
+                                               - m.first_k_dense_replace)))
     return (saved + working) * seq_len * micro_batch, settings
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2
-  per_stage = math.ceil(m.num_hidden_layers / (stages * virtual_stages))
-  stage = layer("moe") * per_stage
-  if schedule == "gpipe":   # every stage's activations of every microbatch
-    return (stage * M * virtual_stages + working) * seq_len * micro_batch, settings
-  inputs = 2 * stages * virtual_stages * a * m.hidden_size
-  return (inputs + stage + working) * seq_len * micro_batch, settings
-
-
-def _leaves_with_path(tree):
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=spec.is_spec)
-  return [(tuple(getattr(k, "key", k) for k in path), s) for path, s in flat]
+  sp = layout.split(m, stages, virtual_stages)
+  tab = schedules.build(schedule, stages, virtual_stages, M)
+  stage = layer(sp.stack.ffn) * sp.per_stage
+  buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
+  return (tab.in_flight * stage + buffers + working) * seq_len * micro_batch, settings
 
 
 def parse_mesh(text: str, devices: int | None) -> dict:
@@ -137,35 +126,39 @@ def parse_mesh(text: str, devices: int | None) -> dict:
   return mesh
 
 
-def report(name, mesh, seq_len=None, micro_batch=1, param_bytes=2, grad_bytes=4, *,
-           virtual_stages=None, microbatches=None, remat=None, storage=None) -> str:
-  cfg = configs.get_config(name)
-  virtual_stages = virtual_stages or cfg.mesh.get("virtual_stages", 1)
+def report(name, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_stages=None,
+           microbatches=None, remat=None, storage=None, param_dtype=None) -> str:
+  cfg = _with_mesh(configs.get_config(name), mesh, virtual_stages, microbatches, param_dtype)
+  V = cfg.mesh.get("virtual_stages", 1)
   seq_len = seq_len or cfg.train.seq_len
-  st = state_bytes(cfg.model, mesh, param_bytes, grad_bytes)
-  M = microbatches or max(mesh["pipeline"], cfg.train.grad_accum)
+  st = state_bytes(cfg, mesh, grad_bytes)
+  M = cfg.train.grad_accum
   schedule = cfg.mesh.get("pipeline_schedule", "1f1b")
   act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
-                               storage=storage, virtual_stages=virtual_stages, microbatches=M,
+                               storage=storage, virtual_stages=V, microbatches=M,
                                schedule=schedule)
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
-           f"params {param_bytes} B, grads {grad_bytes} B, seq_len {seq_len}, "
+           f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
            f"micro_batch {micro_batch}",
            f"{'per device':<26}{'GB':>10}"]
   for key, label in (("params", "params"), ("grads", "grads / accumulation"),
                      ("optimizer", "optimizer (ZeRO-1)")):
     lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
   states = st["params"] + st["grads"] + st["optimizer"]
-  lines.append(f"  {'all states':<24}{states / GB:>10.2f}")
+  lines.append(f"  {'all states':<24}{states / GB:>10.2f}   (from parallel.state_shardings)")
   lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}   remat={used['remat']}, "
                f"attention={used['attention_impl']}, storage={used['storage']}")
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
   if mesh["pipeline"] > 1:
     P = mesh["pipeline"]
-    lines.append(f"pipeline ({schedule}): {P} devices x {virtual_stages} virtual stages, "
-                 f"{M} microbatches: idle stage slots "
-                 f"{bubble(P, virtual_stages, M, schedule):.1%}")
+    tab = schedules.build(schedule, P, V, M)
+    sp = layout.split(cfg.model, P, V)
+    lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
+                 f"{sp.per_stage} layer(s), {M} microbatches: {tab.ticks} ticks, idle "
+                 f"{tab.idle_fraction():.1%} of device time, {tab.in_flight} stage "
+                 f"activations in flight per device"
+                 f"{f', {sp.padded} padding row(s) stored' if sp.padded else ''}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "
@@ -180,27 +173,33 @@ def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m k2jax.plan", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help=f"preset: {', '.join(configs.PRESETS)}")
-  p.add_argument("--mesh", default="", help="pipeline=P,expert=E,data=D (missing axes = 1)")
+  p.add_argument("--mesh", default=None,
+                 help="pipeline=P,expert=E,data=D (missing axes = 1; default: the config's)")
   p.add_argument("--devices", type=int, default=None, help="total devices; fills in data")
   p.add_argument("--seq_len", type=int, default=None)
   p.add_argument("--micro_batch", type=int, default=1, help="sequences per device per microbatch")
-  p.add_argument("--param_bytes", type=int, default=2)
+  p.add_argument("--param_dtype", choices=("bfloat16", "float32"), default=None,
+                 help="parameter dtype (default: the config's model.param_dtype)")
   p.add_argument("--grad_bytes", type=int, default=4)
   p.add_argument("--virtual_stages", type=int, default=None,
                  help="pipeline stages per device (default: the config's)")
   p.add_argument("--microbatches", type=int, default=None,
-                 help="pipeline microbatches (train.grad_accum; default max(pipeline, config's))")
+                 help="pipeline microbatches (train.grad_accum; default the config's)")
   p.add_argument("--remat", choices=("none", "selective", "full"), default=None)
   p.add_argument("--storage", choices=("model", "fp8"), default=None,
                  help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
   args = p.parse_args(argv)
   try:
+    if args.mesh is None:
+      m = configs.get_config(args.config).mesh
+      args.mesh = ",".join(f"{a}={m[a]}" for a in MESH_AXES
+                           if a != "data" or args.devices is None)
     mesh = parse_mesh(args.mesh, args.devices)
     if (args.virtual_stages or 1) < 1 or (args.microbatches or mesh["pipeline"]) < mesh["pipeline"]:
       raise ValueError("--virtual_stages must be >= 1 and --microbatches >= pipeline")
-    print(report(args.config, mesh, args.seq_len, args.micro_batch, args.param_bytes,
-                 args.grad_bytes, virtual_stages=args.virtual_stages,
-                 microbatches=args.microbatches, remat=args.remat, storage=args.storage))
+    print(report(args.config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
+                 virtual_stages=args.virtual_stages, microbatches=args.microbatches,
+                 remat=args.remat, storage=args.storage, param_dtype=args.param_dtype))
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)
     raise SystemExit(2)

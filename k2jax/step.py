@@ -19,7 +19,7 @@ import optax
 
 from k2jax import model
 from k2jax.optim import load_imbalance
-from k2jax.parallel import pipeline
+from k2jax.parallel import layout, pipeline
 
 
 class TrainState(NamedTuple):
@@ -56,32 +56,26 @@ def microbatches(batch, n: int):
                       batch)
 
 
-def _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual, schedule="1f1b"):
-  """_grads with the microbatches flowing through pipeline stages (k2jax.parallel.pipeline):
-  "1f1b" interleaves each stage's forward and backward passes (activation memory
-  independent of the microbatch count); "gpipe" differentiates the pipelined forward."""
-  mbs = microbatches(batch, grad_accum)
-  if schedule == "1f1b":
-    ce_sum, n, _, aux, g = pipeline.loss_and_grads_1f1b(mcfg, params, mbs, stages=stages,
-                                                        virtual=virtual)
-  else:
-    def f(p):
-      ce_sum, n, aux_sum, stats = pipeline.loss(mcfg, p, mbs, stages=stages, virtual=virtual)
-      return ce_sum + aux_sum, (ce_sum, n, stats)
-    g, (ce_sum, n, aux) = jax.grad(f, has_aux=True)(params)
+def _pipelined_grads(mcfg, params, batch, tab, skip=None):
+  """_grads with the microbatches flowing through pipeline stages as schedule table `tab`
+  says (k2jax.parallel.pipeline); params, grads and per-layer statistics in the stored
+  layout (k2jax.parallel.layout)."""
+  ce_sum, n, _, aux, g = pipeline.loss_and_grads(mcfg, params, microbatches(batch, tab.M), tab,
+                                                 skip)
   n = jnp.maximum(n, 1.0)
   return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
 
 
-def _grads(mcfg, params, batch, grad_accum, stages=1, virtual=1, schedule="1f1b"):
-  """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32.
+def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None):
+  """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32
+  (report 2.4.2's fp32 gradient buffer, whatever the parameters' dtype).
 
   -> (grads, mean loss, ForwardStats: max_logits maxed and expert_load summed over
   microbatches). Accumulator shapes come from the config, not from a trial forward pass.
-  With stages > 1 the microbatches run through the pipeline instead.
+  With a pipeline schedule table `tab` the microbatches run through the pipeline instead.
   """
-  if stages > 1:
-    return _pipelined_grads(mcfg, params, batch, grad_accum, stages, virtual, schedule)
+  if tab is not None:
+    return _pipelined_grads(mcfg, params, batch, tab, skip)
 
   def micro(mb):
     def f(p):
@@ -112,7 +106,7 @@ def _grads(mcfg, params, batch, grad_accum, stages=1, virtual=1, schedule="1f1b"
     (g, ce_sum, n, aux), _ = jax.lax.scan(body, init, microbatches(batch, grad_accum))
     aux = aux._replace(aux_loss=aux.aux_loss / jnp.maximum(n, 1.0))
   n = jnp.maximum(n, 1.0)
-  return jax.tree.map(lambda x: x / n, g), ce_sum / n, aux
+  return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
 
 
 def _is_count(path) -> bool:
@@ -127,12 +121,22 @@ def _gate(finite, new_state, old_state):
       new_state, old_state)
 
 
+def _table(config):
+  return pipeline.table(config) if config.mesh.pipeline > 1 else None
+
+
+def _skip(config):
+  skip = config.mesh.get("pipeline_skip", "auto")
+  return None if skip == "auto" else skip
+
+
 def train_step(config, tx, schedule, state: TrainState, batch):
-  """-> (new state, metrics). `config` is the full config (model, optimizer, train)."""
+  """-> (new state, metrics). `config` is the full config (model, optimizer, train, mesh);
+  with a pipeline, `state` is in the stored layout (k2jax.parallel.layout) and `tx` was
+  built for it (`optim.optimizer(layout.stored_config(config))`)."""
   mcfg, ocfg = config.model, config.optimizer
   grads, loss, aux = _grads(mcfg, state.params, batch, config.train.grad_accum,
-                            config.mesh.pipeline, config.mesh.get("virtual_stages", 1),
-                            config.mesh.get("pipeline_schedule", "1f1b"))
+                            _table(config), _skip(config))
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state.opt_state, state.params,
@@ -145,8 +149,11 @@ def train_step(config, tx, schedule, state: TrainState, batch):
       opt_state=_gate(finite, opt_state, state.opt_state),
       nan_streak=nan_streak,
       skipped=state.skipped + (~finite).astype(jnp.int32))
-  max_logits = aux.max_logits
+  sp = layout.of(config)
+  max_logits, expert_load = layout.stats_to_logical(sp, aux.max_logits, aux.expert_load)
   ever = optax.tree_utils.tree_get(opt_state, "ever_clipped")  # None without QK-Clip
+  if ever is not None and sp is not None:
+    ever = layout.layer_rows(sp, ever, layout.to_logical)
   metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
@@ -157,8 +164,8 @@ def train_step(config, tx, schedule, state: TrainState, batch):
                         else jnp.zeros((), jnp.int32)),
       "clipped_heads_ever_frac": (jnp.mean(ever.astype(jnp.float32)) if ever is not None
                                   else jnp.zeros(())),
-      "expert_load_imbalance": (jnp.mean(load_imbalance(aux.expert_load))
-                                if aux.expert_load.size else jnp.ones(())),
+      "expert_load_imbalance": (jnp.mean(load_imbalance(expert_load))
+                                if expert_load.size else jnp.ones(())),
       "finite": finite,
       "nan_streak": nan_streak,
   }
@@ -166,6 +173,12 @@ def train_step(config, tx, schedule, state: TrainState, batch):
 
 
 def eval_step(config, params, batch):
-  """-> (summed cross entropy, token count) of one batch."""
+  """-> (summed cross entropy, token count) of one batch (through the pipeline's forward
+  phases when there is one: params in the stored layout never move)."""
+  tab = _table(config)
+  if tab is not None:
+    ce_sum, n, _, _ = pipeline.loss(config.model, params, microbatches(batch, tab.M), tab,
+                                    _skip(config))
+    return ce_sum, n
   ce_sum, n, _ = lm_loss(config.model, params, batch)
   return ce_sum, n

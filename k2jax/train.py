@@ -29,7 +29,7 @@ from k2jax import configs, data as data_lib, metrics as metrics_lib, model, opti
 from k2jax import resume
 from k2jax.checkpoint import Checkpointer, CheckpointMismatch
 from k2jax.metrics import MetricsWriter
-from k2jax.parallel import pipeline
+from k2jax.parallel import layout, pipeline
 from k2jax.step import TrainState, eval_step, init_state, train_step
 
 log = logging.getLogger("k2jax.train")
@@ -147,8 +147,10 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
     log.info("resuming with changed settings: %s", "; ".join(changes))
   t, m = config.train, config.model
   if config.mesh.pipeline > 1:
-    log.info(pipeline.split(m, config.mesh.pipeline,
-                            config.mesh.get("virtual_stages", 1)).describe(m))
+    tab = pipeline.table(config)
+    log.info("%s; schedule %s: %d ticks, idle %.1f%%, %d stage activations kept per device",
+             layout.of(config).describe(m), tab.name, tab.ticks, 100 * tab.idle_fraction(),
+             tab.in_flight)
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
       # Seen hanging under load (CI, 2 cores): XLA:CPU's gloo collectives tag every
       # collective-permute alike, so two in flight between the same pair of devices can
@@ -176,30 +178,50 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
 def _run(config, workdir, mesh, data, init_params=None):
   t, m = config.train, config.model
   main_process = jax.process_index() == 0
-  tx = optim.optimizer(config)
+  # Two views of the state (k2jax.parallel.layout): the trainer's, with the pipelined stack
+  # stored in the order the schedule runs it (padded, sharded over `pipeline`), and the
+  # logical one checkpoints hold, so they restore on any pipeline size. Without a pipeline
+  # they are the same.
+  sp = layout.of(config)
+  stored = layout.stored_config(config)
+  tx, tx_logical = optim.optimizer(stored), optim.optimizer(config)
   schedule = optim.learning_rate_schedule(config)
   rng = jax.random.key(t.seed)
-  abstract = jax.eval_shape(functools.partial(init_state, config, tx), rng)
-  shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract, tx)
+  abstract = jax.eval_shape(functools.partial(init_state, stored, tx), rng)
+  shardings = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx)
+  abstract_logical = jax.eval_shape(functools.partial(init_state, config, tx_logical), rng)
+  ckpt_shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract_logical,
+                                            tx_logical, spread_layers=True)
   batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
+  to_stored = jax.jit(lambda s: layout.convert_state(sp, tx_logical, s, layout.to_stored),
+                      out_shardings=shardings, donate_argnums=0)
+  to_logical = jax.jit(lambda s: layout.convert_state(sp, tx, s, layout.to_logical),
+                       out_shardings=ckpt_shardings)
 
   ckpt = Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
   try:
     restored = ckpt.restore_latest(
         jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                     abstract, shardings), data.train_iter)
+                     abstract_logical, ckpt_shardings), data.train_iter)
   except CheckpointMismatch as e:
     ckpt.close()
     raise UserError(str(e)) from None
   if restored:
     state, train_iter, meta = restored
     state = TrainState(*state) if not isinstance(state, TrainState) else state
+    state = to_stored(state) if sp is not None else state
   else:
-    state = jax.jit(functools.partial(init_state, config, tx), out_shardings=shardings)(rng)
+    # Initialized in the logical layout and then laid out: the same weights on every mesh.
+    state = jax.jit(lambda r: layout.convert_state(
+        sp, tx_logical, init_state(config, tx_logical, r), layout.to_stored),
+        out_shardings=shardings)(rng)
     if init_params is not None:  # fine-tuning: the given weights, fresh optimizer state
-      params = jax.device_put(init_params(), shardings.params)
-      state = jax.jit(lambda s, p: s._replace(params=p, opt_state=tx.init(p)),
-                      out_shardings=shardings, donate_argnums=0)(state, params)
+      params = jax.device_put(init_params(), ckpt_shardings.params)
+      state = jax.jit(
+          lambda s, p: s._replace(params=layout.convert_params(sp, p, layout.to_stored),
+                                  opt_state=tx.init(layout.convert_params(sp, p,
+                                                                          layout.to_stored))),
+          out_shardings=shardings, donate_argnums=0)(state, params)
     train_iter, meta = data.train_iter(), {}
   start = int(state.step)
   counts = model.count_params(m)
@@ -262,8 +284,8 @@ def _run(config, workdir, mesh, data, init_params=None):
         row = {}
       if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps
                                  or stop_signal is not None):
-        ckpt.save(step, state, train_iter, {"step": step, "eval_loss": eval_loss,
-                                            "seed": int(t.seed)})
+        ckpt.save(step, to_logical(state) if sp is not None else state, train_iter,
+                  {"step": step, "eval_loss": eval_loss, "seed": int(t.seed)})
       if stop_signal is not None:
         log.warning("received signal %d: saved checkpoint at step %d; exiting", stop_signal, step)
         break

@@ -15,7 +15,8 @@ import numpy as np
 def meshes(out, *rest):
   """Train with the k2jax.train command line CLI_ARGS on each mesh spec: DxE (data x
   expert) or PxDxE (pipeline x data x expert), optionally /bB (train.batch_size B), /aA
-  (train.grad_accum A), /vV (mesh.virtual_stages V) and /sNAME (mesh.pipeline_schedule)."""
+  (train.grad_accum A), /vV (mesh.virtual_stages V), /sNAME (mesh.pipeline_schedule) and
+  /kMODE (mesh.pipeline_skip)."""
   from k2jax import metrics, train
   sep = rest.index("--")
   specs, cli = rest[:sep], list(rest[sep + 1:])
@@ -31,6 +32,8 @@ def meshes(out, *rest):
         config.mesh.virtual_stages = int(o[1:])
       elif o[0] == "s":
         config.mesh.pipeline_schedule = o[1:]
+      elif o[0] == "k":
+        config.mesh.pipeline_skip = o[1:]
       else:
         config.train[{"b": "batch_size", "a": "grad_accum"}[o[0]]] = int(o[1:])
     workdir = f"{out}/{s.replace('/', '_')}"

@@ -10,32 +10,34 @@ from k2jax import configs, model, plan
 
 def test_k2_states_match_report_scale():
   mesh = {"pipeline": 16, "data": 1, "expert": 16}
-  st = plan.state_bytes(configs.get_config("kimi_k2").model, mesh, param_bytes=2, grad_bytes=4)
-  n = model.count_params(configs.get_config("kimi_k2").model)["total"]
+  config = configs.get_config("kimi_k2")
+  st = plan.state_bytes(config, mesh, grad_bytes=4)
+  n = model.count_params(config.model)["total"]
   assert st["total_params"] + st["total_grads"] == 6 * n            # bf16 + fp32 per parameter
   assert 5.9e12 < 6 * n < 6.3e12                                     # report 2.4.2: ~6 TB
   average = 6 * n / 256
   assert 20e9 < average < 30e9                                       # ~30 GB per GPU in the report
-  # The fullest device holds more than the average (uneven stage split, embedding on stage 0),
+  # The fullest device holds more than the average (4 of 60 MoE layers, the dense layer),
   # but less than 2x.
   assert average < st["params"] + st["grads"] < 2 * average
   # ZeRO-1: optimizer state shrinks with data parallelism, params and grads do not.
-  st8 = plan.state_bytes(configs.get_config("kimi_k2").model, dict(mesh, data=8))
+  st8 = plan.state_bytes(config, dict(mesh, data=8))
   assert st8["params"] == st["params"] and st8["optimizer"] < st["optimizer"] / 7
 
 
 def test_single_device_bytes_equal_parameter_count():
-  cfg = configs.get_config("tiny").model
-  st = plan.state_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, param_bytes=4, grad_bytes=4)
-  assert st["params"] == 4 * model.count_params(cfg)["total"]
+  config = configs.get_config("tiny")
+  st = plan.state_bytes(config, {"pipeline": 1, "data": 1, "expert": 1}, grad_bytes=4)
+  assert st["params"] == st["grads"] == 4 * model.count_params(config.model)["total"]
 
 
-def test_experts_split_over_expert_axis():
-  cfg = configs.get_config("tiny").model
-  one = plan.state_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, param_bytes=1)
-  four = plan.state_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 4}, param_bytes=1)
-  experts = model.count_params(cfg)["routed_experts"]
-  assert one["params"] - four["params"] == experts - experts // 4
+def test_experts_and_vocabulary_split_over_expert_axis():
+  config = configs.get_config("tiny")
+  one = plan.state_bytes(config, {"pipeline": 1, "data": 1, "expert": 1})
+  four = plan.state_bytes(config, {"pipeline": 1, "data": 1, "expert": 4})
+  c = model.count_params(config.model)
+  split = c["routed_experts"] + c["embedding"] + c["lm_head"]
+  assert one["params"] - four["params"] == 4 * (split - split // 4)
 
 
 @pytest.mark.parametrize("args,fragment", [

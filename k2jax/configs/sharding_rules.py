@@ -21,6 +21,9 @@ RULES = (
     ("batch", ("data", "expert")),   # tokens are split over every non-pipeline device
     ("experts", "expert"),           # expert parallelism (report 2.4.2)
     ("layers", "pipeline"),          # each pipeline stage holds its layers
+    ("vocab", "expert"),             # embedding / head rows split over the expert group: at
+                                     # K2's 163,840 x 7168 each would otherwise be 2.3 GB of
+                                     # bf16 (+ 4.7 GB of fp32 gradient) on every device
     ("opt_state", "data"),           # ZeRO-1: optimizer states are also split over data
 )
 

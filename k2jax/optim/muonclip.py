@@ -14,6 +14,7 @@ from collections.abc import Callable
 import optax
 
 from k2jax.optim.balancing import router_bias_balancing
+from k2jax.optim.master import master_weights
 from k2jax.optim.muon import adamw, muon
 from k2jax.optim.qk_clip import qk_clip
 from k2jax.optim.schedules import wsd
@@ -100,6 +101,7 @@ def optimizer(config) -> optax.GradientTransformationExtraArgs:
       clip_by_global_norm (if optimizer.grad_clip_norm > 0)
         -> OPTIMIZERS[optimizer.name] with the WSD schedule
         -> router_bias_balancing (model.bias_update_speed)
+      all on float32 master weights (master_weights) when model.param_dtype is lower
 
   Args:
     config: a full config (groups model, optimizer, train).
@@ -112,4 +114,7 @@ def optimizer(config) -> optax.GradientTransformationExtraArgs:
   links = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm else []
   links.append(OPTIMIZERS[o.name](config, learning_rate_schedule(config)))
   links.append(router_bias_balancing(config.model))
-  return optax.chain(*links)
+  tx = optax.chain(*links)
+  if config.model.param_dtype != "float32":   # bf16 params: the chain runs on fp32 masters
+    tx = master_weights(tx)
+  return tx

@@ -38,19 +38,38 @@ def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model
                        f"{' x '.join(axes)} = {n}, which does not divide it: {fix}")
 
 
-def param_shardings(specs, mesh: Mesh):
+def spread(pspec, shape, axes, mesh_shape) -> P:
+  """`pspec` with mesh `axes` added on the largest dimension that is still unsharded and that
+  their product divides (unchanged if none is, or the axes are already used or of size 1)."""
+  spec = list(pspec) + [None] * (len(shape) - len(pspec))
+  used = {a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)}
+  axes = tuple(a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used)
+  n = math.prod(mesh_shape[a] for a in axes)
+  free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0]
+  if n == 1 or not free:
+    return P(*spec)
+  dim = max(free, key=lambda d: shape[d])
+  spec[dim] = axes[0] if len(axes) == 1 else axes
+  return P(*spec)
+
+
+def param_shardings(specs, mesh: Mesh, spread_layers: bool = False):
   """NamedSharding per parameter of a parameter table (`k2jax.model.param_specs(cfg)`).
 
-  A layer stack whose depth the pipeline axis does not divide (K2: 60 MoE layers over 16
-  devices) is stored replicated over that axis: arrays keep their logical [layers, ...]
-  shape (checkpoints move between meshes) and device arrays need even shards. The pipeline
-  still runs each stage on its own device; only the storage is not split.
+  The trainer stores the pipelined stack padded to a multiple of the pipeline size
+  (k2jax.parallel.layout), so its `layers` axis always divides. A stack the pipeline axis
+  does not divide is the leading dense stack (run by stage 0 only: kept whole on every
+  pipeline device, which costs what padding it to one copy per device would) or a logical
+  view of the pipelined one (a checkpoint's: with `spread_layers` the pipeline axis moves to
+  its largest other dimension it divides, so saving never gathers a stack on one device).
   """
   def one(path, s):
     pspec = logical_spec(s.axes)
     if (s.axes and s.axes[0] == "layers" and pspec[0] == "pipeline"
         and s.shape[0] % mesh.shape["pipeline"]):
       pspec = P(None, *pspec[1:])
+      if spread_layers:
+        pspec = spread(pspec, s.shape, ("pipeline",), mesh.shape)
     _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)
     return NamedSharding(mesh, pspec)
   return jax.tree_util.tree_map_with_path(one, specs, is_leaf=spec.is_spec)

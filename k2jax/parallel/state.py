@@ -13,31 +13,21 @@ formed on the full matrix, and each rank keeps its shard of the new momentum;
 experiments/bench_parallel.py measures what it costs.
 """
 
-import math
-
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from k2jax.configs.sharding_rules import mesh_axes
-from k2jax.parallel.mesh import param_shardings, replicated
+from k2jax.parallel.mesh import param_shardings, replicated, spread
 
 
 def zero1(sharding: NamedSharding, shape) -> NamedSharding:
   """`sharding` with the ZeRO-1 mesh axes added on the largest free divisible dimension."""
-  mesh = sharding.mesh
-  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-  used = {a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)}
-  axes = tuple(a for a in mesh_axes("opt_state") if mesh.shape.get(a, 1) > 1 and a not in used)
-  n = math.prod(mesh.shape[a] for a in axes)
-  free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0]
-  if n == 1 or not free:
-    return sharding
-  dim = max(free, key=lambda d: shape[d])
-  spec[dim] = axes[0] if len(axes) == 1 else axes
-  return NamedSharding(mesh, P(*spec))
+  return NamedSharding(sharding.mesh, spread(sharding.spec, shape, mesh_axes("opt_state"),
+                                             sharding.mesh.shape))
 
 
-def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = True):
+def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = True,
+                    spread_layers: bool = False):
   """NamedShardings for a TrainState.
 
   Args:
@@ -47,10 +37,11 @@ def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = Tru
     tx: the optax transformation whose `init` made `abstract_state.opt_state`.
     shard_optimizer: False keeps optimizer state sharded like the params (plain data
       parallelism, for comparison).
+    spread_layers: param_shardings' (True for a logical view of a pipelined stack).
   Returns:
     A TrainState of NamedShardings.
   """
-  params = param_shardings(specs, mesh)
+  params = param_shardings(specs, mesh, spread_layers)
   rep = replicated(mesh)
 
   def param_leaf(leaf, param_sharding):

@@ -1,0 +1,203 @@
+"""Pipeline schedules as static tables (report 2.4.2): what every device does at every tick.
+
+A schedule is, per device, an ordered list of tasks on (virtual stage v, microbatch m):
+
+    F  forward of stage s = v P + p on microbatch m (stage 0 also embeds, the last stage also
+       runs the head and the loss)
+    B  backward of that stage: input gradient and weight gradient
+
+`build` turns the lists into a table by simulating the dependencies tick by tick (a tick has
+an F and a B phase on every device; a stage's output reaches the next device at the end
+of the tick, the head's gradient is ready within the tick). The jitted loop
+(k2jax.parallel.pipeline) reads its task and buffer slots from the table; the idle fraction,
+the buffers' sizes and `plan` read the same table. A new schedule is a new task order, not
+new index arithmetic.
+
+The idle fraction counts time, not slots: a phase no device of a tick works in costs nothing
+(the loop skips it with a condition every device of a stage agrees on), so a tick costs the
+largest per-device sum of its phases' costs (F = 1, B = 2). Under that measure interleaved
+1F1B idles (P - 1) / (M V + P - 1), GPipe's figure, with at most (P - 1) 2 + (V - 1) P + 1
+stage activations in flight per device instead of M V.
+"""
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+SCHEDULES = ("1f1b", "gpipe")
+COST = {"F": 1.0, "B": 2.0}   # a backward does twice a forward's matmuls
+
+
+class Table(NamedTuple):
+  """One schedule for P devices x V virtual stages x M microbatches.
+
+  task[k]: int32 [ticks, P, 2] = (v, m) of the device's phase-k task (k = "F", "B"), -1
+  where idle.
+  Buffer slots (int32 [ticks, P], -1 = none), sized by interval colouring of what is alive:
+    act_in    slot where the activation arriving this tick (sent at the end of the previous
+              tick) is stored; act_read: slot the F task reads (-1 on stage 0: the embedding)
+    grad_in   slot where the arriving cotangent is stored; grad_read: slot B reads (the last
+              stage's B reads the cotangent its own F phase wrote to head_write)
+    res_write slot F writes what the stage saves for its backward to; res_read: slot B reads
+  """
+  name: str
+  P: int
+  V: int
+  M: int
+  task: dict
+  slots: dict
+  sizes: dict          # buffer -> number of slots ("act", "grad", "res")
+
+  @property
+  def ticks(self) -> int:
+    return self.task["F"].shape[0]
+
+  def busy(self, kind: str) -> np.ndarray:
+    return self.task[kind][..., 0] >= 0
+
+  def time(self) -> float:
+    """Lockstep time of the schedule in forward-stage units."""
+    per = sum(self.busy(k) * COST[k] for k in self.task)
+    return float(per.max(axis=1).sum())
+
+  def idle_fraction(self) -> float:
+    """1 - (work of every device) / (devices x lockstep time)."""
+    work = self.M * self.V * (COST["F"] + COST["B"])
+    return 1.0 - work / self.time()
+
+  @property
+  def in_flight(self) -> int:
+    """Most stage activations a device keeps for backward at once (= residual slots)."""
+    return self.sizes["res"]
+
+
+def _orders(name, P, V, M):
+  """Per-device task lists {kind: [(v, m), ...]} (the same on every device)."""
+  if name == "gpipe":       # all forwards (virtual stage by virtual stage), then all backwards
+    f = [(v, m) for v in range(V) for m in range(M)]
+    return {"F": f, "B": [(v, m) for v in reversed(range(V)) for m in range(M)]}
+  # Megatron's interleaved order: microbatches in groups of P, each group through virtual
+  # stage 0, then 1, ...; backwards in the same groups, virtual stages last to first.
+  f = [(v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
+  b = [(V - 1 - v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
+  return {"F": f, "B": b}
+
+
+def _warmup(name, P, V, M, p):
+  """Forwards device p may run ahead of its backwards: the 1F1B memory bound (Megatron's
+  interleaved warm-up, plus one so a tick's F can pair with the B it enables). gpipe: all."""
+  if name == "gpipe":
+    return M * V
+  return min(M * V, (P - p - 1) * 2 + (V - 1) * P + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def build(name: str, P: int, V: int, M: int) -> Table:
+  """The table of schedule `name` (SCHEDULES) on P devices x V virtual stages x M microbatches
+  (M a multiple of P except for gpipe)."""
+  if name not in SCHEDULES:
+    raise ValueError(f"mesh.pipeline_schedule = {name!r}: must be one of {', '.join(SCHEDULES)}")
+  if name != "gpipe" and M % P:
+    raise ValueError(f"{M} microbatches for {P} pipeline devices: the {name} schedule needs a "
+                     "multiple of the pipeline size")
+  S = P * V
+  orders = _orders(name, P, V, M)
+  kinds = list(orders)
+  done = {k: {} for k in kinds}      # kind -> {(s, m): tick}
+  nxt = {k: [0] * P for k in kinds}
+  rows = {k: [] for k in kinds}
+  t = 0
+  total = M * V
+  limit = 10 * (M * V + S) + 10
+  while any(nxt[k][p] < total for k in kinds for p in range(P)):
+    if t > limit:
+      raise RuntimeError(f"schedule {name} P={P} V={V} M={M} does not finish")
+    row = {k: [(-1, -1)] * P for k in kinds}
+    for k in kinds:
+      for p in range(P):
+        i = nxt[k][p]
+        if i >= total:
+          continue
+        v, m = orders[k][i]
+        s = v * P + p
+        if k == "F":
+          ok = s == 0 or done["F"].get((s - 1, m), t) < t
+          ok = ok and i - nxt["B"][p] < _warmup(name, P, V, M, p)   # in flight
+        else:    # the last stage's B may follow its F in the same tick (the head between)
+          ok = (done["F"].get((s, m), t + 1) <= t if s == S - 1
+                else done["B"].get((s + 1, m), t) < t)
+          # GPipe flushes: a device starts its backwards once all its forwards are done
+          ok = ok and (name != "gpipe" or nxt["F"][p] >= total)
+        if ok:
+          row[k][p] = (v, m)
+          done[k][(s, m)] = t
+          nxt[k][p] += 1
+    for k in kinds:
+      rows[k].append(row[k])
+    t += 1
+  task = {k: np.asarray(rows[k], np.int32) for k in kinds}
+  slots, sizes = _slots(task, P, V)
+  return Table(name, P, V, M, task, slots, sizes)
+
+
+def _colour(intervals):
+  """Greedy interval colouring: intervals [(start, end, key)] (end inclusive) -> {key: slot},
+  slot count. A slot freed at tick e can be reused from tick e + 1."""
+  free, busy, out = [], [], {}
+  n = 0
+  for start, end, key in sorted(intervals):
+    busy.sort()
+    while busy and busy[0][0] < start:
+      free.append(busy.pop(0)[1])
+    if free:
+      free.sort()
+      slot = free.pop(0)
+    else:
+      slot, n = n, n + 1
+    out[key] = slot
+    busy.append((end, slot))
+  return out, n
+
+
+def _slots(task, P, V):
+  S = P * V
+  ticks = task["F"].shape[0]
+  when = {k: {} for k in task}                 # kind -> {(p, v, m): tick}
+  for k, a in task.items():
+    for t in range(ticks):
+      for p in range(P):
+        v, m = a[t, p]
+        if v >= 0:
+          when[k][(p, v, m)] = t
+  slots = {n: np.full((ticks, P), -1, np.int32) for n in (
+      "act_in", "act_read", "grad_in", "grad_read", "head_write", "res_write", "res_read")}
+  sizes = {}
+  for p in range(P):
+    # (start tick, end tick, (v, m), {slot column: tick}) of everything device p keeps
+    live = {"act": [], "grad": [], "res": []}
+    for (q, v, m), tf in when["F"].items():
+      s = v * P + q
+      if s + 1 < S and (s + 1) % P == p:     # stage s's output, stored on arrival
+        v2, tr = (s + 1) // P, when["F"][(p, (s + 1) // P, m)]
+        live["act"].append((tf + 1, tr, (v2, m), {"act_in": tf + 1, "act_read": tr}))
+      if q != p:
+        continue
+      tb = when["B"][(p, v, m)]
+      live["res"].append((tf, tb, (v, m), {"res_write": tf, "res_read": tb}))
+      if s == S - 1:                          # the head's cotangent, from this F phase
+        live["grad"].append((tf, tb, (v, m), {"head_write": tf, "grad_read": tb}))
+    for (q, v, m), tb in when["B"].items():
+      s = v * P + q
+      if s > 0 and (s - 1) % P == p:         # stage s's input cotangent, stored on arrival
+        v2 = (s - 1) // P
+        tr = when["B"][(p, v2, m)]
+        live["grad"].append((tb + 1, tr, (v2, m), {"grad_in": tb + 1, "grad_read": tr}))
+    for name, iv in live.items():
+      colour, n = _colour([(a, b, key) for a, b, key, _ in iv])
+      sizes[name] = max(sizes.get(name, 0), n)
+      for _, _, key, cols in iv:
+        for col, tick in cols.items():
+          assert slots[col][tick, p] < 0, (col, tick, p)
+          slots[col][tick, p] = colour[key]
+  return slots, {k: max(1, n) for k, n in sizes.items()}
