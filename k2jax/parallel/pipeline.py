@@ -68,14 +68,22 @@ def table(config) -> schedules.Table:
 
 
 def _pipeline_model_cfg(cfg):
-  if routed_impl(cfg.moe_impl) != "capacity":
+  if routed_impl(cfg.moe_impl) != "capacity" and not cfg.offload:
     return cfg
+  cfg = cfg.copy_and_resolve_references()
   # The capacity path's overflow is a lax.cond on a per-shard predicate. Inside the pipeline
   # loop XLA:CPU places data-axis collectives in its branches, so shards that disagree
   # deadlock (8 simulated devices, pipeline=4 x data=2); sort + grouped matmul has no
   # data-dependent branch.
-  cfg = cfg.copy_and_resolve_references()
-  cfg.moe_impl = "ragged"
+  if routed_impl(cfg.moe_impl) == "capacity":
+    cfg.moe_impl = "ragged"
+  # What the remat policy saves becomes a stage's residuals, kept in the schedule's device
+  # buffers across ticks; offloading them needs host-memory buffers, which the loop does not
+  # have yet, so model.offload does not apply inside the pipeline (a warning says so).
+  if cfg.offload:
+    log.warning("model.offload: not applied inside the pipeline; stage activations stay in "
+                "device memory")
+    cfg.offload = False
   return cfg
 
 
@@ -206,6 +214,11 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   f_shapes = jax.eval_shape(lambda pv, x: forward(pv, x, 0, 0), at(params, 0), x0)
   res_shapes = f_shapes[2]
   slots = tab.sizes
+  if grads:
+    nbytes = lambda t: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(t))
+    log.info("pipeline: a stage keeps %.3g MB for its backward (model.remat=%s; its %.3g MB "
+             "of weights are not copied), %d slots per device", nbytes(res_shapes) / 1e6,
+             cfg.remat, nbytes(at(params, 0)) / 1e6, slots["res"])
 
   def branch(pred, tick_pred, yes, no, *operands):
     """lax.cond on this device's own predicate ("device") or on the tick's ("tick")."""
