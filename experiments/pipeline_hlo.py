@@ -41,6 +41,14 @@ def _groups(line, n):
     if m.group(3):
       ids = ids.transpose(tuple(map(int, m.group(3).split(","))))
     return [tuple(g) for g in ids.reshape(shape[0], -1)]
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if m:   # newer XLA: a device mesh and the axes a group varies over
+    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    vary = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+    keep = [i for i in range(len(names)) if i not in vary]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(keep + vary)
+    return [tuple(g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in vary] or [1])))]
   m = re.search(r"replica_groups=\{(.*?)\}\}", line)
   if m:
     return [tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(0))]
@@ -107,7 +115,7 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
   return out, loop, rows
 
 
-def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=16, seq=32, skip=None):
+def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None):
   """(compiled train step, state, batch, ticks, stack parameter bytes) for the tiny model
   with `layers` layers (1 dense) on a (pipeline, data, expert) mesh of 8 devices, as this
   checkout's k2jax.train builds it."""

@@ -132,5 +132,18 @@ def ep_transports():
   print("RESULT " + json.dumps(out))
 
 
+def pipeline_collectives():
+  """Bytes the compiled train step moves between pipeline devices (4 x 2 virtual x expert 2,
+  1 dense + 8 MoE layers), read from its HLO by experiments/pipeline_hlo.py."""
+  import os
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+  import pipeline_hlo
+  compiled, _, _, _, ticks, stack = pipeline_hlo.build((4, 1, 2))
+  out, loop, rows = pipeline_hlo.pipeline_collectives(compiled.as_text(), (4, 1, 2), ticks)
+  print("RESULT " + json.dumps({"outside": out, "loop": loop, "stack": stack, "ticks": ticks,
+                                "loop_ops": sorted({r[1] for r in rows if r[0]})}))
+
+
 if __name__ == "__main__":
-  {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports}[sys.argv[1]](*sys.argv[2:])
+  {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
+   "pipeline_collectives": pipeline_collectives}[sys.argv[1]](*sys.argv[2:])
