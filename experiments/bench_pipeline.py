@@ -12,6 +12,7 @@ Tables (printed, and CSV under experiments/results/pipeline/):
                loop (weights, gradients, statistics) and inside it (stage activations and
                their cotangents), against the pipelined stack's parameter bytes
                (experiments/pipeline_hlo.py; run it on an older commit for the "before" row);
+  plan_vs_xla  plan's per-device states against the compiled step's argument bytes;
   step_time    the pipelined step's wall time over the same model and batch on pipeline=1 x
                data=8 (8 simulated devices share 2 cores: wall time is total work, so
                skipped work shows up), for both ways of skipping idle phases;
@@ -116,6 +117,27 @@ def bubbles():
 def collectives():
   rows = [pipeline_hlo.measure(s) for s in ((4, 1, 2), (4, 2, 1))]
   write("collectives.csv", [{k: v for k, v in r.items() if k != "step_s"} for r in rows])
+
+
+def plan_vs_xla():
+  """plan's per-device params + optimizer state against the argument bytes XLA's memory
+  analysis gives the compiled train step (minus the batch), bf16 params, on 8 devices."""
+  from k2jax import plan
+  rows = []
+  for shape in ((4, 1, 2), (4, 2, 1), (1, 2, 4)):
+    compiled, *_ = pipeline_hlo.build(shape, param_dtype="bfloat16")
+    ma = compiled.memory_analysis()
+    c = configs.get_config("tiny")
+    c.model.update(dict(num_hidden_layers=9, aux_loss_alpha=0.01, param_dtype="bfloat16"))
+    c.train.grad_accum = 8
+    c.mesh.virtual_stages = 2 if shape[0] > 1 else 1
+    mesh = dict(zip(("pipeline", "data", "expert"), shape))
+    st = plan.state_bytes(c, mesh)
+    batch_bytes = 5 * 64 * 32 * 4 // (shape[1] * shape[2])
+    xla = ma.argument_size_in_bytes - batch_bytes
+    rows.append(dict(mesh="x".join(map(str, shape)), plan_states=st["params"] + st["optimizer"],
+                     xla_arguments=xla, ratio=(st["params"] + st["optimizer"]) / xla))
+  write("plan_vs_xla.csv", rows)
 
 
 def step_time():
@@ -224,12 +246,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--loss-steps", type=int, default=200)
   ap.add_argument("--only",
-                  default="params,bubble,collectives,step_time,memory,storage,loss")
+                  default="params,bubble,collectives,plan_vs_xla,step_time,memory,storage,"
+                          "loss")
   a = ap.parse_args()
   only = a.only.split(",")
   print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
         "GFLOP/s on this machine\n")
   steps = {"params": param_bytes, "bubble": bubbles, "collectives": collectives,
+           "plan_vs_xla": plan_vs_xla,
            "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}
   for name in only:

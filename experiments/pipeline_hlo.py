@@ -115,7 +115,8 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
   return out, loop, rows
 
 
-def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None):
+def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
+          param_dtype="float32"):
   """(compiled train step, state, batch, ticks, stack parameter bytes) for the tiny model
   with `layers` layers (1 dense) on a (pipeline, data, expert) mesh of 8 devices, as this
   checkout's k2jax.train builds it."""
@@ -128,6 +129,7 @@ def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=
   c = configs.get_config("tiny")
   c.model.num_hidden_layers = layers
   c.model.aux_loss_alpha = 0.01
+  c.model.param_dtype = param_dtype
   c.train.update(dict(batch_size=batch, seq_len=seq, grad_accum=grad_accum))
   c.mesh.update(dict(zip(("pipeline", "data", "expert"), mesh_shape)))
   c.mesh.virtual_stages = virtual if mesh_shape[0] > 1 else 1

@@ -238,11 +238,11 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
 
     def head_grads():
       ce, (gh, dh) = jax.value_and_grad(head_loss, argnums=(0, 1))(head, y, m)
-      return ce, gh, dh.astype(dt)
+      return ce, jax.tree.map(lambda g: g.astype(jnp.float32), gh), dh.astype(dt)
 
     def no_head():
-      return (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, head),
-              jnp.zeros_like(y))
+      return (jnp.zeros((), jnp.float32),
+              jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head), jnp.zeros_like(y))
     if grads:
       ce, gh, dh = branch(last, flags["head"], head_grads, no_head)
     else:
@@ -268,9 +268,9 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     gp, dx = rebuild(pv, res)((dy, jnp.ones((), jnp.float32)))
     first = (p == 0) & (v == 0) & valid
 
-    def pre_grads():
+    def pre_grads():   # float32 like the accumulator, whatever the params' dtype
       _, vjp = jax.vjp(lambda pp: pre(pp, m)[0], pre_params)
-      return vjp(dx)[0]
+      return jax.tree.map(lambda g: g.astype(jnp.float32), vjp(dx)[0])
     g_pre = branch(first, flags["pre"], pre_grads,
                    lambda: jax.tree.map(jnp.zeros_like, acc["g_pre"]))
     acc = dict(acc, g_pre=jax.tree.map(lambda a, g: a + jnp.where(first, g, 0.0),
