@@ -10,12 +10,18 @@ def mesh(pipeline=1, data=1, expert=1):
   return AbstractMesh((pipeline, data, expert), parallel.MESH_AXES)
 
 
-def test_rules_split_experts_and_layers_and_keep_the_rest_whole():
+def test_rules_split_experts_layers_and_vocabulary_and_keep_the_rest_whole():
   cfg = configs.get_config("tiny").model
   sh = parallel.param_shardings(model.param_specs(cfg), mesh(data=2, expert=4))
   assert sh["moe_layers"]["moe"]["experts"]["gate"].spec == P("pipeline", "expert", None, None)
   assert sh["moe_layers"]["moe"]["router"].spec == P("pipeline", None, None)
-  assert sh["embed"].spec == P(None, None)
+  assert sh["embed"].spec == P("expert", None)             # vocabulary rows over the expert group
+  assert sh["lm_head"].spec == P(None, "expert")
+  assert sh["final_norm"].spec == P(None)
+  # a vocabulary the expert axis does not divide stays whole instead of failing
+  odd = configs.get_config("tiny").model
+  odd.vocab_size = 262
+  assert parallel.param_shardings(model.param_specs(odd), mesh(expert=4))["embed"].spec[0] is None
   assert all("data" not in str(s.spec) for s in parallel.param_shardings(
       model.param_specs(cfg), mesh(data=8)).values() if hasattr(s, "spec"))
 

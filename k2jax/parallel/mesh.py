@@ -70,6 +70,14 @@ def param_shardings(specs, mesh: Mesh, spread_layers: bool = False):
       pspec = P(None, *pspec[1:])
       if spread_layers:
         pspec = spread(pspec, s.shape, ("pipeline",), mesh.shape)
+    if "vocab" in s.axes:   # a memory saving only: a vocabulary the axes do not divide stays whole
+      d = s.axes.index("vocab")
+      spec_l = list(pspec) + [None] * (len(s.shape) - len(pspec))
+      axes = spec_l[d]
+      if axes is not None and s.shape[d] % math.prod(
+          mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)):
+        spec_l[d] = None
+        pspec = P(*spec_l)
     _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)
     return NamedSharding(mesh, pspec)
   return jax.tree_util.tree_map_with_path(one, specs, is_leaf=spec.is_spec)
