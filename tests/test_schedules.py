@@ -4,7 +4,6 @@ idle time against the closed forms of the literature."""
 
 import itertools
 
-import numpy as np
 import pytest
 
 from k2jax.parallel import schedules
