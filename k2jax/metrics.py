@@ -53,14 +53,33 @@ class MetricsWriter:
       self.tb.close()
 
 
+def _rows(path: str) -> list[tuple[str, dict]]:
+  """(line, row) of every complete row. A line that is not JSON (a kill mid-write, a full
+  disk) is dropped with a log line; the complete rows are kept."""
+  out = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        log.warning("%s: line %d is not a complete JSON row (%d bytes, a write cut short?); "
+                    "dropped", path, i, len(line))
+        continue
+      out.append((line if line.endswith("\n") else line + "\n", row))
+  return out
+
+
 def _truncate_after(path: str, step: int) -> None:
-  """Drop rows past `step` (a resumed run writes them again). A run that starts over from
-  step 0 with rows on file keeps them: the old file is renamed metrics.<n>.jsonl."""
+  """Drop rows past `step` (a resumed run writes them again) and any partial row. A run
+  that starts over from step 0 with rows on file keeps them: the old file is renamed
+  metrics.<n>.jsonl."""
   if not os.path.exists(path):
     return
   with open(path) as f:
     rows = [line for line in f if line.strip()]
-  keep = [line for line in rows if json.loads(line).get("step", 0) <= step]
+  keep = [line for line, row in _rows(path) if row.get("step", 0) <= step]
   if step == 0 and rows:
     n = 1
     while os.path.exists(f"{path[:-len('.jsonl')]}.{n}.jsonl"):
@@ -81,5 +100,4 @@ def read(workdir_or_file: str) -> list[dict]:
     path = os.path.join(path, "metrics.jsonl")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path}: no metrics.jsonl: pass the --workdir of a k2jax.train run")
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return [row for _, row in _rows(path)]

@@ -21,13 +21,16 @@ from k2jax.rl import budget_rewards, envs, k15_loss, sandbox, sequence_logprobs,
 
 def k15_float64(logp, logp_old, rewards, tau, mask):
   """The formula, written out per prompt and sample in float64."""
-  total = 0.0
+  total, groups = 0.0, 0
   for p in range(rewards.shape[0]):
     idx = [i for i in range(rewards.shape[1]) if mask[p, i]]
+    if not idx:          # an empty (padded) group is not a prompt
+      continue
+    groups += 1
     base = sum(rewards[p, i] for i in idx) / len(idx)
     total += sum((rewards[p, i] - base - tau * (logp[p, i] - logp_old[p, i])) ** 2
                  for i in idx) / len(idx)
-  return total / rewards.shape[0]
+  return total / groups
 
 
 @pytest.mark.parametrize("P,K,tau", [(1, 2, 0.1), (3, 5, 1.0), (4, 3, 0.37)])
@@ -58,6 +61,25 @@ def test_k15_loss_matches_float64_and_its_gradient(P, K, tau):
                                        jnp.asarray(rewards, jnp.float32), tau))(
                                            jnp.asarray(logp_old, jnp.float32))
   assert not np.any(np.asarray(g_old))
+
+
+def test_k15_loss_averages_over_the_groups_that_exist():
+  """Empty (padded) groups of a partial-rollout batch change neither the loss nor its
+  gradient: 1 real group among 8 gives that group's loss, not an eighth of it."""
+  rng = np.random.default_rng(3)
+  lp, lo = rng.normal(-20, 5, (1, 4)), rng.normal(-20, 5, (1, 4))
+  r = rng.uniform(0, 1, (1, 4))
+  pad = lambda a: np.concatenate([a, np.zeros((7, 4))])
+  mask = np.zeros((8, 4), bool)
+  mask[0] = True
+  one = lambda lp: k15_loss(lp, jnp.asarray(lo, jnp.float32), jnp.asarray(r, jnp.float32), 0.3)
+  eight = lambda lp: k15_loss(lp, jnp.asarray(pad(lo), jnp.float32),
+                              jnp.asarray(pad(r), jnp.float32), 0.3, jnp.asarray(mask))
+  want = k15_float64(lp, lo, r, 0.3, np.ones((1, 4), bool))
+  assert abs(float(eight(jnp.asarray(pad(lp), jnp.float32))) - want) <= 1e-5 * max(1, want)
+  np.testing.assert_allclose(np.asarray(jax.grad(eight)(jnp.asarray(pad(lp), jnp.float32)))[0],
+                             np.asarray(jax.grad(one)(jnp.asarray(lp, jnp.float32)))[0],
+                             rtol=1e-5)
 
 
 def test_k15_loss_is_zero_at_the_baseline_and_unmasked_by_default():

@@ -18,6 +18,10 @@ import optax
 def k15_loss(logp, logp_old, rewards, tau: float, mask=None):
   """mean over prompts of mean_i (r_i - mean_j r_j - tau log(pi / pi_old))^2.
 
+  The mean over prompts counts only groups with at least one sample: under partial
+  rollouts the batch is padded with empty groups, which must not scale the RL term down
+  against the fixed-weight PTX loss.
+
   Args:
     logp: [prompts, samples] sequence log-probabilities under the current policy.
     logp_old: the same under the sampling policy (no gradient flows into it).
@@ -34,7 +38,8 @@ def k15_loss(logp, logp_old, rewards, tau: float, mask=None):
   baseline = (rewards * m).sum(-1, keepdims=True) / n
   resid = rewards - baseline - tau * (logp - logp_old)
   per_prompt = (m * resid ** 2).sum(-1) / n[:, 0]
-  return jnp.mean(per_prompt)
+  groups = jnp.maximum(jnp.sum(m.sum(-1) > 0), 1)
+  return jnp.sum(per_prompt) / groups
 
 
 def sequence_logprobs(logits, targets, mask):
