@@ -192,14 +192,20 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
   if not m:
     return _strip_think(text).strip(), []
   content = _strip_think(text[:m.start()]).strip()
-  calls, pos, n = [], m.end(), 0
-  decoder = json.JSONDecoder()
+  calls, pos, n, trailing = [], m.end(), 0, ""
+  # strict=False: a model writes code arguments with raw newlines / tabs inside JSON strings;
+  # rejecting them would drop every call of the turn.
+  decoder = json.JSONDecoder(strict=False)
   begin, arg, end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
   # Scan call by call: the arguments are read by a JSON decoder, so braces or marker text
   # inside JSON strings cannot end a call early.
   while True:
     rest = text[pos:].lstrip()
-    if not rest or _SECTION_END.match(rest):
+    if not rest:
+      break
+    end_match = _SECTION_END.match(rest)
+    if end_match:
+      trailing = rest[end_match.end():]
       break
     if not rest.startswith(begin):
       if begin in rest or _SECTION_END.search(rest):
@@ -230,6 +236,13 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     calls.append({"id": cid, "name": cid.split(":")[0].split(".")[-1], "arguments": args})
     pos = len(text) - len(tail) + len(end)
     n += 1
+  # Text after the section is content too; if the section opened inside a <think> block,
+  # the block goes on until its </think>.
+  before = text[:m.start()]
+  if before.rfind("<think>") > before.rfind("</think>"):
+    close = trailing.find("</think>")
+    trailing = "" if close < 0 else trailing[close + len("</think>"):]
+  content = "\n".join(t for t in (content, _strip_think(trailing).strip()) if t)
   return content, calls
 
 

@@ -72,6 +72,11 @@ def test_call_ids_count_over_the_dialog_and_parse_back():
     (CALL.replace("tool_calls_section", "tool_call_section"), "", ["get_weather"]),
     # a section opened inside a think block still counts; the reasoning is not content
     ("<think>plan " + CALL[:-len("<|tool_calls_section_end|>")], "", ["get_weather"]),
+    # ... and the text after the block's </think> is content
+    ("<think>plan " + CALL + " still thinking</think>The answer follows.", "The answer follows.",
+     ["get_weather"]),
+    # text after a section outside any think block is content
+    ("Checking. " + CALL + " Done.", "Checking.\nDone.", ["get_weather"]),
     # cut off by the token limit inside the second call's arguments: the first call survives
     (CALL[:-len("<|tool_calls_section_end|>")] + "<|tool_call_begin|>functions.f:1"
      "<|tool_call_argument_begin|>{\"a\": [1, ", "", ["get_weather"]),
@@ -79,6 +84,17 @@ def test_call_ids_count_over_the_dialog_and_parse_back():
 def test_parser_handles_real_output(text, content, names):
   got_content, calls = chat.parse_tool_calls(text)
   assert got_content == content and [c["name"] for c in calls] == names
+
+
+def test_raw_control_characters_in_json_strings_are_kept():
+  """A code argument written with a literal newline and tab (not JSON-escaped): the call is
+  read, the characters kept, instead of every call of the turn being dropped."""
+  text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0"
+          "<|tool_call_argument_begin|>{\"code\": \"for i in x:\n\tprint(i)\"}<|tool_call_end|>"
+          "<|tool_calls_section_end|>")
+  assert "\n" in text and "\\n" not in text
+  _, calls = chat.parse_tool_calls(text)
+  assert calls[0]["arguments"] == {"code": "for i in x:\n\tprint(i)"}
 
 
 @pytest.mark.parametrize("text,fragment", [
