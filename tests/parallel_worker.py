@@ -145,6 +145,36 @@ def pipeline_collectives():
                                 "loop_ops": sorted({r[1] for r in rows if r[0]})}))
 
 
+def lower(platform, moe_impl, attention_impl):
+  """Lower (no compile) the pipelined bf16 train step with per-device skipping, as a GPU / TPU
+  runs it, for `platform` with the given kernels, on 8 CPU devices: pipeline 4 x 2 virtual x
+  expert 2."""
+  from jax import numpy as jnp
+  from k2jax import configs, model, optim, parallel
+  from k2jax.parallel import layout
+  from k2jax.step import init_state, train_step
+  c = configs.get_config("tiny")
+  c.model.update(dict(num_hidden_layers=9, param_dtype="bfloat16", dtype="bfloat16",
+                      remat="selective", activation_storage="fp8", moe_impl=moe_impl,
+                      attention_impl=attention_impl))
+  c.train.update(dict(batch_size=16, seq_len=32, grad_accum=4))
+  c.mesh.update(dict(pipeline=4, data=1, expert=2, virtual_stages=2, pipeline_skip="device"))
+  mesh = parallel.make_mesh(c.mesh)
+  stored = layout.stored_config(c)
+  tx = optim.optimizer(stored)
+  with jax.set_mesh(mesh):
+    ab = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
+    sh = parallel.state_shardings(model.param_specs(stored.model), mesh, ab, tx)
+    ab = jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x), ab, sh)
+    bs = parallel.batch_sharding(mesh, 16, 4)
+    b = {k: jax.ShapeDtypeStruct((16, 32), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                 sharding=bs)
+         for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+    step = functools.partial(train_step, c, tx, optim.learning_rate_schedule(c))
+    text = jax.jit(step).trace(ab, b).lower(lowering_platforms=(platform,)).as_text()
+  print("RESULT " + json.dumps({"chars": len(text), "ppermute": text.count("collective_permute")}))
+
+
 if __name__ == "__main__":
   {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
-   "pipeline_collectives": pipeline_collectives}[sys.argv[1]](*sys.argv[2:])
+   "pipeline_collectives": pipeline_collectives, "lower": lower}[sys.argv[1]](*sys.argv[2:])

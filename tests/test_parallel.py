@@ -195,6 +195,16 @@ def test_no_weight_moves_between_pipeline_devices():
   assert 0 < r["loop"] < 0.1 * r["stack"] * r["ticks"], r
 
 
+@pytest.mark.parametrize("platform,moe_impl,attention_impl", [
+    ("cuda", "pallas_gpu", "pallas_gpu"), ("tpu", "ragged", "chunked")])
+def test_pipelined_step_lowers_for_accelerators(platform, moe_impl, attention_impl):
+  """The pipelined bf16 step with per-device skipping (the GPU / TPU default) and the
+  accelerator kernels lowers for CUDA / TPU on this CPU. (The TPU Pallas attention does not
+  yet: "Mosaic kernels cannot be automatically partitioned" under a sharded batch.)"""
+  r = worker(8, "lower", platform, moe_impl, attention_impl)
+  assert r["ppermute"] > 0 and r["chars"] > 0
+
+
 def test_each_process_feeds_the_rows_its_devices_hold():
   """process_batch_slice on 8 devices split into two 'processes' of 4: a pipeline axis
   across the processes means both feed every row; a data axis across them halves it."""
