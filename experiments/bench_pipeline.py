@@ -125,16 +125,11 @@ def plan_vs_xla():
   from k2jax import plan
   rows = []
   for shape in ((4, 1, 2), (4, 2, 1), (1, 2, 4)):
-    compiled, *_ = pipeline_hlo.build(shape, param_dtype="bfloat16")
-    ma = compiled.memory_analysis()
-    c = configs.get_config("tiny")
-    c.model.update(dict(num_hidden_layers=9, aux_loss_alpha=0.01, param_dtype="bfloat16"))
-    c.train.grad_accum = 8
-    c.mesh.virtual_stages = 2 if shape[0] > 1 else 1
-    mesh = dict(zip(("pipeline", "data", "expert"), shape))
-    st = plan.state_bytes(c, mesh)
-    batch_bytes = 5 * 64 * 32 * 4 // (shape[1] * shape[2])
-    xla = ma.argument_size_in_bytes - batch_bytes
+    compiled, _, _, batch, _, _ = pipeline_hlo.build(shape, param_dtype="bfloat16")
+    xla = compiled.memory_analysis().argument_size_in_bytes - sum(
+        a.addressable_shards[0].data.nbytes for a in batch.values())
+    c = pipeline_hlo.tiny_config(shape, param_dtype="bfloat16")
+    st = plan.state_bytes(c, dict(zip(("pipeline", "data", "expert"), shape)))
     rows.append(dict(mesh="x".join(map(str, shape)), plan_states=st["params"] + st["optimizer"],
                      xla_arguments=xla, ratio=(st["params"] + st["optimizer"]) / xla))
   write("plan_vs_xla.csv", rows)

@@ -115,17 +115,10 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
   return out, loop, rows
 
 
-def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
-          param_dtype="float32"):
-  """(compiled train step, state, batch, ticks, stack parameter bytes) for the tiny model
-  with `layers` layers (1 dense) on a (pipeline, data, expert) mesh of 8 devices, as this
-  checkout's k2jax.train builds it."""
-  from k2jax import configs, model, optim, parallel
-  from k2jax.step import init_state, train_step
-  try:
-    from k2jax.parallel import layout
-  except ImportError:
-    layout = None
+def tiny_config(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
+                param_dtype="float32"):
+  """The tiny model with `layers` layers (1 dense) on a (pipeline, data, expert) mesh."""
+  from k2jax import configs
   c = configs.get_config("tiny")
   c.model.num_hidden_layers = layers
   c.model.aux_loss_alpha = 0.01
@@ -135,6 +128,20 @@ def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=
   c.mesh.virtual_stages = virtual if mesh_shape[0] > 1 else 1
   if skip:
     c.mesh.pipeline_skip = skip
+  return c
+
+
+def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
+          param_dtype="float32"):
+  """(compiled train step, mesh, state, batch, ticks, stack parameter bytes) of
+  `tiny_config(...)` on 8 devices, as this checkout's k2jax.train builds it."""
+  from k2jax import model, optim, parallel
+  from k2jax.step import init_state, train_step
+  try:
+    from k2jax.parallel import layout
+  except ImportError:
+    layout = None
+  c = tiny_config(mesh_shape, virtual, layers, grad_accum, batch, seq, skip, param_dtype)
   mesh = parallel.make_mesh(c.mesh)
   stored = layout.stored_config(c) if layout else c
   tx = optim.optimizer(stored)

@@ -53,14 +53,15 @@ class MetricsWriter:
       self.tb.close()
 
 
-def _rows(path: str) -> list[tuple[str, dict]]:
-  """(line, row) of every complete row. A line that is not JSON (a kill mid-write, a full
-  disk) is dropped with a log line; the complete rows are kept."""
-  out = []
+def _rows(path: str) -> tuple[list[tuple[str, dict]], int]:
+  """((line, row) of every complete row, number of non-blank lines). A line that is not JSON
+  (a kill mid-write, a full disk) is dropped with a log line; the complete rows are kept."""
+  out, lines = [], 0
   with open(path) as f:
     for i, line in enumerate(f, 1):
       if not line.strip():
         continue
+      lines += 1
       try:
         row = json.loads(line)
       except json.JSONDecodeError:
@@ -68,7 +69,7 @@ def _rows(path: str) -> list[tuple[str, dict]]:
                     "dropped", path, i, len(line))
         continue
       out.append((line if line.endswith("\n") else line + "\n", row))
-  return out
+  return out, lines
 
 
 def _truncate_after(path: str, step: int) -> None:
@@ -77,10 +78,9 @@ def _truncate_after(path: str, step: int) -> None:
   metrics.<n>.jsonl."""
   if not os.path.exists(path):
     return
-  with open(path) as f:
-    rows = [line for line in f if line.strip()]
-  keep = [line for line, row in _rows(path) if row.get("step", 0) <= step]
-  if step == 0 and rows:
+  rows, lines = _rows(path)
+  keep = [line for line, row in rows if row.get("step", 0) <= step]
+  if step == 0 and lines:
     n = 1
     while os.path.exists(f"{path[:-len('.jsonl')]}.{n}.jsonl"):
       n += 1
@@ -89,7 +89,7 @@ def _truncate_after(path: str, step: int) -> None:
     log.warning("no checkpoint to resume from: starting at step 0; the earlier metrics are "
                 "kept in %s", backup)
     return
-  if len(keep) < len(rows):
+  if len(keep) < lines:
     with open(path, "w") as f:
       f.writelines(keep)
 
@@ -100,4 +100,4 @@ def read(workdir_or_file: str) -> list[dict]:
     path = os.path.join(path, "metrics.jsonl")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path}: no metrics.jsonl: pass the --workdir of a k2jax.train run")
-  return [row for _, row in _rows(path)]
+  return [row for _, row in _rows(path)[0]]

@@ -184,14 +184,18 @@ def _run(config, workdir, mesh, data, init_params=None):
   # they are the same.
   sp = layout.of(config)
   stored = layout.stored_config(config)
-  tx, tx_logical = optim.optimizer(stored), optim.optimizer(config)
+  tx = optim.optimizer(stored)
   schedule = optim.learning_rate_schedule(config)
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, stored, tx), rng)
   shardings = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx)
-  abstract_logical = jax.eval_shape(functools.partial(init_state, config, tx_logical), rng)
-  ckpt_shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract_logical,
-                                            tx_logical, spread_layers=True)
+  if sp is None:
+    tx_logical, abstract_logical, ckpt_shardings = tx, abstract, shardings
+  else:
+    tx_logical = optim.optimizer(config)
+    abstract_logical = jax.eval_shape(functools.partial(init_state, config, tx_logical), rng)
+    ckpt_shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract_logical,
+                                              tx_logical, spread_layers=True)
   batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
   to_stored = jax.jit(lambda s: layout.convert_state(sp, tx_logical, s, layout.to_stored),
                       out_shardings=shardings, donate_argnums=0)
@@ -217,11 +221,10 @@ def _run(config, workdir, mesh, data, init_params=None):
         out_shardings=shardings)(rng)
     if init_params is not None:  # fine-tuning: the given weights, fresh optimizer state
       params = jax.device_put(init_params(), ckpt_shardings.params)
-      state = jax.jit(
-          lambda s, p: s._replace(params=layout.convert_params(sp, p, layout.to_stored),
-                                  opt_state=tx.init(layout.convert_params(sp, p,
-                                                                          layout.to_stored))),
-          out_shardings=shardings, donate_argnums=0)(state, params)
+      def fresh(s, p):
+        p = layout.convert_params(sp, p, layout.to_stored)
+        return s._replace(params=p, opt_state=tx.init(p))
+      state = jax.jit(fresh, out_shardings=shardings, donate_argnums=0)(state, params)
     train_iter, meta = data.train_iter(), {}
   start = int(state.step)
   counts = model.count_params(m)

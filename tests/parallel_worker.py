@@ -149,16 +149,17 @@ def lower(platform, moe_impl, attention_impl):
   """Lower (no compile) the pipelined bf16 train step with per-device skipping, as a GPU / TPU
   runs it, for `platform` with the given kernels, on 8 CPU devices: pipeline 4 x 2 virtual x
   expert 2."""
+  import os
   from jax import numpy as jnp
-  from k2jax import configs, model, optim, parallel
+  from k2jax import model, optim, parallel
   from k2jax.parallel import layout
   from k2jax.step import init_state, train_step
-  c = configs.get_config("tiny")
-  c.model.update(dict(num_hidden_layers=9, param_dtype="bfloat16", dtype="bfloat16",
-                      remat="selective", activation_storage="fp8", moe_impl=moe_impl,
-                      attention_impl=attention_impl))
-  c.train.update(dict(batch_size=16, seq_len=32, grad_accum=4))
-  c.mesh.update(dict(pipeline=4, data=1, expert=2, virtual_stages=2, pipeline_skip="device"))
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+  import pipeline_hlo
+  c = pipeline_hlo.tiny_config((4, 1, 2), grad_accum=4, batch=16, skip="device",
+                               param_dtype="bfloat16")
+  c.model.update(dict(dtype="bfloat16", remat="selective", activation_storage="fp8",
+                      moe_impl=moe_impl, attention_impl=attention_impl))
   mesh = parallel.make_mesh(c.mesh)
   stored = layout.stored_config(c)
   tx = optim.optimizer(stored)

@@ -27,11 +27,16 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
+def _axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model size"):
   for dim, (size, axes) in enumerate(zip(shape, pspec)):
     if axes is None:
       continue
-    axes = (axes,) if isinstance(axes, str) else axes
+    axes = _axes(axes)
     n = math.prod(mesh.shape[a] for a in axes)
     if size % n:
       raise ValueError(f"{name}: dim {dim} of size {size} is sharded over mesh axes "
@@ -42,7 +47,7 @@ def spread(pspec, shape, axes, mesh_shape) -> P:
   """`pspec` with mesh `axes` added on the largest dimension that is still unsharded and that
   their product divides (unchanged if none is, or the axes are already used or of size 1)."""
   spec = list(pspec) + [None] * (len(shape) - len(pspec))
-  used = {a for s in spec if s is not None for a in ((s,) if isinstance(s, str) else s)}
+  used = {a for s in spec for a in _axes(s)}
   axes = tuple(a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used)
   n = math.prod(mesh_shape[a] for a in axes)
   free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0]
@@ -73,9 +78,7 @@ def param_shardings(specs, mesh: Mesh, spread_layers: bool = False):
     if "vocab" in s.axes:   # a memory saving only: a vocabulary the axes do not divide stays whole
       d = s.axes.index("vocab")
       spec_l = list(pspec) + [None] * (len(s.shape) - len(pspec))
-      axes = spec_l[d]
-      if axes is not None and s.shape[d] % math.prod(
-          mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)):
+      if s.shape[d] % math.prod(mesh.shape[a] for a in _axes(spec_l[d])):
         spec_l[d] = None
         pspec = P(*spec_l)
     _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)

@@ -19,6 +19,10 @@ slots everything is kept in. The loop computes only what the table says:
   - the final norm, head and loss run in the F phase of the last stage only, their gradient
     right after, and the cotangent waits in a buffer for that stage's B;
   - padding layers of an uneven split are skipped (`lax.cond` per layer);
+  - F keeps what the stage's backward needs as `model.remat` decides (jax.vjp residuals of
+    the layers under the remat policy: selective recomputation keeps what report 2.4.3
+    keeps, "full" only layer inputs), in the table's residual slots; B rebuilds the vjp
+    from them. Residuals that are the stage's weights are not copied into the buffers.
 
 That is `skip="device"`, the default on GPU / TPU. XLA:CPU's collective-permute waits for
 every device of the program, so a reshard the partitioner puts inside a branch that only
@@ -28,10 +32,6 @@ statically: warm-up backwards, cool-down forwards, the head and embedding outsid
 ticks), and a device idle in a tick others work in computes a masked copy; in lockstep
 time (what the idle fraction counts) both are the same, since that device would wait at
 the tick's ppermute anyway.
-  - F keeps what the stage's backward needs as `model.remat` decides (jax.vjp residuals of
-    the layers under the remat policy: selective recomputation keeps what report 2.4.3
-    keeps, "full" only layer inputs), in the table's residual slots; B rebuilds the vjp
-    from them. Residuals that are the stage's weights are not copied into the buffers.
 
 `loss_and_grads` returns the loss sums, per-layer statistics in stored order and gradients
 in the stored layout; `loss` runs the F phases only (evaluation).
@@ -50,7 +50,7 @@ from k2jax.model import spec as model_spec, transformer
 from k2jax.model.layers import rms_norm
 from k2jax.model.remat import remat_policy
 from k2jax.parallel import schedules
-from k2jax.parallel.layout import Split, split  # noqa: F401  (re-exported)
+from k2jax.parallel.layout import Split, split
 
 log = logging.getLogger("k2jax.parallel")
 
@@ -188,7 +188,6 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     return jnp.sum(ce * mb["loss_mask"][m].astype(jnp.float32))
 
   at = lambda tree, v: jax.tree.map(lambda a: a[v], tree)
-  pv_leaves = lambda pv: jax.tree.leaves(pv)
   kept = {}     # which vjp residuals are stored (not the stage's own weights), and the treedef
 
   def forward(pv, x, v, m):
@@ -198,14 +197,14 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
       return out, stats, []
     out, vjp, stats = jax.vjp(lambda a, b: stage_out(a, b, v, m), pv, x, has_aux=True)
     leaves, treedef = jax.tree.flatten(vjp)
-    weights = {id(w): i for i, w in enumerate(pv_leaves(pv))}
+    weights = {id(w): i for i, w in enumerate(jax.tree.leaves(pv))}
     kept["tree"] = treedef
     kept["source"] = [weights.get(id(leaf)) for leaf in leaves]   # index into pv, or None
     return out, stats, [leaf for leaf in leaves if id(leaf) not in weights]
 
   def rebuild(pv, stored):
     it = iter(stored)
-    w = pv_leaves(pv)
+    w = jax.tree.leaves(pv)
     leaves = [next(it) if src is None else w[src] for src in kept["source"]]
     return jax.tree.unflatten(kept["tree"], leaves)
 
@@ -286,7 +285,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   task = {k: jnp.asarray(a) for k, a in tab.task.items()}
   slot = {k: jnp.asarray(a) for k, a in tab.slots.items()}
   # What some device of the tick needs (static, from the table): the "tick" predicates.
-  busy = {k: tab.busy(k).any(axis=1) for k in tab.task}
+  busy = {k: jnp.asarray(tab.busy(k).any(axis=1)) for k in tab.task}
   flags = {"F": dict(pre=(tab.task["F"][:, 0, 0] == 0),
                      head=(tab.task["F"][:, Pn - 1, 0] == V - 1)),
            "B": dict(pre=(tab.task["B"][:, 0, 0] == 0))}
@@ -299,7 +298,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     fv, fm = task["F"][t, p, 0], task["F"][t, p, 1]
     act = act_buf[jnp.maximum(sl["act_read"], 0)]
     y, dh, res, acc = branch(
-        fv >= 0, jnp.asarray(busy["F"])[t], f_phase, f_idle,
+        fv >= 0, busy["F"][t], f_phase, f_idle,
         (jnp.maximum(fv, 0), jnp.maximum(fm, 0), fv >= 0,
          {k: a[t] for k, a in flags["F"].items()}, act, acc))
     if not grads:
@@ -314,7 +313,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
     res = jax.tree.map(lambda b: b[jnp.maximum(sl["res_read"], 0)], res_buf)
-    dx, acc = branch(bv >= 0, jnp.asarray(busy["B"])[t], b_phase, b_idle,
+    dx, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle,
                      (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
                       {k: a[t] for k, a in flags["B"].items()}, dy, res, acc))
     y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
