@@ -118,8 +118,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *m_ref, scale, cau
     acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
-  hi = jax.lax.div((i + 1) * bq + bk - 1, bk) if causal else nk
-  full = jax.lax.div(i * bq, bk) if causal else nk      # blocks entirely below the diagonal
+  hi = ((i + 1) * bq + bk - 1) // bk if causal else nk
+  full = (i * bq) // bk if causal else nk      # blocks entirely below the diagonal
   init = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
   acc, m, l = _loops(0, full, hi, body, init, seg_q, lambda j: seg_ref[pl.ds(j * bk, bk)],
@@ -151,8 +151,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dk_re
     ds = (p * (_dot(do, v, trans_b=True) - delta_ref[rows][:, None])).astype(qs[0].dtype)
     return [a + _dot(ds, qp, trans_a=True) for a, qp in zip(dks, qs)], dv   # ds^T q
 
-  lo = jax.lax.div(j * bk, bq) if causal else 0
-  full = jax.lax.div((j + 1) * bk - 1 + bq - 1, bq) if causal else 0   # first fully visible
+  lo = (j * bk) // bq if causal else 0
+  full = ((j + 1) * bk - 1 + bq - 1) // bq if causal else 0   # first fully visible
   init = ([jnp.zeros((bk, w), jnp.float32) for _, w in parts],
           jnp.zeros((bk, v.shape[-1]), jnp.float32))
   # masked blocks first ([lo, full)), then the fully visible ones ([full, nq))
@@ -186,8 +186,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dq_ref,
     ds = (p * (_dot(do, v_ref[cols, :], trans_b=True) - delta[:, None])).astype(ks[0].dtype)
     return [a + _dot(ds, kp) for a, kp in zip(dqs, ks)]
 
-  hi = jax.lax.div((i + 1) * bq + bk - 1, bk) if causal else nk
-  full = jax.lax.div(i * bq, bk) if causal else nk
+  hi = ((i + 1) * bq + bk - 1) // bk if causal else nk
+  full = (i * bq) // bk if causal else nk
   dqs = _loops(0, full, hi, body, [jnp.zeros((bq, w), jnp.float32) for _, w in parts], seg_q,
                lambda j: seg_ref[pl.ds(j * bk, bk)], segmented)
   for (off, w), a in zip(parts, dqs):

@@ -141,16 +141,37 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, 
     dq_ref[...] = (dq_sc[...] * scale).astype(dq_ref.dtype)
 
 
-def _spec(n, d, q_axis):
-  """Block (n, d) of a [B, H, T, d] array, indexed by grid axis q_axis (2 or 3) along T."""
-  return pl.BlockSpec((None, None, n, d), lambda b, h, x, y: (b, h, (x, y)[q_axis - 2], 0))
+def _visible(x, y, axis, clamp):
+  """The T block grid axis `axis` (2 or 3) indexes, clamped into the causal band.
+
+  A pair the kernel skips (above the diagonal) still has its blocks copied HBM -> VMEM
+  unless the index repeats the previous step's: the pipeline only fetches on a change. So
+  `clamp` = (bq, bk, side) maps skipped steps onto the nearest visible block: the kv side of
+  a (q block, kv block) grid stops at the last block row q can see; the q side of a
+  (kv block, q block) grid starts at the first q block that sees kv."""
+  i = (x, y)[axis - 2]
+  if clamp is None:
+    return i
+  bq, bk, side = clamp
+  # lax.div (truncating) on these non-negative indices: `//` adds sign fix-ups Mosaic lowers
+  # through a TPU-info query; int32 divisors keep x64 runs from mixing widths.
+  if side == "kv":            # grid (.., q block x, kv block y)
+    return jnp.minimum(i, jax.lax.div(x * bq + bq - 1, jnp.int32(bk)))
+  return jnp.maximum(i, jax.lax.div(x * bk, jnp.int32(bq)))  # "q": grid (.., kv x, q y)
 
 
-def _seg_specs(bq, bk, q_axis):
-  pick = lambda x, y, ax: (x, y)[ax - 2]
+def _spec(n, d, axis, clamp=None):
+  """Block (n, d) of a [B, H, T, d] array, indexed along T by grid axis `axis` (2 or 3)."""
+  return pl.BlockSpec((None, None, n, d),
+                      lambda b, h, x, y: (b, h, _visible(x, y, axis, clamp), 0))
+
+
+def _seg_specs(bq, bk, q_axis, clamp=None):
   k_axis = 5 - q_axis
-  sq = pl.BlockSpec((None, bq, 1), lambda b, h, x, y: (b, pick(x, y, q_axis), 0))
-  sk = pl.BlockSpec((None, 1, bk), lambda b, h, x, y: (b, 0, pick(x, y, k_axis)))
+  cq = clamp if clamp and clamp[2] == "q" else None
+  ck = clamp if clamp and clamp[2] == "kv" else None
+  sq = pl.BlockSpec((None, bq, 1), lambda b, h, x, y: (b, _visible(x, y, q_axis, cq), 0))
+  sk = pl.BlockSpec((None, 1, bk), lambda b, h, x, y: (b, 0, _visible(x, y, k_axis, ck)))
   return sq, sk
 
 
@@ -167,12 +188,13 @@ def _attn(q, k, v, seg, scale, causal, bq, bk, interpret):
 def _forward(q, k, v, seg, scale, causal, bq, bk, interpret):
   B, H, Tp, D = q.shape
   Dv = v.shape[-1]
-  sq, sk = _seg_specs(bq, bk, 2)
+  kv = (bq, bk, "kv") if causal else None
+  sq, sk = _seg_specs(bq, bk, 2, kv)
   rows = jax.ShapeDtypeStruct((B, H, Tp, 1), jnp.float32)
   return pallas_call(
       functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
       grid=(B, H, Tp // bq, Tp // bk),
-      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3), _spec(bk, Dv, 3), sq, sk],
+      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3, kv), _spec(bk, Dv, 3, kv), sq, sk],
       out_specs=[_spec(bq, Dv, 2), _spec(bq, 1, 2), _spec(bq, 1, 2)],
       out_shape=[jax.ShapeDtypeStruct((B, H, Tp, Dv), v.dtype), rows, rows],
       scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
@@ -194,22 +216,24 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1, keepdims=True)
   segs = (seg[:, :, None], seg[:, None, :])
   sem = ("parallel", "parallel", "parallel", "arbitrary")
-  sq, sk = _seg_specs(bq, bk, 3)                  # grid (b, h, kv block, q block)
+  qc = (bq, bk, "q") if causal else None
+  sq, sk = _seg_specs(bq, bk, 3, qc)              # grid (b, h, kv block, q block)
   dk, dv = pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
       grid=(B, H, Tp // bk, Tp // bq),
-      in_specs=[_spec(bq, D, 3), _spec(bk, D, 2), _spec(bk, Dv, 2), _spec(bq, Dv, 3),
-                _spec(bq, 1, 3), _spec(bq, 1, 3), sq, sk],
+      in_specs=[_spec(bq, D, 3, qc), _spec(bk, D, 2), _spec(bk, Dv, 2), _spec(bq, Dv, 3, qc),
+                _spec(bq, 1, 3, qc), _spec(bq, 1, 3, qc), sq, sk],
       out_specs=[_spec(bk, D, 2), _spec(bk, Dv, 2)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)],
       compiler_params=_params(interpret, sem), interpret=interpret,
       name="mla_flash_dkdv_tpu")(q, k, v, do, lse, delta, *segs)
-  sq, sk = _seg_specs(bq, bk, 2)                  # grid (b, h, q block, kv block)
+  kv = (bq, bk, "kv") if causal else None
+  sq, sk = _seg_specs(bq, bk, 2, kv)              # grid (b, h, q block, kv block)
   dq = pallas_call(
       functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
       grid=(B, H, Tp // bq, Tp // bk),
-      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3), _spec(bk, Dv, 3), _spec(bq, Dv, 2),
+      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3, kv), _spec(bk, Dv, 3, kv), _spec(bq, Dv, 2),
                 _spec(bq, 1, 2), _spec(bq, 1, 2), sq, sk],
       out_specs=_spec(bq, D, 2),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

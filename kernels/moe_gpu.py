@@ -176,9 +176,23 @@ def _bm():
 # ------------------------------------------------------------------ gather_grouped_matmul
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _pad16(a, *axes):
+  """`a` zero-padded along `axes` to multiples of 16, Triton's smallest matmul tile. Zero
+  columns of x / h meet zero rows of w, so the product is unchanged; pad's VJP drops the
+  padding's gradients."""
+  widths = [(0, -a.shape[d] % 16 if d in axes else 0) for d in range(a.ndim)]
+  return jnp.pad(a, widths) if any(p for _, p in widths) else a
+
+
 def gather_grouped_matmul(x, w, group_sizes, row_ids, interpret=False):
-  """h[r] = x[row_ids[r]] @ w[g(r)] for rows r sorted by group (rows past the groups: 0)."""
+  """h[r] = x[row_ids[r]] @ w[g(r)] for rows r sorted by group (rows past the groups: 0).
+  Any K and N: widths that are not multiples of 16 are zero-padded for the kernel."""
+  h = _gather_grouped_matmul(_pad16(x, 1), _pad16(w, 1, 2), group_sizes, row_ids, interpret)
+  return h[:, :w.shape[2]]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gather_grouped_matmul(x, w, group_sizes, row_ids, interpret=False):
   return _gather_fwd(x, w, group_sizes, row_ids, interpret)[0]
 
 
@@ -205,16 +219,23 @@ def _gather_bwd(interpret, res, dh):
   return dx, dw, None, None
 
 
-gather_grouped_matmul.defvjp(_gather_fwd, _gather_bwd)
+_gather_grouped_matmul.defvjp(_gather_fwd, _gather_bwd)
 
 
 # ----------------------------------------------------------------- grouped_matmul_combine
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret=False):
   """y[slot_ids[r]] = weights[r] * (h[r] @ w[g(r)]): [M, N] with slot_ids a permutation of
-  the M rows (the down projection written back in token-major assignment order)."""
+  the M rows (the down projection written back in token-major assignment order). Any K and
+  N, zero-padded to multiples of 16 for the kernel."""
+  y = _grouped_matmul_combine(_pad16(h, 1), _pad16(w, 1, 2), group_sizes, slot_ids, weights,
+                              interpret)
+  return y[:, :w.shape[2]]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret=False):
   return _combine_fwd(h, w, group_sizes, slot_ids, weights, interpret)[0]
 
 
@@ -245,7 +266,7 @@ def _combine_bwd(interpret, res, dy):
   return dh, dw, None, None, dweights
 
 
-grouped_matmul_combine.defvjp(_combine_fwd, _combine_bwd)
+_grouped_matmul_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def grouped_matmul(x, w, group_sizes, *, interpret=False):

@@ -119,3 +119,53 @@ def test_auto_picks_the_chunked_flash_path_on_cpu():
   assert (flash.auto_impl("gpu"), flash.auto_impl("tpu")) == ("pallas_gpu", "pallas_tpu")
   with pytest.raises(ValueError, match="attention impl = 'cudnn'"):
     attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, impl="cudnn")
+
+
+@pytest.mark.parametrize("impl,platform", [("pallas_gpu", "cuda"), ("pallas_tpu", "tpu")])
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_pallas_kernels_lower_for_their_accelerator_with_and_without_x64(impl, platform, x64):
+  """The Triton / Mosaic lowering (run on CPU) of forward and every gradient, at an odd length
+  and MLA's head dims, also under jax_enable_x64 (where the GPU kernel once mixed int32 block
+  indices with int64 Python constants)."""
+  with jax.enable_x64(x64):
+    q = jax.ShapeDtypeStruct((1, 100, 2, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 100, 2, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 100), jnp.int32)
+
+    def loss(q, k, v, seg):
+      out, smax = attention(q, k, v, scale=0.07, segment_ids=seg, impl=impl)
+      return out.astype(jnp.float32).sum() + smax.sum()
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    for f in (loss, grads):
+      text = jax.jit(f).trace(q, q, v, seg).lower(lowering_platforms=(platform,)).as_text()
+      assert ("triton" if platform == "cuda" else "tpu_custom_call") in text.lower()
+
+
+@pytest.mark.parametrize("bq,bk,nb", [(128, 128, 5), (64, 128, 4), (128, 64, 3)])
+def test_tpu_kernel_fetches_only_the_blocks_of_the_causal_band(bq, bk, nb):
+  """The TPU pipeline copies a block HBM -> VMEM when its index changes between grid steps;
+  with the index maps clamped into the causal band, every visible (q block, kv block) pair
+  still gets its own block, and the copies number at most the visible pairs (consecutive
+  steps that share a block copy it once), not every pair."""
+  from k2jax.kernels import flash_tpu
+  T = nb * max(bq, bk)
+  nq, nk = T // bq, T // bk
+  visible = sum(kj * bk <= qi * bq + bq - 1 for qi in range(nq) for kj in range(nk))
+
+  def fetches(outer, inner, axis, clamp, q_outer):
+    last, n = None, 0
+    for x in range(outer):
+      for y in range(inner):
+        i = int(flash_tpu._visible(x, y, axis, clamp))
+        qi, kj = (x, y) if q_outer else (y, x)
+        if kj * bk <= qi * bq + bq - 1:       # a pair the kernel computes: its own block
+          assert i == y
+        n += i != last
+        last = i
+    return n
+  assert visible < nq * nk
+  # forward and dq: grid (q block, kv block), k / v indexed by the kv axis
+  assert fetches(nq, nk, 3, (bq, bk, "kv"), True) <= visible
+  # dk / dv: grid (kv block, q block), q / do / lse / delta indexed by the q axis
+  assert fetches(nk, nq, 3, (bq, bk, "q"), False) <= visible
+  assert fetches(nq, nk, 3, None, True) == nq * nk     # unclamped: every pair
