@@ -9,8 +9,10 @@ from k2jax import configs, model
 REPORTED = {"kimi_k2": (1.04e12, 32.6e9), "deepseek_v3": (671e9, 37e9)}
 
 
-def table(name: str, seq_len: int | None = None) -> str:
-  cfg = configs.get_config(name)
+def table(config, seq_len: int | None = None, name: str | None = None) -> str:
+  """The table of a preset name or a full config (`name` labels it)."""
+  cfg = configs.get_config(config) if isinstance(config, str) else config
+  name = name or (config if isinstance(config, str) else "config")
   m = cfg.model
   c = model.count_params(m)
   seq_len = seq_len or cfg.train.seq_len
@@ -33,13 +35,37 @@ def table(name: str, seq_len: int | None = None) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m k2jax.params", description=__doc__)
-  p.add_argument("--config", required=True, help=f"preset: {', '.join(configs.PRESETS)}")
-  p.add_argument("--seq_len", type=int, default=None)
-  args = p.parse_args(argv)
+def parse_config(prog: str, parser: argparse.ArgumentParser, argv):
+  """(args, config) for a CLI with argparse options plus the trainer's --config PRESET | FILE
+  and --config.KEY=VALUE overrides (read by k2jax.train's parser, so every CLI takes the
+  same configs). Raises ValueError (one line) for anything wrong."""
+  from k2jax import train
+  args, rest = parser.parse_known_args(argv)
+  overrides = [a for a in rest if a.startswith("--config.")]
+  if len(overrides) != len(rest):
+    parser.error(f"unrecognized arguments: {' '.join(a for a in rest if a not in overrides)}")
   try:
-    print(table(args.config, args.seq_len))
+    return args, train.load_config([prog, "--config", args.config, *overrides])
+  except train.UserError as e:
+    raise ValueError(str(e)) from None
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m k2jax.params", description=__doc__,
+                              epilog="Override any config value with --config.KEY=VALUE.")
+  p.add_argument("--config", required=True,
+                 help=f"preset ({', '.join(configs.PRESETS)}) or config file")
+  p.add_argument("--seq_len", type=int, default=None, help="default: the config's train.seq_len")
+  try:
+    args, config = None, None
+    args, _ = p.parse_known_args(argv)
+    if args.seq_len is not None and args.seq_len < 1:
+      raise ValueError(f"--seq_len {args.seq_len}: must be >= 1")
+    args, config = parse_config("k2jax.params", p, argv)
+    overrides = [a for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--config.")]
+    # the report's published counts only label the preset as shipped
+    name = args.config if not overrides else f"{args.config} with {' '.join(overrides)}"
+    print(table(config, args.seq_len, name=name))
   except ValueError as e:
     print(f"k2jax.params: error: {e}", file=sys.stderr)
     raise SystemExit(2)

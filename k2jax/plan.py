@@ -10,8 +10,9 @@ abstract mesh; a device's bytes are its shard of every leaf (the fullest device:
 even). Per device:
   params        in model.param_dtype (K2: bf16)
   grads         the float32 gradient buffer of that parameter shard (--grad_bytes)
-  optimizer     ZeRO-1 (split over `data` too): Muon momentum / Adam moments, the float32
-                master weights when params are lower precision, QK-Clip's record
+  optimizer     ZeRO-1 (split over `data` too): Muon momentum /
+                Adam moments, the float32 master weights when params are lower precision,
+                QK-Clip's record
   activations   an estimate of what the configured implementation keeps (remat policy,
                 attention implementation, activation storage) times what the pipeline
                 schedule's table keeps in flight, see `activation_bytes`
@@ -28,6 +29,7 @@ from jax.sharding import AbstractMesh
 
 from k2jax import configs, model, optim
 from k2jax.model import remat as remat_lib
+from k2jax.configs.sharding_rules import mesh_axes
 from k2jax.parallel import MESH_AXES, layout, schedules, state_shardings
 from k2jax.step import init_state
 
@@ -61,11 +63,27 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
     return sum(int(np.prod(s.shard_shape(a.shape))) * (itemsize or a.dtype.itemsize)
                for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
+  # ZeRO-1 splits each state over the mesh axes its parameter is replicated on, on a dimension
+  # they divide (parallel.state.zero1); where none does, part of that group holds it whole.
+  # Report what that costs instead of letting the figure jump unexplained.
+  group = [a for a in mesh_axes("opt_state") if mesh_shape.get(a, 1) > 1]
+  unsplit, names = 0, {}
+  for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0],
+                          jax.tree.leaves(sh.opt_state)):
+    held = int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+    used = {x for entry in s.spec for x in ((entry,) if isinstance(entry, str) else entry or ())}
+    extra = held - held / math.prod(mesh_shape[x] for x in group if x not in used)
+    if a.ndim and extra > 0:
+      unsplit += extra
+      name = "/".join(str(getattr(k, "key", "")) for k in path if hasattr(k, "key"))
+      names[name] = names.get(name, 0) + extra
   n = model.count_params(config.model)["total"]
   param_size = np.dtype(config.model.param_dtype).itemsize
   return dict(params=per_device(abstract.params, sh.params),
               grads=per_device(abstract.params, sh.params, grad_bytes),
               optimizer=per_device(abstract.opt_state, sh.opt_state),
+              optimizer_unsplit=unsplit,
+              optimizer_unsplit_leaves=sorted(names, key=names.get, reverse=True),
               total_params=n * param_size, total_grads=n * grad_bytes)
 
 
@@ -106,6 +124,13 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   return (tab.in_flight * stage + buffers + working) * seq_len * micro_batch, settings
 
 
+def check(cfg) -> None:
+  """ValueError (one line) for a model or layout the trainer would refuse (its own checks;
+  the batch geometry is plan's --micro_batch / --microbatches, not the config's)."""
+  configs.validate_model(cfg.model)
+  layout.validate(cfg)
+
+
 def parse_mesh(text: str, devices: int | None) -> dict:
   mesh = {a: 1 for a in MESH_AXES}
   given = set()
@@ -126,14 +151,25 @@ def parse_mesh(text: str, devices: int | None) -> dict:
   return mesh
 
 
-def report(name, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_stages=None,
-           microbatches=None, remat=None, storage=None, param_dtype=None) -> str:
-  cfg = _with_mesh(configs.get_config(name), mesh, virtual_stages, microbatches, param_dtype)
+def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_stages=None,
+           microbatches=None, remat=None, storage=None, param_dtype=None, name=None) -> str:
+  """The per-device table of a preset name or a full config on `mesh` ({axis: size})."""
+  name = name or (config if isinstance(config, str) else "config")
+  config = configs.get_config(config) if isinstance(config, str) else config
+  cfg = _with_mesh(config, mesh, virtual_stages, microbatches, param_dtype)
+  check(cfg)
   V = cfg.mesh.get("virtual_stages", 1)
   seq_len = seq_len or cfg.train.seq_len
   st = state_bytes(cfg, mesh, grad_bytes)
   M = cfg.train.grad_accum
   schedule = cfg.mesh.get("pipeline_schedule", "1f1b")
+  P = mesh["pipeline"]
+  rounded = ""
+  if P > 1 and microbatches is None and (M < P or (schedule == "1f1b" and M % P)):
+    # the config was written for another mesh: plan the fewest microbatches this one takes
+    rounded = f" (the config's train.grad_accum {M} rounded up for this pipeline)"
+    M = P * -(-M // P)
+    cfg.train.grad_accum = M
   act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
                                storage=storage, virtual_stages=V, microbatches=M,
                                schedule=schedule)
@@ -145,17 +181,21 @@ def report(name, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_sta
   for key, label in (("params", "params"), ("grads", "grads / accumulation"),
                      ("optimizer", "optimizer (ZeRO-1)")):
     lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
+  if st["optimizer_unsplit"] > max(0.01 * st["optimizer"], 1e6):
+    lines.append(f"    of which {st['optimizer_unsplit'] / GB:.2f} GB is not split over its whole "
+                 f"data-parallel group (data = {mesh['data']}): no dimension of "
+                 f"{', '.join(st['optimizer_unsplit_leaves'][:3])} is divisible by it (ZeRO-1 "
+                 f"keeps those shards whole over the axes that do not divide)")
   states = st["params"] + st["grads"] + st["optimizer"]
   lines.append(f"  {'all states':<24}{states / GB:>10.2f}   (from parallel.state_shardings)")
   lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}   remat={used['remat']}, "
                f"attention={used['attention_impl']}, storage={used['storage']}")
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
-  if mesh["pipeline"] > 1:
-    P = mesh["pipeline"]
+  if P > 1:
     tab = schedules.build(schedule, P, V, M)
     sp = layout.split(cfg.model, P, V)
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
-                 f"{sp.per_stage} layer(s), {M} microbatches: {tab.ticks} ticks, idle "
+                 f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
                  f"{tab.idle_fraction():.1%} of device time, {tab.in_flight} stage "
                  f"activations in flight per device"
                  f"{f', {sp.padded} padding row(s) stored' if sp.padded else ''}")
@@ -172,7 +212,9 @@ def report(name, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_sta
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m k2jax.plan", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help=f"preset: {', '.join(configs.PRESETS)}")
+  p.add_argument("--config", required=True,
+                 help=f"preset ({', '.join(configs.PRESETS)}) or config file; override any "
+                 "value with --config.KEY=VALUE")
   p.add_argument("--mesh", default=None,
                  help="pipeline=P,expert=E,data=D (missing axes = 1; default: the config's)")
   p.add_argument("--devices", type=int, default=None, help="total devices; fills in data")
@@ -188,18 +230,27 @@ def main(argv=None):
   p.add_argument("--remat", choices=("none", "selective", "full"), default=None)
   p.add_argument("--storage", choices=("model", "fp8"), default=None,
                  help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
-  args = p.parse_args(argv)
   try:
+    args, _ = p.parse_known_args(argv)
+    for flag in ("devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages",
+                 "microbatches"):   # before any work: each positive where given
+      value = getattr(args, flag)
+      if value is not None and value < 1:
+        raise ValueError(f"--{flag} {value}: must be >= 1")
+    from k2jax.params import parse_config
+    args, config = parse_config("k2jax.plan", p, argv)
     if args.mesh is None:
-      m = configs.get_config(args.config).mesh
+      m = config.mesh
       args.mesh = ",".join(f"{a}={m[a]}" for a in MESH_AXES
                            if a != "data" or args.devices is None)
     mesh = parse_mesh(args.mesh, args.devices)
-    if (args.virtual_stages or 1) < 1 or (args.microbatches or mesh["pipeline"]) < mesh["pipeline"]:
-      raise ValueError("--virtual_stages must be >= 1 and --microbatches >= pipeline")
-    print(report(args.config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
+    if args.microbatches is not None and args.microbatches < mesh["pipeline"]:
+      raise ValueError(f"--microbatches {args.microbatches}: must be >= pipeline "
+                       f"({mesh['pipeline']})")
+    print(report(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
                  virtual_stages=args.virtual_stages, microbatches=args.microbatches,
-                 remat=args.remat, storage=args.storage, param_dtype=args.param_dtype))
+                 remat=args.remat, storage=args.storage, param_dtype=args.param_dtype,
+                 name=args.config))
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)
     raise SystemExit(2)

@@ -114,6 +114,7 @@ def test_k2_states_per_device_from_the_trainers_shardings():
   assert st["grads"] == pytest.approx(2 * st["params"], rel=1e-6)   # fp32 buffer of bf16
   # ZeRO-1: fp32 master + one fp32 moment (Muon) or two (AdamW) over 8 data ranks
   assert 8 / 8 * n < st["optimizer"] < 12 / 8 * n
+  assert st["optimizer_unsplit"] < 1e6     # a few small vectors (QK-Clip record)
   total = st["params"] + st["grads"] + st["optimizer"]
   # 4 MoE layers' 24 experts alone are 29.6 GB at 7 bytes per parameter; the report's "~30 GB"
   # is the average device (3.75 layers). This is the figure the closing note and README give.

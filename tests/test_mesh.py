@@ -1,5 +1,6 @@
 """Sharding rules: what each parameter is split over, and clear errors when sizes don't divide."""
 
+import jax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
@@ -38,3 +39,18 @@ def test_batch_must_divide_over_data_times_expert():
   with pytest.raises(ValueError, match=r"train.batch_size: dim 0 of size 12 is sharded over "
                                        r"mesh axes data x expert = 8"):
     parallel.batch_sharding(mesh(data=2, expert=4), 12)
+
+
+def test_zero1_splits_states_over_data_where_it_divides():
+  """ZeRO-1 adds `data` to a state's sharding on the largest free dimension it divides,
+  compounding a dimension already split when no free one takes it (K2's 384 experts over
+  expert = 16 x data = 24), and leaves the state whole over data only when nothing divides."""
+  m = mesh(pipeline=2, data=3, expert=4)
+  z = lambda pspec, shape: parallel.zero1(jax.sharding.NamedSharding(m, pspec), shape).spec
+  assert z(P("pipeline", "expert", None, None), (4, 16, 63, 32)) == P(
+      "pipeline", "expert", "data", None)
+  assert z(P("pipeline", "expert", None), (4, 24, 8)) == P("pipeline", ("expert", "data"), None)
+  assert z(P(None, None), (8, 4)) == P(None, None)                    # nothing divides
+  # spread places several axes where each fits (the checkpoint view moves pipeline this way)
+  assert parallel.mesh.spread(P(None, None), (6, 4), ("data", "expert"), m.shape) == P(
+      "data", "expert")

@@ -76,6 +76,20 @@ def split(cfg, stages: int, virtual: int = 1) -> Split:
   return Split(stack, stages, virtual, math.ceil(stack.size / (stages * virtual)))
 
 
+def validate(config) -> None:
+  """ValueError (one line) when a pipeline device would hold padding rows only (the split
+  pads the stack to P x V stages; `logical_rows` says which rows are real)."""
+  if config.mesh.pipeline <= 1:
+    return
+  sp = of(config)
+  empty = int(np.sum((sp.logical_rows() < 0).all(axis=(1, 2))))
+  if empty:
+    raise ValueError(
+        f"mesh.pipeline = {sp.stages} x mesh.virtual_stages = {sp.virtual}: the "
+        f"{sp.stack.size} layers of the pipelined stack leave {empty} pipeline device(s) "
+        f"without a layer; use a smaller mesh.pipeline")
+
+
 def of(config) -> Split | None:
   """The Split a full config trains with, or None without a pipeline."""
   if config.mesh.pipeline <= 1:

@@ -44,17 +44,34 @@ def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model
 
 
 def spread(pspec, shape, axes, mesh_shape) -> P:
-  """`pspec` with mesh `axes` added on the largest dimension that is still unsharded and that
-  their product divides (unchanged if none is, or the axes are already used or of size 1)."""
+  """`pspec` with mesh `axes` added where they divide the array, as many of them as fit.
+
+  Greedy: the largest product of a subset of `axes` (in their order) goes on the largest
+  dimension it divides, preferring an unsharded dimension over one already split (the split
+  then compounds, e.g. 384 experts over expert = 16 and data = 24); then the rest of the axes
+  the same way. Axes already used or of size 1 are skipped; axes nothing divides are left
+  out (the array is then whole over them).
+  """
   spec = list(pspec) + [None] * (len(shape) - len(pspec))
   used = {a for s in spec for a in _axes(s)}
-  axes = tuple(a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used)
-  n = math.prod(mesh_shape[a] for a in axes)
-  free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0]
-  if n == 1 or not free:
-    return P(*spec)
-  dim = max(free, key=lambda d: shape[d])
-  spec[dim] = axes[0] if len(axes) == 1 else axes
+  left = [a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used]
+  while left:
+    best = None
+    for mask in range(1, 2 ** len(left)):
+      subset = tuple(a for i, a in enumerate(left) if mask >> i & 1)
+      n = math.prod(mesh_shape[a] for a in subset)
+      for d, size in enumerate(shape):
+        have = math.prod(mesh_shape[a] for a in _axes(spec[d]))
+        if size % (have * n) == 0:
+          key = (n, spec[d] is None, size // have)
+          if best is None or key > best[0]:
+            best = (key, subset, d)
+    if best is None:
+      break
+    _, subset, d = best
+    both = _axes(spec[d]) + subset
+    spec[d] = both[0] if len(both) == 1 else both
+    left = [a for a in left if a not in subset]
   return P(*spec)
 
 

@@ -1,11 +1,13 @@
 """Shardings of the whole training state: ZeRO-1 (report 2.4.2).
 
 Parameters follow the logical-axis rules (replicated over `data`). Optimizer-state leaves
-that mirror a parameter (Muon momentum, Adam moments; optax identifies them for us with
-`optax.tree_utils.tree_map_params`) take that parameter's sharding and are additionally split
-over the mesh axes of the logical `opt_state` axis (k2jax.configs.sharding_rules: `data`)
-along their largest dimension that is still unsharded and divisible; everything else
-(counts, flags) is replicated.
+that mirror a parameter (Muon momentum, Adam moments, fp32 master weights; optax identifies
+them for us with `optax.tree_utils.tree_map_params`) take that parameter's sharding and are
+additionally split over the mesh axes of the logical `opt_state` axis
+(k2jax.configs.sharding_rules: `data`) on a dimension they divide (`mesh.spread`: preferring
+an unsharded one, compounding an existing split where needed, e.g. K2's 384 experts over
+expert = 16 x data = 24); everything else (counts, flags) is replicated. `k2jax.plan` reports
+any state `data` cannot split.
 
 Muon needs whole matrices: under jit the momentum shard of each data rank is gathered where
 Newton-Schulz needs it (k2jax.optim.muon.whole_matrix_momentum), the orthogonalized update is
