@@ -2,28 +2,61 @@
 
 DIR/checkpoints/<step>/{state, data, meta} via `orbax.checkpoint.CheckpointManager`
 (keep-last-K, async). A step directory is committed atomically by orbax (a killed save
-leaves only a `*.orbax-checkpoint-tmp` directory, which orbax ignores).
+leaves only a `*.orbax-checkpoint-tmp` directory, which orbax ignores). Once a step is
+committed, k2jax adds `k2jax_files.json` to it: the size of every file orbax wrote, the
+integrity record restore checks against.
 
-Restoring tells two failures apart. A checkpoint whose saved tree (read from its metadata)
-is not the train state this config builds is a mismatch: nothing is moved and
-`CheckpointMismatch` names the first difference. A checkpoint that cannot be read (damaged
-or partial files) is reported, moved to DIR/corrupt_checkpoints/ so later saves of that step
-are not skipped, and the previous step is tried.
+Restoring a run has to tell apart what a checkpoint IS from what its reader hit, because
+moving a good checkpoint aside silently restarts the run from an older step (or step 0):
+
+  * a readable checkpoint of another train state is a mismatch: nothing is moved,
+    `CheckpointMismatch` names the first differing leaf;
+  * a checkpoint that fails the integrity record (a file missing, truncated or grown, the
+    record itself unreadable) is provably damaged: it is moved to DIR/corrupt_checkpoints/
+    (never over an earlier quarantine) and the previous step is tried;
+  * any other failure (a transient I/O error, permissions, an orbax error on intact files)
+    is retried with backoff; if it persists nothing is moved and `CheckpointUnreadable` says
+    what failed and what to do;
+  * a run whose every checkpoint was moved aside stops (`CheckpointUnreadable`) instead of
+    starting again from step 0 over its own history.
+
+In a multi-host run every process reaches the same verdict on each step (they agree before
+acting), so all restore the same step. A failed save (full disk, read-only directory) is
+`CheckpointWriteFailed`, one line naming the path, the space it needs and the last good
+step; orbax only deletes old steps after a new one commits, so that step is intact.
 """
 
+import errno
+import json
 import logging
 import os
 import shutil
+import time
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
 
+MANIFEST = "k2jax_files.json"
 
-class CheckpointMismatch(ValueError):
+
+class CheckpointError(Exception):
+  """A checkpoint problem the user must act on; the message is one line."""
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
   """A readable checkpoint that holds a different train state than the one being restored."""
+
+
+class CheckpointUnreadable(CheckpointError):
+  """No checkpoint can be restored, and starting over would discard the run's history."""
+
+
+class CheckpointWriteFailed(CheckpointError):
+  """A save failed (a full disk, a read-only directory); earlier checkpoints are intact."""
 
 
 def _path_str(path) -> str:
@@ -47,11 +80,98 @@ def first_difference(saved: dict, expected: dict) -> str | None:
   return None
 
 
-class Checkpointer:
+def _file_sizes(directory: str) -> dict:
+  sizes = {}
+  for root, _, files in os.walk(directory):
+    for f in files:
+      path = os.path.join(root, f)
+      rel = os.path.relpath(path, directory)
+      if not rel.startswith(MANIFEST):
+        sizes[rel] = os.path.getsize(path)
+  return sizes
 
-  def __init__(self, workdir: str, keep: int, use_async: bool):
+
+def seal(step_dir: str) -> None:
+  """Writes the integrity record of a committed step (atomically: a torn record would read
+  as damage)."""
+  record = {"files": _file_sizes(step_dir)}
+  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(record, f)
+  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def damage(step_dir: str) -> str | None:
+  """What proves a step damaged, or None: its files differ from the integrity record. A
+  step without a record (written before k2jax kept one, or killed between orbax's commit and
+  the record) cannot be proven damaged."""
+  path = os.path.join(step_dir, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      want = json.load(f)["files"]
+  except (ValueError, KeyError, TypeError) as e:
+    return f"its integrity record {MANIFEST} is unreadable ({type(e).__name__})"
+  for rel, size in sorted(want.items()):
+    full = os.path.join(step_dir, rel)
+    if not os.path.exists(full):
+      return f"{rel} is missing"
+    got = os.path.getsize(full)
+    if got != size:
+      return f"{rel} has {got} bytes, {size} were written"
+  return None
+
+
+def _reason(error: BaseException) -> str:
+  text = str(error).strip()
+  return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else \
+      type(error).__name__
+
+
+def _size(n: int) -> str:
+  return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _errors(error: BaseException):
+  """The error and every error it was raised from (orbax wraps the OSError that failed)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def _is_disk_full(error: BaseException) -> bool:
+  return any(getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+             for e in _errors(error))
+
+
+def _any_process(flag: bool) -> bool:
+  """True on every process if `flag` is true on any (one verdict per step for all hosts)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+class Checkpointer:
+  """Saves and restores a run's checkpoints (see the module docstring for the policy).
+
+  Args:
+    workdir: the run directory; checkpoints go to workdir/checkpoints.
+    keep: how many of the newest steps to keep.
+    use_async: save in the background (orbax async checkpointing).
+    attempts, backoff_s: how often a failed restore is tried, waiting backoff_s, 2 backoff_s,
+      ... between tries (a transient storage error must not cost the checkpoint).
+  """
+
+  def __init__(self, workdir: str, keep: int, use_async: bool, attempts: int = 3,
+               backoff_s: float = 1.0):
     self.workdir = os.path.abspath(workdir)  # orbax needs absolute paths
     self.directory = os.path.join(self.workdir, "checkpoints")
+    self.quarantine_dir = os.path.join(self.workdir, "corrupt_checkpoints")
+    self.attempts, self.backoff_s = max(1, attempts), backoff_s
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
@@ -60,61 +180,153 @@ class Checkpointer:
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "data": grain.checkpoint.CheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
+    self._pending = None  # (step, bytes) of the save in flight
 
   def save(self, step: int, state, data_iter, meta: dict) -> None:
+    """Starts saving `step` (finishing and sealing the previous save first).
+
+    Raises CheckpointWriteFailed (one line) if this or the previous save failed.
+    """
     if step in self.manager.all_steps():
       return
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iter),
-        meta=ocp.args.JsonSave(meta)), force=True)
+    self._finish()
+    nbytes = sum(int(a.nbytes) for a in jax.tree.leaves(state))
+    self._pending = (step, nbytes)
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data=grain.checkpoint.CheckpointSave(data_iter),
+          meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:  # orbax raises its own wrappers around the OSError
+      self._failed(e)
+    if not self.manager.is_saving_in_progress():
+      self._finish()
+
+  def _finish(self) -> None:
+    """Waits for the save in flight and writes its integrity record."""
+    if self._pending is None:
+      return
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      self._failed(e)
+    step, _ = self._pending
+    self._pending = None
+    step_dir = os.path.join(self.directory, str(step))
+    if jax.process_index() == 0 and os.path.isdir(step_dir):
+      try:
+        seal(step_dir)
+      except OSError as e:
+        self._pending = (step, 0)
+        self._failed(e)
+
+  def _failed(self, error: Exception):
+    step, nbytes = self._pending
+    self._pending = None
+    self.manager.reload()
+    done = [s for s in self.manager.all_steps() if s != step]
+    last = f"step {max(done)} is the last good checkpoint" if done else "no checkpoint was saved"
+    if _is_disk_full(error):
+      free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
+      raise CheckpointWriteFailed(
+          f"no space left on the device of {self.directory} while saving step {step}: it needs "
+          f"about {_size(nbytes)}, {_size(free)} are free; free space (or lower "
+          f"train.keep_checkpoints) and rerun to resume; {last}") from None
+    raise CheckpointWriteFailed(
+        f"saving checkpoint step {step} to {self.directory} failed ({_reason(error)}); make "
+        f"the directory writable and rerun to resume; {last}") from None
 
   def restore_latest(self, abstract_state, make_iter):
-    """-> (state, data iterator, meta) of the newest restorable step, or None if none.
+    """-> (state, data iterator, meta) of the newest restorable step, or None if the run has
+    no checkpoint.
 
     Raises CheckpointMismatch (touching nothing) when the newest readable checkpoint holds a
-    different tree than `abstract_state`.
+    different tree than `abstract_state`, CheckpointUnreadable when a step fails without
+    being provably damaged (nothing moved) or when every step was damaged.
     """
     expected = _leaves(abstract_state)
+    moved = []
     for step in sorted(self.manager.all_steps(), reverse=True):
-      try:
-        saved = _leaves(self.manager.item_metadata(step)["state"])
-      except Exception as e:  # no or damaged metadata: the checkpoint cannot be read
-        self._quarantine(step, e)
+      step_dir = os.path.join(self.directory, str(step))
+      bad = damage(step_dir)
+      if _any_process(bad is not None):
+        moved.append(self._quarantine(step, bad or "damaged as seen by another process"))
         continue
-      diff = first_difference(saved, expected)
-      if diff:
-        raise CheckpointMismatch(
-            f"checkpoint step {step} in {self.directory} holds a different train state than "
-            f"this config and code build ({diff}); resume with the code and config that wrote "
-            "it, or use a new --workdir")
-      data_iter = make_iter()  # restore moves the iterator in place: a fresh one per attempt
-      try:
-        r = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(data_iter),
-            meta=ocp.args.JsonRestore()))
-      except Exception as e:  # orbax / tensorstore / json raise many types for damaged files
-        self._quarantine(step, e)
+      error = None
+      for attempt in range(self.attempts):
+        if attempt:
+          time.sleep(self.backoff_s * 2 ** (attempt - 1))
+          self.manager.reload()
+        try:
+          saved = _leaves(self.manager.item_metadata(step)["state"])
+        except Exception as e:  # orbax / tensorstore / json raise many types
+          error = e
+          log.warning("reading checkpoint step %d failed (%s), attempt %d of %d", step,
+                      _reason(e), attempt + 1, self.attempts)
+          continue
+        diff = first_difference(saved, expected)
+        if diff:
+          raise CheckpointMismatch(
+              f"checkpoint step {step} in {self.directory} holds a different train state than "
+              f"this config and code build ({diff}); resume with the code and config that "
+              "wrote it, or use a new --workdir")
+        data_iter = make_iter()  # restore moves the iterator in place: a fresh one per attempt
+        try:
+          r = self.manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract_state),
+              data=grain.checkpoint.CheckpointRestore(data_iter),
+              meta=ocp.args.JsonRestore()))
+        except Exception as e:
+          error = e
+          log.warning("reading checkpoint step %d failed (%s), attempt %d of %d", step,
+                      _reason(e), attempt + 1, self.attempts)
+          continue
+        error = None
+        break
+      if not _any_process(error is not None):
+        log.info("resumed from checkpoint step %d in %s", step, self.directory)
+        return r.state, r.data, r.meta
+      bad = damage(step_dir)   # a file may have gone while we tried
+      if _any_process(bad is not None):
+        moved.append(self._quarantine(step, bad or "damaged as seen by another process"))
         continue
-      log.info("resumed from checkpoint step %d in %s", step, self.directory)
-      return r.state, r.data, r.meta
+      why = _reason(error) if error is not None else "it failed on another process"
+      raise CheckpointUnreadable(
+          f"checkpoint step {step} in {self.directory} could not be read in {self.attempts} "
+          f"attempts ({why}), but no file of it is missing or truncated, so nothing was "
+          f"moved: fix the cause (permissions, storage) and rerun to resume, or move "
+          f"{step_dir} aside to resume from the step before it")
+    if moved or self._quarantined():
+      raise CheckpointUnreadable(
+          f"no checkpoint of the run in {self.workdir} is left to resume from: the damaged "
+          f"ones are in {self.quarantine_dir}; to train from step 0 use a new --workdir, or "
+          f"move that directory and metrics.jsonl away")
     return None
 
-  def _quarantine(self, step: int, error: Exception) -> None:
-    reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else \
-        type(error).__name__
-    dest = os.path.join(self.workdir, "corrupt_checkpoints", str(step))
-    log.warning("checkpoint step %d is corrupt or partial (%s); moved to %s, trying the "
-                "previous one", step, reason, dest)
+  def _quarantined(self) -> bool:
+    return os.path.isdir(self.quarantine_dir) and bool(os.listdir(self.quarantine_dir))
+
+  def _quarantine(self, step: int, reason: str) -> str:
+    """Moves a damaged step to corrupt_checkpoints/<step>[.n], keeping earlier quarantines."""
+    dest = os.path.join(self.quarantine_dir, str(step))
+    n = 0
+    while os.path.exists(dest):
+      n += 1
+      dest = os.path.join(self.quarantine_dir, f"{step}.{n}")
+    log.warning("checkpoint step %d is damaged (%s); moved to %s, trying the previous one",
+                step, reason, dest)
     if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(dest), exist_ok=True)
-      shutil.rmtree(dest, ignore_errors=True)
+      os.makedirs(self.quarantine_dir, exist_ok=True)
       shutil.move(os.path.join(self.directory, str(step)), dest)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"k2jax quarantine {step}")
     self.manager.reload()
+    return dest
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Finishes the save in flight; raises CheckpointWriteFailed if it failed."""
+    self._finish()
 
   def close(self) -> None:
     self.manager.close()
@@ -127,7 +339,6 @@ def load_run(workdir: str):
   Raises ValueError (one line) when the directory holds no run or no checkpoint.
   """
   import functools
-  import json
 
   from k2jax import configs, optim
   from k2jax.step import init_state
@@ -136,8 +347,13 @@ def load_run(workdir: str):
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise ValueError(f"{workdir} has no config.json: pass the --workdir of a k2jax.train run")
-  with open(path) as f:
-    config = configs.from_dict(json.load(f))
+  try:
+    with open(path) as f:
+      config = configs.from_dict(json.load(f))
+  except ValueError as e:   # empty or cut short: name the file, not just the parser's words
+    raise ValueError(f"{path} is not a readable run config ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else 'empty'}); restore it from "
+                     "a copy, or train a new run") from None
   configs.validate(config)
   directory = os.path.join(workdir, "checkpoints")
   manager = ocp.CheckpointManager(directory, item_handlers={

@@ -11,9 +11,11 @@ CPU. SIGTERM / SIGINT save a checkpoint and exit. Mistakes in the command line o
 end in one line naming the problem and exit code 2.
 """
 
+import errno
 import functools
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -26,8 +28,8 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from k2jax import configs, data as data_lib, metrics as metrics_lib, model, optim, parallel
-from k2jax import resume
-from k2jax.checkpoint import Checkpointer, CheckpointMismatch
+from k2jax import resume, runlock
+from k2jax.checkpoint import CheckpointError, Checkpointer
 from k2jax.metrics import MetricsWriter
 from k2jax.parallel import layout, pipeline
 from k2jax.step import TrainState, eval_step, init_state, train_step
@@ -104,12 +106,53 @@ def _setup_logging(workdir):
   root.setLevel(logging.INFO)
   for h in list(root.handlers):  # an imported library may have called basicConfig
     root.removeHandler(h)
-  fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-  for h in (logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(workdir, "train.log"))):
-    h.setFormatter(fmt)
+  fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+  console = logging.StreamHandler(sys.stderr)
+  console.setFormatter(_ConsoleFormatter(fmt, "%H:%M:%S"))
+  log_file = logging.FileHandler(os.path.join(workdir, "train.log"))
+  log_file.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
+  for h in (console, log_file):
     root.addHandler(h)
   for noisy in ("absl", "jax._src", "orbax", "grain"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  _quiet_closed_event_loops()
+
+
+class _ConsoleFormatter(logging.Formatter):
+  """On the console, a library's error is its first line; train.log keeps the traceback.
+
+  A failed orbax save (a full disk) logs the same error from four threads with ~100-line
+  tracebacks each; the user needs the one line k2jax prints after them, which says what to
+  do. Our own records are formatted in full."""
+
+  def format(self, record):
+    message = record.getMessage()
+    if record.name.startswith("k2jax") or not (record.exc_info or "\n" in message):
+      return super().format(record)
+    return (f"{self.formatTime(record, self.datefmt)} {record.levelname} {record.name}: "
+            f"{message.splitlines()[0][:300]} (traceback in train.log)")
+
+
+def _quiet_closed_event_loops():
+  """Drops the 'Event loop is closed' tracebacks tensorstore's write callbacks print after
+  orbax has closed the event loop of a save that failed (dozens, one per pending write);
+  the save's own error is reported. Anything else goes to the previous hook."""
+  if getattr(sys.unraisablehook, "k2jax", False):
+    return
+  previous = sys.unraisablehook, sys.excepthook
+
+  def closed_loop(exc) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+  def unraisable(u):
+    if not closed_loop(u.exc_value):
+      previous[0](u)
+
+  def hook(kind, value, tb):
+    if not closed_loop(value):
+      previous[1](kind, value, tb)
+  unraisable.k2jax = True
+  sys.unraisablehook, sys.excepthook = unraisable, hook
 
 
 def _device_batch(batch, sharding):
@@ -134,6 +177,7 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
   try:
     configs.validate(config)
     optim.validate(config)
+    layout.validate(config)
   except ValueError as e:
     raise UserError(str(e)) from None
   workdir = _writable_workdir(workdir)
@@ -141,6 +185,17 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
     changes = resume.check(workdir, config)
   except ValueError as e:
     raise UserError(str(e)) from None
+  try:  # before the first write: a second trainer on this workdir must not touch it
+    lock = runlock.RunLock(workdir).acquire()
+  except runlock.RunBusy as e:
+    raise UserError(str(e)) from None
+  try:
+    return _locked(config, workdir, changes, build_data, init_params)
+  finally:
+    lock.release()
+
+
+def _locked(config, workdir, changes, build_data, init_params):
   main_process = jax.process_index() == 0
   _setup_logging(workdir)
   if changes:
@@ -171,8 +226,17 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
   if main_process:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  with jax.set_mesh(mesh):  # the model's MoE reads the mesh for its shard_map dispatch
-    return _run(config, workdir, mesh, data, init_params)
+  try:
+    with jax.set_mesh(mesh):  # the model's MoE reads the mesh for its shard_map dispatch
+      return _run(config, workdir, mesh, data, init_params)
+  except CheckpointError as e:  # a save that failed: the last good checkpoint is intact
+    raise UserError(str(e)) from None
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    raise UserError(f"no space left on the device of {e.filename or workdir} "
+                    f"({shutil.disk_usage(workdir).free / 1e6:.0f} MB free): free space and "
+                    f"rerun to resume from the last checkpoint") from None
 
 
 def _run(config, workdir, mesh, data, init_params=None):
@@ -207,7 +271,7 @@ def _run(config, workdir, mesh, data, init_params=None):
     restored = ckpt.restore_latest(
         jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                      abstract_logical, ckpt_shardings), data.train_iter)
-  except CheckpointMismatch as e:
+  except CheckpointError as e:
     ckpt.close()
     raise UserError(str(e)) from None
   if restored:
@@ -232,6 +296,8 @@ def _run(config, workdir, mesh, data, init_params=None):
            "starting at step %d of %d", counts["total"] / 1e6, counts["activated"] / 1e6,
            config.optimizer.name, dict(mesh.shape), jax.device_count(), start, t.steps)
 
+  if main_process:
+    log.info("%s", files_line(workdir))
   step_fn = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0,
                     in_shardings=(shardings, batch_sharding),
                     out_shardings=(shardings, parallel.replicated(mesh)))
@@ -305,6 +371,8 @@ def _run(config, workdir, mesh, data, init_params=None):
   stopped = stop_signal if step < t.steps else None
   summary = _summary(workdir, step, t.steps, eval_loss, data.unigram_baseline, stopped)
   log.info("%s", summary["line"])
+  if main_process:
+    log.info("%s", files_line(workdir))
   if stopped is not None:
     raise SystemExit(128 + stopped)
   return summary
@@ -333,6 +401,13 @@ def _summary(workdir, step, steps, eval_loss, baseline, signum):
                f"{_fmt(max_logit)}, heads ever clipped {_fmt(s['clipped_heads_ever_frac'], '.1%')}, "
                f"skipped steps {s['skipped_steps']}, {_fmt(s['tokens_per_s'], '.0f')} tokens/s")
   return s
+
+
+def files_line(workdir: str) -> str:
+  """Where a run's files are and the commands that read them (start and end of a run)."""
+  return (f"run files in {workdir}: metrics.jsonl, checkpoints/, train.log, tensorboard/ "
+          f"(tensorboard --logdir {os.path.join(workdir, 'tensorboard')}); curves: "
+          f"python -m k2jax.plot {workdir}")
 
 
 def _fmt(x, spec=".4f"):
@@ -376,8 +451,61 @@ def _config_file_error(path: str | None, e: BaseException) -> str | None:
   return None
 
 
-def parse(argv):
-  """-> (config, workdir), or UserError with one line saying what is wrong."""
+def usage(prog: str = "k2jax.train", extra: str = "", preset: str | None = None) -> str:
+  """--help: the command, the presets, every config group with its keys (of `preset`, default
+  the base config), and the flags."""
+  from k2jax.configs import base
+  cfg = configs.get_config(preset) if preset else base.get_config()
+  lines = [f"usage: python -m {prog} --config PRESET|FILE[:ARG] --workdir DIR "
+           f"[--config.GROUP.KEY=VALUE ...]{extra}", "",
+           f"presets: {', '.join(configs.PRESETS)} (or a config file defining get_config())",
+           "", "config groups; override any key with --config.GROUP.KEY=VALUE "
+           "(e.g. --config.train.steps=100):"]
+  for group in cfg:
+    if isinstance(cfg[group], type(cfg)):
+      lines.append(f"  {group}: {', '.join(cfg[group])}")
+  lines += ["", "flags:"]
+  for name in ("workdir", "distributed", "coordinator_address", "num_processes", "process_id",
+               "compilation_cache", "heartbeat_timeout"):
+    if name in flags.FLAGS:
+      lines.append(f"  --{name}: {flags.FLAGS[name].help}")
+  return "\n".join(lines)
+
+
+def parse(argv, prog: str = "k2jax.train", extra_usage: str = "", help_preset=None):
+  """-> (config, workdir), or UserError with one line saying what is wrong. --help / -h
+  prints `usage` and exits 0."""
+  if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+    print(usage(prog, extra_usage, help_preset))
+    raise SystemExit(0)
+  config = load_config(argv)
+  if not _WORKDIR.value:
+    raise UserError("--workdir is required: the directory for checkpoints and metrics")
+  return config, _WORKDIR.value
+
+
+def _unknown_key(error, argv) -> str | None:
+  """The one line for an override naming a key the config lacks (ml_collections raises a
+  KeyError, or an AttributeError wrapping one, whose text is the quoted key and a hint)."""
+  while error.args and isinstance(error.args[0], BaseException):
+    error = error.args[0]
+  if not error.args or not isinstance(error.args[0], str):
+    return None
+  first, _, hint = error.args[0].partition("\n")
+  key = first.strip().strip("'\"")
+  bad = next((a for a in argv if a.startswith("--config.")
+              and f".{key}" in a.split("=")[0]), None)
+  if bad is None:
+    return None
+  hint = hint.strip().replace('"', "")
+  hint = f"did you mean {hint.split()[3]}?" if hint.startswith("Did you mean") else \
+      "see the config file for the valid keys"
+  return f"unknown config key in {bad}: {hint}"
+
+
+def load_config(argv):
+  """The validated config of `argv` (--config PRESET | FILE[:arg], --config.KEY=VALUE ...), or
+  UserError with one line saying what is wrong. Also used by `params` and `plan`."""
   argv = _resolve_preset(list(argv))
   path = _config_path(argv)
   if path is not None and not os.path.exists(path.split(":")[0]):
@@ -392,13 +520,13 @@ def parse(argv):
     line = _config_file_error(path, e) or _config_file_error(path, cause)
     if line:
       raise UserError(line) from None
-    if isinstance(e, AttributeError):  # ml_collections: an override naming a missing key
-      key = str(e).replace("'", "").replace('"', "")
-      bad = next((a for a in argv if a.startswith("--config.") and f".{key}" in a), key)
-      raise UserError(f"unknown config key in {bad}: see the config file for the valid keys"
-                      ) from None
+    if isinstance(e, (AttributeError, KeyError)):  # ml_collections: an override's key is unknown
+      line = _unknown_key(e, argv)
+      if line:
+        raise UserError(line) from None
     if isinstance(e, (flags.Error, OSError, KeyError, TypeError, ValueError)):
-      raise UserError(str(e).strip().splitlines()[0]) from None
+      text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)  # not KeyError's repr
+      raise UserError(str(text).strip().splitlines()[0]) from None
     raise UserError(f"--config {path}: loading it raised {type(e).__name__}: "
                     f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}; fix the file"
                     ) from None
@@ -406,14 +534,13 @@ def parse(argv):
     sys.argv = saved_argv
   if config is None:
     raise UserError("--config is required, e.g. --config k2jax/configs/tiny.py")
-  if not _WORKDIR.value:
-    raise UserError("--workdir is required: the directory for checkpoints and metrics")
   try:
     configs.validate(config)
     optim.validate(config)
+    layout.validate(config)
   except ValueError as e:
     raise UserError(str(e)) from None
-  return config, _WORKDIR.value
+  return config
 
 
 def init_distributed():

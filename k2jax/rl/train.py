@@ -37,7 +37,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from k2jax import chat, model, optim, parallel
+from k2jax import chat, model, optim, parallel, runlock
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
 from k2jax.rl.loss import k15_loss, sequence_logprobs, temperature_at
@@ -378,6 +378,9 @@ def run(config, workdir: str, init=None) -> dict:
   logp_fn = jax.jit(functools.partial(old_logprobs, config))
   writer = MetricsWriter(workdir, start)
   history = []
+  from k2jax.train import files_line
+  log.info("RL: iterations %d..%d of %d prompts x %d samples on %s; %s", start + 1,
+           r.iterations, r.prompts, r.samples, r.envs, files_line(workdir))
   try:
     for it in range(start, r.iterations):
       t0 = time.perf_counter()
@@ -427,6 +430,10 @@ def run(config, workdir: str, init=None) -> dict:
     manager.wait_until_finished()
     manager.close()
     writer.close()
+  rewards = [h["mean_reward"] for h in history if "mean_reward" in h]
+  log.info("done: iteration %d/%d, mean reward %s; %s", r.iterations, r.iterations,
+           f"{rewards[0]:.3f} (first) -> {rewards[-1]:.3f} (last)" if rewards else "n/a",
+           files_line(workdir))
   return {"history": history, "state": state}
 
 
@@ -435,7 +442,7 @@ def main(argv=None):
   argv = list(sys.argv if argv is None else argv)
   init, argv = sft.pop_init(argv)
   try:
-    config, workdir = train.parse(argv)
+    config, workdir = train.parse(argv, "k2jax.rl", " [--init RUN | HF_DIR]", "tiny_rl")
     if "rl" not in config:
       raise train.UserError("config has no rl group: start from the tiny_rl preset "
                             "(--config tiny_rl)")
@@ -444,13 +451,23 @@ def main(argv=None):
     except ValueError as e:
       raise train.UserError(str(e)) from None
     workdir = train._writable_workdir(workdir)
-    params = None
-    if init is not None:
-      mcfg, params = sft.load_init(init)
-      config.model = mcfg
-    train._setup_logging(workdir)
-    train.enable_compilation_cache()
-    run(config, workdir, params)
+    try:  # before the first write: one RL run per workdir (k2jax.runlock)
+      lock = runlock.RunLock(workdir).acquire()
+    except runlock.RunBusy as e:
+      raise train.UserError(str(e)) from None
+    try:
+      params = None
+      if init is not None:
+        mcfg, params = sft.load_init(init)
+        try:
+          config.model = sft.model_from_init(mcfg, config, argv)
+        except ValueError as e:
+          raise train.UserError(str(e)) from None
+      train._setup_logging(workdir)
+      train.enable_compilation_cache()
+      run(config, workdir, params)
+    finally:
+      lock.release()
   except train.UserError as e:
     print(f"k2jax.rl: error: {e}", file=sys.stderr)
     raise SystemExit(2)
