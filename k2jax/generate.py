@@ -14,6 +14,7 @@ and, when given, apply a logits processor (e.g. k2jax.chat's tool-call constrain
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -98,6 +99,21 @@ def _programs(cfg):
 CHUNK = 16   # decode steps per dispatch when no logits processor needs the host every step
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
+                   vocab_size: int, flag: str = "") -> None:
+  """ValueError (one line naming the value and the range) for settings that cannot sample:
+  a NaN or negative temperature, top_k outside [1, vocab], top_p outside (0, 1]. `flag`
+  prefixes the names as the caller spells them (the CLI: "--")."""
+  if not math.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"{flag}temperature {temperature}: must be a finite number >= 0 "
+                     "(0 = greedy)")
+  if top_k is not None and not 1 <= top_k <= vocab_size:
+    raise ValueError(f"{flag}top_k {top_k}: must be between 1 and the vocabulary size "
+                     f"({vocab_size}); leave it out to sample from all tokens")
+  if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+    raise ValueError(f"{flag}top_p {top_p}: must be in (0, 1]; 1 keeps every token")
+
+
 def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, stop_ids: Sequence[int] = (),
@@ -123,6 +139,13 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token")
+  check_sampling(temperature, top_k, top_p, cfg.vocab_size)
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens > cfg.max_position_embeddings:
+    raise ValueError(
+        f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+        f"context of {cfg.max_position_embeddings} tokens: shorten the prompt or generate fewer "
+        "tokens")
   B = len(prompts)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   T = bucket(int(lengths.max()))
@@ -188,6 +211,17 @@ class UserError(ValueError):
   pass
 
 
+def _check_run_dir(workdir: str) -> None:
+  """UserError unless `workdir` looks like a k2jax.train run (before loading anything)."""
+  if not os.path.isdir(workdir):
+    raise UserError(f"--workdir {workdir}: no such directory; pass the --workdir of a "
+                    "k2jax.train run")
+  names = os.listdir(workdir)
+  if any(n.endswith(".safetensors") for n in names) and "checkpoints" not in names:
+    raise UserError(f"--workdir {workdir} holds a Hugging Face checkpoint (safetensors), not "
+                    f"a k2jax.train run: pass it as --hf {workdir}")
+
+
 def load(args):
   """-> (model config, params, tokenizer, chat special tokens available)."""
   from k2jax import data as data_lib
@@ -227,9 +261,16 @@ def main(argv=None):
   try:
     if args.max_new_tokens < 1:
       raise UserError(f"--max_new_tokens {args.max_new_tokens}: must be >= 1")
-    if args.workdir and not os.path.isdir(args.workdir):
-      raise UserError(f"--workdir {args.workdir}: no such directory; pass the --workdir of a "
-                      "k2jax.train run")
+    try:  # the vocabulary bound of top_k is checked again once the model is known
+      check_sampling(args.temperature, None, args.top_p, 1, flag="--")
+      if args.top_k is not None and args.top_k < 1:
+        check_sampling(args.temperature, args.top_k, None, 1, flag="--")
+    except ValueError as e:
+      raise UserError(str(e)) from None
+    if any(s == "" for s in args.stop):
+      raise UserError("--stop '': an empty stop string would end every row at once")
+    if args.workdir:
+      _check_run_dir(args.workdir)
     cfg, params, tok = load(args)
     stop_ids = [tok.eos_id]
     texts = args.prompt
@@ -239,6 +280,16 @@ def main(argv=None):
       stop_ids += chat.stop_ids(tok)
     else:
       prompts = [[tok.bos_id] + list(tok.encode(t)) for t in texts]
+    try:
+      check_sampling(args.temperature, args.top_k, args.top_p, cfg.vocab_size, flag="--")
+    except ValueError as e:
+      raise UserError(str(e)) from None
+    longest = max(len(q) for q in prompts)
+    if longest + args.max_new_tokens > cfg.max_position_embeddings:
+      raise UserError(
+          f"--prompt of {longest} tokens + --max_new_tokens {args.max_new_tokens} exceeds the "
+          f"model's context of {cfg.max_position_embeddings} tokens: shorten the prompt or "
+          "lower --max_new_tokens")
   except UserError as e:
     print(f"k2jax.generate: error: {e}", file=sys.stderr)
     raise SystemExit(2)

@@ -72,7 +72,7 @@ def flatten(config) -> dict:
   return out
 
 
-def _resumable(key: str, old, new) -> bool:
+def can_resume(key: str, old, new) -> bool:
   if key == "optimizer.grad_clip_norm" and ((old or 0) > 0) != ((new or 0) > 0):
     return False  # switching clipping on or off changes the optimizer state's structure
   return any(key == p or (p.endswith((".", "_")) and key.startswith(p)) for p, _ in RESUMABLE)
@@ -102,7 +102,7 @@ def compare(saved: dict | None, config) -> tuple[list[str], list[str]]:
     if old_v == new_v:
       continue
     change = f"{key}: {old_v!r} -> {new_v!r}"
-    (resumable if _resumable(key, old_v, new_v) else blocking).append(change)
+    (resumable if can_resume(key, old_v, new_v) else blocking).append(change)
   return resumable, blocking
 
 

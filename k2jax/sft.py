@@ -71,6 +71,24 @@ def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
   return out
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def dialog_problem(d) -> str | None:
+  """What makes `d` unusable as an SFT dialog (said as the rest of a sentence), or None."""
+  if not isinstance(d, dict) or not isinstance(d.get("messages"), list):
+    return 'has no "messages" list'
+  if "tools" in d and d["tools"] is not None and not isinstance(d["tools"], list):
+    return f'has "tools" of type {type(d["tools"]).__name__}: it must be a list of tool specs'
+  for i, m in enumerate(d["messages"]):
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+      role = m.get("role") if isinstance(m, dict) else m
+      return f"message {i} has role {role!r}: each message needs a role of {', '.join(ROLES)}"
+  if not any(m["role"] == "assistant" for m in d["messages"]):
+    return "has no assistant turn: SFT trains on what the assistant says"
+  return None
+
+
 def read_dialogs(files: str) -> list[dict]:
   """Dialogs from JSONL files (a glob); one line names the file and line it cannot read."""
   paths = data_lib.corpus.match_files(files)
@@ -84,8 +102,9 @@ def read_dialogs(files: str) -> list[dict]:
           d = json.loads(line)
         except json.JSONDecodeError as e:
           raise ValueError(f"data.files: {path}:{lineno} is not valid JSON ({e.msg})") from None
-        if not isinstance(d, dict) or not isinstance(d.get("messages"), list):
-          raise ValueError(f"data.files: {path}:{lineno} has no \"messages\" list")
+        problem = dialog_problem(d)
+        if problem:
+          raise ValueError(f"data.files: {path}:{lineno} {problem}")
         out.append(d)
   if not out:
     raise ValueError(f"data.files = {files!r}: no dialogs in the matched files")
@@ -165,12 +184,21 @@ def build_data(config, process_index: int = 0, process_count: int = 1,
                        process_index=process_index, process_count=process_count)
 
 
+def _is_k2jax_run(path: str) -> bool:
+  """A k2jax run's config.json has the trainer's groups; a Hugging Face one is flat."""
+  try:
+    with open(os.path.join(path, "config.json")) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return os.path.isdir(os.path.join(path, "checkpoints"))
+  return isinstance(saved, dict) and "train" in saved and "model" in saved
+
+
 def init_from(path: str):
   """-> (model config, params fn) of a k2jax run directory or a Hugging Face directory."""
-  if os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(
-      os.path.join(path, "checkpoints")):
+  if _is_k2jax_run(path):
     from k2jax.checkpoint import load_run
-    run_config, params = load_run(path)
+    run_config, params = load_run(path)  # a run without checkpoints: says so
     return run_config.model, lambda: params
   from k2jax.interop import hf
   cfg, params = hf.load_checkpoint(path)
@@ -199,14 +227,44 @@ def load_init(init: str):
     raise train.UserError(f"--init {init}: {str(e).splitlines()[0]}") from None
 
 
+def model_from_init(init_model, config, argv, flag: str = "--init"):
+  """The model config to fine-tune: --init's, with the command line's --config.model.*
+  overrides that only change how it computes (remat, dtype, kernels: the keys a resumed run
+  may change, k2jax.resume) applied. An override that would change the weights' shapes or
+  meaning is refused (ValueError naming it), never dropped."""
+  from k2jax import resume
+  model = init_model.copy_and_resolve_references()
+  for arg in argv:
+    if not arg.startswith("--config.model."):
+      continue
+    key = arg[len("--config.model."):].split("=")[0].split(".")[0]
+    new = config.model[key]
+    old = model.get(key)
+    if resume.flatten({"v": new}) == resume.flatten({"v": old}):
+      continue
+    if not resume.can_resume(f"model.{key}", old, new):
+      raise ValueError(f"{arg}: the {flag} weights have model.{key} = {old!r}; the model's "
+                       f"shape comes from {flag}, so drop this override (only computation "
+                       "settings such as model.remat or model.dtype may change)")
+    model[key] = new
+  return model
+
+
 def main(argv=None):
   from k2jax import train
   init, argv = pop_init(sys.argv if argv is None else argv)
   try:
-    config, workdir = train.parse(argv)
+    config, workdir = train.parse(argv, "k2jax.sft", " [--init RUN | HF_DIR]")
     params = None
     if init is not None:
-      config.model, params = load_init(init)
+      init_model, params = load_init(init)
+      try:
+        config.model = model_from_init(init_model, config, argv)
+      except ValueError as e:
+        raise train.UserError(str(e)) from None
+      log.info("--init %s: weights of a %d-layer model, hidden size %d, %d experts",
+               init, init_model.num_hidden_layers, init_model.hidden_size,
+               init_model.n_routed_experts)
     train.enable_compilation_cache()
     train.train(config, workdir, build_data=build_data, init_params=params)
   except train.UserError as e:

@@ -143,3 +143,66 @@ def test_cli_samples_from_a_trained_run(tmp_path):
     p = subprocess.run([sys.executable, "-m", "k2jax.generate", *args, "--prompt", "x"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and fragment in p.stderr.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  from tests.test_train import small_config
+  from k2jax import train
+  d = tmp_path_factory.mktemp("run")
+  train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), str(d))
+  return d
+
+
+# The table of user mistakes: (id, argv after `python -m k2jax.generate` with {run} for a
+# trained run and {tmp} for an empty directory, the fragment its one error line contains).
+BAD_INPUTS = [
+    ("top_k-negative", ["--workdir={run}", "--top_k", "-1"], "--top_k -1: must be between 1"),
+    ("top_k-over-vocab", ["--workdir={run}", "--top_k", "100000"],
+     "--top_k 100000: must be between 1 and the vocabulary size (264)"),
+    ("top_p-zero", ["--workdir={run}", "--top_p", "0"], "--top_p 0.0: must be in (0, 1]"),
+    ("top_p-over-one", ["--workdir={run}", "--top_p", "1.5"], "--top_p 1.5: must be in (0, 1]"),
+    ("temperature-nan", ["--workdir={run}", "--temperature", "nan"],
+     "--temperature nan: must be a finite number >= 0"),
+    ("temperature-negative", ["--workdir={run}", "--temperature", "-1"],
+     "--temperature -1.0: must be a finite number >= 0"),
+    ("max-new-tokens", ["--workdir={run}", "--max_new_tokens", "0"], "must be >= 1"),
+    ("empty-stop", ["--workdir={run}", "--stop", ""], "--stop '': an empty stop string"),
+    ("prompt-over-context", ["--workdir={run}", "--prompt", "x" * 1030],
+     "--prompt of 1031 tokens + --max_new_tokens 200 exceeds the model's context of 1024"),
+    ("no-such-dir", ["--workdir={tmp}/nope"], "no such directory"),
+    ("empty-config", ["--workdir={tmp}/empty_config"], "/config.json is not a readable run config"),
+    ("hf-as-workdir", ["--workdir={tmp}/hf"], "holds a Hugging Face checkpoint (safetensors), "
+                                               "not a k2jax.train run: pass it as --hf"),
+    ("no-checkpoint", ["--workdir={tmp}/no_ckpt"], "has no checkpoint yet"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_cli_bad_inputs_end_in_one_line_and_exit_2(case, run_dir, tmp_path, capsys):
+  from k2jax import generate as gen
+  _, argv, fragment = case
+  (tmp_path / "empty_config").mkdir()
+  (tmp_path / "empty_config" / "config.json").write_text("")
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "config.json").write_text("{}")
+  (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+  (tmp_path / "no_ckpt").mkdir()
+  (tmp_path / "no_ckpt" / "config.json").write_text((run_dir / "config.json").read_text())
+  argv = [a.format(run=run_dir, tmp=tmp_path) for a in argv]
+  if "--prompt" not in argv:
+    argv += ["--prompt", "x"]
+  with pytest.raises(SystemExit) as e:
+    gen.main(argv)
+  err = capsys.readouterr().err
+  assert e.value.code == 2, err
+  (line,) = [l for l in err.splitlines() if l.startswith("k2jax.generate: error:")]
+  assert fragment in line, line
+  assert "Traceback" not in err
+
+
+def test_generate_refuses_settings_that_cannot_sample():
+  cfg = configs.get_config("tiny").model
+  for kw in (dict(temperature=float("nan")), dict(top_k=0), dict(top_p=0.0)):
+    with pytest.raises(ValueError, match="must be"):
+      generate.generate(cfg, None, [[1, 2]], max_new_tokens=2, **kw)

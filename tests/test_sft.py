@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from k2jax import chat, configs, model, sft
 from k2jax.data import ByteTokenizer
@@ -109,8 +110,48 @@ def test_sft_cli_trains_then_fine_tunes_from_the_run(tmp_path):
   r = run_sft("--config", "tiny_sft", "--workdir", str(tmp_path / "c"), "--init",
               str(tmp_path / "nope"))
   assert r.returncode == 2 and "--init" in r.stderr and "Traceback" not in r.stderr
-  bad = tmp_path / "bad.jsonl"
-  bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
-  r = run_sft("--config", "tiny_sft", "--workdir", str(tmp_path / "d"),
-              f"--config.data.files={bad}")
-  assert r.returncode == 2 and "bad.jsonl:2" in r.stderr and "Traceback" not in r.stderr
+  no_ckpt = tmp_path / "no_ckpt"
+  no_ckpt.mkdir()
+  (no_ckpt / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+  ok = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+  files = {"not_json": ok + "\nnot json\n",
+           "no_assistant": '{"messages": [{"role": "user", "content": "hi"}]}\n',
+           "tools_dict": '{"tools": {"name": "x"}, "messages": [{"role": "assistant", '
+                         '"content": "a"}]}\n',
+           "bad_role": '{"messages": [{"role": "robot", "content": "a"}]}\n'}
+  for name, text in files.items():
+    (tmp_path / f"{name}.jsonl").write_text(text)
+  # The table of user mistakes: (argv after the preset, the fragment of the one error line).
+  cases = [
+      (["--init", str(no_ckpt)], "has no checkpoint yet"),
+      (["--init", str(tmp_path / "a"), "--config.model.hidden_size=128"],
+       "--config.model.hidden_size=128: the --init weights have model.hidden_size = 64"),
+      ([f"--config.data.files={tmp_path / 'not_json.jsonl'}"], "not_json.jsonl:2 is not valid JSON"),
+      ([f"--config.data.files={tmp_path / 'no_assistant.jsonl'}"],
+       "no_assistant.jsonl:1 has no assistant turn"),
+      ([f"--config.data.files={tmp_path / 'tools_dict.jsonl'}"],
+       'tools_dict.jsonl:1 has "tools" of type dict: it must be a list'),
+      ([f"--config.data.files={tmp_path / 'bad_role.jsonl'}"],
+       "bad_role.jsonl:1 message 0 has role 'robot'"),
+  ]
+  procs = [(i, frag, subprocess.Popen(
+      [sys.executable, "-m", "k2jax.sft", "--config", "tiny_sft", "--workdir",
+       str(tmp_path / f"bad{i}"), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)) for i, (argv, frag) in enumerate(cases)]
+  for i, frag, p in procs:
+    _, err = p.communicate(timeout=600)
+    lines = [l for l in err.splitlines() if l.startswith("k2jax.sft: error:")]
+    assert p.returncode == 2 and len(lines) == 1 and frag in lines[0], (cases[i], err[-2000:])
+    assert "Traceback" not in err and not (tmp_path / f"bad{i}" / "config.json").exists()
+
+
+def test_init_keeps_its_model_and_takes_only_computation_overrides():
+  from k2jax import configs, sft
+  init = configs.get_config("tiny").model
+  config = configs.get_config("tiny_sft")
+  config.model.remat = "full"
+  config.model.hidden_size = 4 * init.hidden_size
+  m = sft.model_from_init(init, config, ["--config.model.remat=full", "--config.train.steps=3"])
+  assert m.remat == "full" and m.hidden_size == init.hidden_size   # not overridden: init's
+  with pytest.raises(ValueError, match="the --init weights have model.hidden_size"):
+    sft.model_from_init(init, config, [f"--config.model.hidden_size={config.model.hidden_size}"])

@@ -48,6 +48,10 @@ def losses(workdir):
 BAD_INPUTS = [
     ("unknown-key", ["--config", "tiny", "--workdir={tmp}/w", "--config.train.nosuchkey=3"],
      "unknown config key in --config.train.nosuchkey=3"),
+    ("misspelt-key", ["--config", "tiny", "--workdir={tmp}/w", "--config.train.stepz=3"],
+     "unknown config key in --config.train.stepz=3: did you mean steps?"),
+    ("misspelt-group", ["--config", "tiny", "--workdir={tmp}/w", "--config.trainz.steps=3"],
+     "unknown config key in --config.trainz.steps=3: did you mean train?"),
     ("not-a-number", ["--config", "tiny", "--workdir={tmp}/w", "--config.train.steps=abc"],
      "--config.train.steps=abc"),
     ("invalid-value", ["--config", "tiny", "--workdir={tmp}/w",
@@ -227,7 +231,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
         with open(os.path.join(root, f), "r+b") as fh:
           fh.truncate(10)
   p = run_cli(tmp_path, *steps)
-  assert "checkpoint step 12 is corrupt or partial" in p.stderr
+  assert "checkpoint step 12 is damaged (state/" in p.stderr
   assert os.path.isdir(tmp_path / "corrupt_checkpoints" / "12")
   assert "resumed from checkpoint step 6" in p.stderr
   assert losses(tmp_path) == want
@@ -270,3 +274,15 @@ def test_learns_below_the_unigram_baseline(tmp_path):
   assert summary["eval_loss"] < summary["unigram_baseline"] - 0.2
   from k2jax import plot
   assert os.path.getsize(plot.plot(str(tmp_path))) > 10_000
+
+
+def test_help_lists_the_config_groups_and_how_to_override_them():
+  procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+           for m in ("k2jax.train", "k2jax.sft", "k2jax.rl")}
+  for m, p in procs.items():
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    assert out.startswith(f"usage: python -m {m} --config PRESET|FILE")
+    assert "--config.GROUP.KEY=VALUE" in out and "  train: " in out and "--workdir:" in out
+    assert ("  rl: " in out) == (m == "k2jax.rl")
