@@ -28,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k2jax.kernels import platform
+
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu")
 PAD_SEGMENT = -1          # internal padding to a block multiple: matches no real segment
 
@@ -69,7 +71,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
 
 def auto_impl(backend: str | None = None) -> str:
   """The implementation `auto` picks on a backend (see experiments/bench_attention.py)."""
-  backend = backend or jax.default_backend()
+  backend = backend or platform.backend()
   return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "chunked")
 
 

@@ -29,7 +29,13 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-AUTO = {"cpu": "blocked", "gpu": "pallas_gpu", "tpu": "megablox"}
+from k2jax.kernels import platform
+
+# TPU: XLA's ragged_dot, not megablox. The expert-parallel path runs the grouped matmul inside
+# shard_map, where a pallas_call must declare how its outputs vary over the manual axes;
+# jax's megablox does not, so it fails there (found by lowering the K2-shaped step for TPU
+# on CPU, tests/test_parallel.py). Neither has been timed on a TPU: none is reachable.
+AUTO = {"cpu": "blocked", "gpu": "pallas_gpu", "tpu": "ragged_dot"}
 
 
 def _count_at_or_below(boundaries, n: int):
@@ -229,7 +235,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", interpret: bool = F
     interpret: run a Pallas implementation in interpret mode (CPU tests).
   """
   if impl == "auto":
-    impl = AUTO.get(jax.default_backend(), "ragged_dot")
+    impl = AUTO.get(platform.backend(), "ragged_dot")
   if impl not in IMPLS:
     raise ValueError(f"grouped_matmul impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")
   return IMPLS[impl](x, w, group_sizes, interpret=interpret)
@@ -240,7 +246,7 @@ def gather_grouped_matmul(x, w, group_sizes, row_ids, *, impl: str = "auto",
   """y[r] = x[row_ids[r]] @ w[g(r)]: the gate / up projection reading rows through the sort
   permutation. pallas_gpu fuses the gather into its loads; other impls gather first."""
   if impl == "auto":
-    impl = AUTO.get(jax.default_backend(), "ragged_dot")
+    impl = AUTO.get(platform.backend(), "ragged_dot")
   if impl == "pallas_gpu":
     from k2jax.kernels import moe_gpu
     return moe_gpu.gather_grouped_matmul(x, w, group_sizes, row_ids, interpret)
@@ -255,7 +261,7 @@ def grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, *, impl: str = 
   token order scaled by the combine weights (slot_ids a permutation of the rows).
   pallas_gpu fuses the scatter and the scaling into its stores; other impls compose."""
   if impl == "auto":
-    impl = AUTO.get(jax.default_backend(), "ragged_dot")
+    impl = AUTO.get(platform.backend(), "ragged_dot")
   if impl == "pallas_gpu":
     from k2jax.kernels import moe_gpu
     return moe_gpu.grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret)

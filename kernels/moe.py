@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from k2jax.kernels import platform
 from k2jax.kernels.fp8 import fp8_saved
 from k2jax.kernels.gmm import (_count_at_or_below, block_matmul, blocked_block_size,
                               grouped_matmul)
@@ -49,7 +50,7 @@ CAPACITY_FACTOR = 1.5
 
 
 def auto_impl(backend: str | None = None) -> str:
-  backend = backend or jax.default_backend()
+  backend = backend or platform.backend()
   return {"gpu": "pallas_gpu", "cpu": "blocked"}.get(backend, "ragged")
 
 

@@ -145,19 +145,25 @@ def pipeline_collectives():
                                 "loop_ops": sorted({r[1] for r in rows if r[0]})}))
 
 
-def lower(platform, moe_impl, attention_impl):
+def lower(platform, moe_impl, attention_impl, shape="tiny"):
   """Lower (no compile) the pipelined bf16 train step with per-device skipping, as a GPU / TPU
   runs it, for `platform` with the given kernels, on 8 CPU devices: pipeline 4 x 2 virtual x
-  expert 2."""
+  expert 2. shape "k2": kimi_k2's widths (7168 hidden, 64 MLA heads, 384 experts of 2048,
+  top-8 + shared, 163,840 vocabulary) at 9 layers; nothing is allocated."""
   import os
   from jax import numpy as jnp
   from k2jax import model, optim, parallel
+  from k2jax.kernels import platform as kernels_platform
   from k2jax.parallel import layout
   from k2jax.step import init_state, train_step
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
   import pipeline_hlo
   c = pipeline_hlo.tiny_config((4, 1, 2), grad_accum=4, batch=16, skip="device",
                                param_dtype="bfloat16")
+  if shape == "k2":
+    from k2jax import configs
+    c.model = configs.get_config("kimi_k2").model
+    c.model.num_hidden_layers = 9
   c.model.update(dict(dtype="bfloat16", remat="selective", activation_storage="fp8",
                       moe_impl=moe_impl, attention_impl=attention_impl))
   mesh = parallel.make_mesh(c.mesh)
@@ -172,8 +178,12 @@ def lower(platform, moe_impl, attention_impl):
                                  sharding=bs)
          for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
     step = functools.partial(train_step, c, tx, optim.learning_rate_schedule(c))
-    text = jax.jit(step).trace(ab, b).lower(lowering_platforms=(platform,)).as_text()
-  print("RESULT " + json.dumps({"chars": len(text), "ppermute": text.count("collective_permute")}))
+    with kernels_platform.target(platform):   # `auto` picks the target's kernels
+      text = jax.jit(step).trace(ab, b).lower(lowering_platforms=(platform,)).as_text()
+  low = text.lower()
+  print("RESULT " + json.dumps({"chars": len(text), "ppermute": text.count("collective_permute"),
+                                "kernels": {"triton": "triton" in low,
+                                            "mosaic": "tpu_custom_call" in low}}))
 
 
 if __name__ == "__main__":

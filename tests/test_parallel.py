@@ -195,14 +195,19 @@ def test_no_weight_moves_between_pipeline_devices():
   assert 0 < r["loop"] < 0.1 * r["stack"] * r["ticks"], r
 
 
-@pytest.mark.parametrize("platform,moe_impl,attention_impl", [
-    ("cuda", "pallas_gpu", "pallas_gpu"), ("tpu", "ragged", "chunked")])
-def test_pipelined_step_lowers_for_accelerators(platform, moe_impl, attention_impl):
-  """The pipelined bf16 step with per-device skipping (the GPU / TPU default) and the
-  accelerator kernels lowers for CUDA / TPU on this CPU. (The TPU Pallas attention does not
-  yet: "Mosaic kernels cannot be automatically partitioned" under a sharded batch.)"""
-  r = worker(8, "lower", platform, moe_impl, attention_impl)
+@pytest.mark.parametrize("platform,moe_impl,attention_impl,shape", [
+    ("cuda", "pallas_gpu", "pallas_gpu", "tiny"), ("tpu", "ragged", "chunked", "tiny"),
+    ("cuda", "auto", "auto", "k2"), ("tpu", "auto", "auto", "k2")])
+def test_pipelined_step_lowers_for_accelerators(platform, moe_impl, attention_impl, shape):
+  """The pipelined bf16 MuonClip step with per-device skipping (the GPU / TPU default),
+  expert parallelism and the accelerator kernels lowers for CUDA / TPU on this CPU, also at
+  K2's widths with each platform's `auto` kernels (kernels.platform.target: Pallas attention
+  per batch shard, the Triton MoE on GPU, ragged dispatch on TPU)."""
+  r = worker(8, "lower", platform, moe_impl, attention_impl, shape)
   assert r["ppermute"] > 0 and r["chars"] > 0
+  if attention_impl == "auto":   # the platform's own kernels, not the CPU's picks
+    assert r["kernels"] == ({"triton": True, "mosaic": False} if platform == "cuda"
+                            else {"triton": False, "mosaic": True}), r
 
 
 def test_each_process_feeds_the_rows_its_devices_hold():

@@ -18,7 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from k2jax.kernels import attention
+from jax.sharding import PartitionSpec as P
+
+from k2jax.configs import sharding_rules as rules
+from k2jax.kernels import attention, flash
 from k2jax.model import rope, spec
 from k2jax.model.layers import rms_norm
 
@@ -97,10 +100,33 @@ def mla(cfg, p, x, positions, segment_ids=None, *, return_latents=False):
   k_nope, v = kv[..., :nope], kv[..., nope:]
   k = jnp.concatenate([k_nope, jnp.broadcast_to(lat.k_rope[:, :, None, :],
                                                 k_nope.shape[:-1] + (r,))], axis=-1)
-  out, max_logits = attention(q, k, v, scale=rope.softmax_scale(cfg), segment_ids=segment_ids,
-                              impl=cfg.attention_impl)
+  out, max_logits = attend(cfg, q, k, v, segment_ids)
   out = jnp.einsum("bthv,hvd->btd", out, p["o"].astype(dt))
   return (out, max_logits, lat) if return_latents else (out, max_logits)
+
+
+def attend(cfg, q, k, v, segment_ids):
+  """k2jax.kernels.attention with `model.attention_impl`. Under a mesh that splits the batch,
+  a Pallas kernel runs per batch shard in `shard_map` (XLA cannot partition a Mosaic kernel,
+  and would gather a Triton one's operands) and the shards' S_max are combined by pmax; the
+  XLA implementations are partitioned by XLA as they are."""
+  impl = flash.auto_impl() if cfg.attention_impl == "auto" else cfg.attention_impl
+  run = lambda q, k, v, seg: attention(q, k, v, scale=rope.softmax_scale(cfg),
+                                       segment_ids=seg, impl=impl)
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = rules.active_mesh_axes("batch", mesh)
+  if not axes or not impl.startswith("pallas"):
+    return run(q, k, v, segment_ids)
+  # manual over every axis not manual yet (size-1 ones too): Mosaic refuses any auto axis
+
+  def shard(q, k, v, seg=None):
+    out, max_logits = run(q, k, v, seg)
+    return out, jax.lax.pmax(max_logits, axes)
+  args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+  # check_vma off: the kernels' pallas_call outputs carry no varying-axes annotation
+  manual = set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+  return jax.shard_map(shard, in_specs=(P(axes),) * len(args), out_specs=(P(axes), P()),
+                       axis_names=manual, check_vma=False)(*args)
 
 
 def mla_absorbed(cfg, p, x, positions, cache: Latents, valid):

@@ -26,13 +26,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k2jax.kernels import platform
 from k2jax.kernels.buckets import capacities, choose
 
 TRANSPORTS = ("ragged", "bucketed", "padded")
 
 
 def auto_transport() -> str:
-  return "bucketed" if jax.default_backend() == "cpu" else "ragged"
+  return "bucketed" if platform.backend() == "cpu" else "ragged"
 
 
 def _exclusive_cumsum(x, axis=-1):
