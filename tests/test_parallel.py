@@ -210,6 +210,14 @@ def test_pipelined_step_lowers_for_accelerators(platform, moe_impl, attention_im
                             else {"triton": False, "mosaic": True}), r
 
 
+def test_pallas_attention_per_batch_shard_equals_the_whole_batch():
+  """Under a data 2 x expert 4 mesh the Pallas kernels (interpret mode) run per batch shard
+  in shard_map and S_max is the pmax of the shards': output, S_max and dq / dk / dv equal
+  the XLA attention over the whole batch."""
+  errors = worker(8, "attend_shards")
+  assert max(errors.values()) < 1e-5, errors
+
+
 def test_each_process_feeds_the_rows_its_devices_hold():
   """process_batch_slice on 8 devices split into two 'processes' of 4: a pipeline axis
   across the processes means both feed every row; a data axis across them halves it."""
