@@ -313,3 +313,27 @@ def test_two_processes_match_one_stop_together_and_survive_a_dead_peer(tmp_path,
   assert f"resumed from checkpoint step {saved[0]}" in err
   assert procs[0].returncode != 0 and elapsed < 60, (elapsed, err[-2000:])
   assert "another process of the run died" in err or "heartbeat" in err, err[-2000:]
+
+
+def test_two_processes_agree_on_a_damaged_checkpoint(tmp_path, runs):
+  """2 processes x 4 devices: a truncated newest checkpoint is quarantined once (by process
+  0, behind a barrier) and both processes resume from the same earlier step, matching the
+  one-process run."""
+  def launch(steps):
+    port = _free_port()
+    return [cli(4, tmp_path, f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                f"--process_id={i}", "--heartbeat_timeout=30", "--config.mesh.data=2",
+                "--config.mesh.expert=4", f"--config.train.steps={steps}",
+                "--config.train.checkpoint_every=2") for i in range(2)]
+  for p in launch(4):
+    finish(p)
+  for root, _, files in os.walk(tmp_path / "checkpoints" / "4" / "state"):
+    for f in files:
+      if os.sep + "d" in root:
+        with open(os.path.join(root, f), "r+b") as fh:
+          fh.truncate(3)
+  errs = [finish(p) for p in launch(4)]
+  for err in errs:
+    assert "checkpoint step 4 is damaged" in err and "resumed from checkpoint step 2" in err
+  assert sorted(os.listdir(tmp_path / "corrupt_checkpoints")) == ["4"]
+  assert_close(losses(tmp_path), runs["2x4"])

@@ -323,17 +323,34 @@ def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
 
 
 def test_rl_cli_bad_input(tmp_path):
-  def run(*args):
-    return subprocess.run([sys.executable, "-m", "k2jax.rl", *args], capture_output=True,
-                          text=True, timeout=120)
-  r = run("--config", "tiny_rl", "--workdir", str(tmp_path / "a"), "--init", str(tmp_path / "x"))
-  assert r.returncode == 2 and "--init" in r.stderr and "Traceback" not in r.stderr
-  r = run("--config", "tiny_rl", "--workdir", str(tmp_path / "b"), "--config.rl.envs=chess")
-  assert r.returncode == 2 and "chess" in r.stderr and "Traceback" not in r.stderr
-  r = run("--config", "tiny_rl", "--workdir", str(tmp_path / "c"), "--config.rl.samples=1")
-  assert r.returncode == 2 and "rl.samples" in r.stderr
-  r = run("--config", "tiny", "--workdir", str(tmp_path / "d"))
-  assert r.returncode == 2 and "tiny_rl" in r.stderr
+  """The table of mistakes for `python -m k2jax.rl` (its own and the trainer's flags): one
+  error line each, exit 2, no traceback, nothing written to the workdir."""
+  (tmp_path / "afile").write_text("")
+  cases = [
+      (["--config", "tiny_rl", "--init", str(tmp_path / "x")], "--init"),
+      (["--config", "tiny_rl", "--config.rl.envs=chess"], "chess"),
+      (["--config", "tiny_rl", "--config.rl.samples=1"], "rl.samples"),
+      (["--config", "tiny"], "tiny_rl"),
+      (["--config", "tiny_rl", "--config.train.stepz=3"],
+       "unknown config key in --config.train.stepz=3: did you mean steps?"),
+      (["--config", "tiny_rl", "--config.model.num_experts_per_tok=99"],
+       "model.num_experts_per_tok = 99"),
+      (["--config", "tiny_rl", "--bogus"], "Unknown command line flag 'bogus'"),
+      (["--config", "tiny_rl", "--config.mesh.data=3"], "mesh"),
+  ]
+  procs = [subprocess.Popen([sys.executable, "-m", "k2jax.rl", *argv,
+                             f"--workdir={tmp_path / f'w{i}'}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i, (argv, _) in enumerate(cases)]
+  for i, ((argv, fragment), p) in enumerate(zip(cases, procs)):
+    _, err = p.communicate(timeout=300)
+    lines = [l for l in err.splitlines() if l.startswith("k2jax.rl: error:")]
+    assert p.returncode == 2 and len(lines) == 1 and fragment in lines[0], (argv, err[-2000:])
+    assert "Traceback" not in err
+    assert not (tmp_path / f"w{i}" / "config.json").exists()
+  p = subprocess.run([sys.executable, "-m", "k2jax.rl", "--config", "tiny_rl",
+                      f"--workdir={tmp_path / 'afile'}"], capture_output=True, text=True,
+                     timeout=300)
+  assert p.returncode == 2 and "is a file, not a directory" in p.stderr
 
 
 def test_an_end_marker_split_across_segments_ends_the_turn(monkeypatch):

@@ -448,6 +448,8 @@ def main(argv=None):
                             "(--config tiny_rl)")
     try:
       configs_validate(config)
+      parallel.make_mesh(config.mesh)            # before any file is written
+      parallel.make_mesh(config.rl.inference_mesh)
     except ValueError as e:
       raise train.UserError(str(e)) from None
     workdir = train._writable_workdir(workdir)
