@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from k2jax.kernels import platform
+from k2jax.kernels.pallas_utils import cotangent_for, varying_like
 
 # TPU: XLA's ragged_dot, not megablox. The expert-parallel path runs the grouped matmul inside
 # shard_map, where a pallas_call must declare how its outputs vary over the manual axes;
@@ -62,26 +63,6 @@ def blocked_block_size(rows: int, groups: int) -> int:
   return min(_ROW_COST, key=lambda b: ((rows + groups * b / 2) * _ROW_COST[b], -b))
 
 
-# Under shard_map, values carry the manual mesh axes they vary over; block_matmul's custom VJP
-# must keep those types where autodiff would: loop carries started from constants are cast to
-# varying, and a cotangent of an operand that does not vary over an axis is summed over it
-# (the transpose of using a replicated weight on per-device rows). No-ops outside shard_map.
-def _vma(a):  # jax 0.10+: aval.manual_axis_type.varying; earlier releases: aval.vma
-  t = jax.typeof(a)
-  mat = getattr(t, "manual_axis_type", None)
-  return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
-
-
-def _varying_like(x, *refs):
-  missing = tuple(sorted(frozenset().union(*map(_vma, refs)) - _vma(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _cotangent_for(ct, primal):
-  extra = tuple(sorted(_vma(ct) - _vma(primal)))
-  return jax.lax.psum(ct, extra) if extra else ct
-
-
 @jax.custom_vjp
 def block_matmul(xp, ws, block_group, used_blocks):
   """ys[i][j] = xp[j] @ ws[i][block_group[j]] for blocks j < used_blocks, 0 after.
@@ -108,7 +89,7 @@ def _block_matmul_fwd(xp, ws, block_group, used_blocks):
                  for y, w in zip(ys, ws))
 
   refs = (xp, *ws, block_group, used_blocks)
-  ys = tuple(_varying_like(jnp.zeros(xp.shape[:2] + w.shape[2:], xp.dtype), *refs) for w in ws)
+  ys = tuple(varying_like(jnp.zeros(xp.shape[:2] + w.shape[2:], xp.dtype), *refs) for w in ws)
   return jax.lax.fori_loop(0, used_blocks, body, ys), (xp, ws, block_group, used_blocks)
 
 
@@ -125,11 +106,11 @@ def _block_matmul_bwd(res, dys):
     return dxp.at[j].set(dx.astype(dxp.dtype)), dws
 
   refs = (xp, *ws, *dys, block_group, used_blocks)
-  init = jax.tree.map(lambda a: _varying_like(a, *refs),
+  init = jax.tree.map(lambda a: varying_like(a, *refs),
                       (jnp.zeros_like(xp), tuple(jnp.zeros(w.shape, acc) for w in ws)))
   dxp, dws = jax.lax.fori_loop(0, used_blocks, body, init)
-  return (_cotangent_for(dxp, xp),
-          tuple(_cotangent_for(dw.astype(w.dtype), w) for dw, w in zip(dws, ws)), None, None)
+  return (cotangent_for(dxp, xp),
+          tuple(cotangent_for(dw.astype(w.dtype), w) for dw, w in zip(dws, ws)), None, None)
 
 
 block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)

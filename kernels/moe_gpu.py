@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from k2jax.kernels.gmm import _cotangent_for   # under shard_map: sum over axes x did not vary
-from k2jax.kernels.pallas_utils import pallas_call
+from k2jax.kernels.pallas_utils import cotangent_for, pallas_call
 
 
 def _tile_size(n: int, want: int) -> int:
@@ -217,7 +216,7 @@ def _gather_bwd(interpret, res, dh):
                            jnp.where(valid, row_ids, 0), x.shape[0]).astype(x.dtype)
   dw = tgmm(x, dh, tiles, tiles.at(row_ids), tiles.row, w.shape[0], interpret=interpret,
             out_dtype=w.dtype)
-  return _cotangent_for(dx, x), _cotangent_for(dw, w), None, None
+  return cotangent_for(dx, x), cotangent_for(dw, w), None, None
 
 
 _gather_grouped_matmul.defvjp(_gather_fwd, _gather_bwd)
@@ -264,8 +263,8 @@ def _combine_bwd(interpret, res, dy):
   dh = (dh_unscaled * weights.astype(jnp.float32)[:, None]).astype(h.dtype)
   dw = tgmm(h, dy, tiles, tiles.row, tiles.at(slot_ids), w.shape[0],
             scale=_at_values(tiles, weights), interpret=interpret, out_dtype=w.dtype)
-  return (_cotangent_for(dh, h), _cotangent_for(dw, w), None, None,
-          _cotangent_for(dweights, weights))
+  return (cotangent_for(dh, h), cotangent_for(dw, w), None, None,
+          cotangent_for(dweights, weights))
 
 
 _grouped_matmul_combine.defvjp(_combine_fwd, _combine_bwd)

@@ -1,6 +1,7 @@
 """What every Pallas kernel here shares: a pallas_call that, in interpret mode, starts each
 output as poison (NaN, or the most negative integer), so a kernel that forgets to write part
-of an output fails its tests instead of returning zeros or stale memory."""
+of an output fails its tests instead of returning zeros or stale memory; and, inside
+`shard_map`, the manual-axis types of its outputs and of custom-VJP cotangents."""
 
 import inspect
 
@@ -15,26 +16,45 @@ def _poison(s):
   return jnp.full(s.shape, jnp.iinfo(s.dtype).min, s.dtype)
 
 
-def _manual_axis_type(t):
-  return getattr(t, "manual_axis_type", None)
+# Under shard_map, values carry the manual mesh axes they vary over. Custom VJPs and
+# pallas_calls must keep those types where autodiff would: values started from constants
+# (loop carries, outputs) are cast to varying, and a cotangent of an operand that does not
+# vary over an axis is summed over it (the transpose of using a replicated weight on
+# per-device rows). No-ops outside shard_map.
+def vma(a) -> frozenset:
+  """The manual mesh axes `a` varies over (jax 0.10+: manual_axis_type; earlier: vma)."""
+  t = jax.typeof(a)
+  mat = getattr(t, "manual_axis_type", None)
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+
+def varying_like(x, *refs):
+  """`x` cast to vary over every axis one of `refs` varies over."""
+  missing = tuple(sorted(frozenset().union(*map(vma, refs)) - vma(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def cotangent_for(ct, primal):
+  """`ct` summed over the axes it varies over and `primal` does not."""
+  extra = tuple(sorted(vma(ct) - vma(primal)))
+  return jax.lax.psum(ct, extra) if extra else ct
+
+
+# pallas_call (check_vma on) needs each output's manual axis type, a field of
+# ShapeDtypeStruct since jax 0.10.
+_DECLARES_VMA = "manual_axis_type" in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
 
 
 def _varying(args, shapes):
-  """(args, shapes) for a call inside `shard_map`: pallas_call (check_vma on) needs each
-  output's manual axis type; a kernel's outputs vary over every mesh axis its inputs vary
-  over, so the inputs are cast to that common set and the outputs declared with it. Outside
-  shard_map (or on a JAX without manual axis types) both come back unchanged."""
-  mats = [m for m in (_manual_axis_type(jax.typeof(a)) for a in args) if m is not None]
-  if not mats or "manual_axis_type" not in inspect.signature(
-      jax.ShapeDtypeStruct.__init__).parameters:
+  """(args, shapes) for a pallas_call inside `shard_map`: a kernel's outputs vary over every
+  mesh axis its inputs vary over, so the inputs are cast to that common set and the outputs
+  declared with it. Outside shard_map (or on an older JAX) both come back unchanged."""
+  mat = next((m for m in (getattr(jax.typeof(a), "manual_axis_type", None) for a in args)
+              if m is not None), None)
+  if mat is None or not _DECLARES_VMA:
     return args, shapes
-  varying = frozenset().union(*(m.varying for m in mats))
-  mat = mats[0].update(varying=varying)
-
-  def cast(a):
-    missing = tuple(sorted(varying - _manual_axis_type(jax.typeof(a)).varying))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
-  return ([cast(a) for a in args],
+  mat = mat.update(varying=frozenset().union(*map(vma, args)))
+  return ([varying_like(a, *args) for a in args],
           [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in shapes])
 
 

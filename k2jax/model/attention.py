@@ -117,13 +117,14 @@ def attend(cfg, q, k, v, segment_ids):
   axes = rules.active_mesh_axes("batch", mesh)
   if not axes or not impl.startswith("pallas"):
     return run(q, k, v, segment_ids)
-  # manual over every axis not manual yet (size-1 ones too): Mosaic refuses any auto axis
 
   def shard(q, k, v, seg=None):
     out, max_logits = run(q, k, v, seg)
     return out, jax.lax.pmax(max_logits, axes)
   args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
-  # check_vma off: the kernels' pallas_call outputs carry no varying-axes annotation
+  # Manual over every axis not manual yet (size-1 ones too): Mosaic refuses any auto axis.
+  # check_vma off: inside the kernels' custom VJPs varying operands meet invariant block
+  # indices (dynamic_slice), which the check rejects.
   manual = set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
   return jax.shard_map(shard, in_specs=(P(axes),) * len(args), out_specs=(P(axes), P()),
                        axis_names=manual, check_vma=False)(*args)
