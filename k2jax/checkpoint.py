@@ -190,8 +190,7 @@ class Checkpointer:
     if step in self.manager.all_steps():
       return
     self._finish()
-    nbytes = sum(int(a.nbytes) for a in jax.tree.leaves(state))
-    self._pending = (step, nbytes)
+    self._pending = (step, sum(int(a.nbytes) for a in jax.tree.leaves(state)))
     try:
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
@@ -208,19 +207,15 @@ class Checkpointer:
       return
     try:
       self.manager.wait_until_finished()
+      step_dir = os.path.join(self.directory, str(self._pending[0]))
+      if jax.process_index() == 0 and os.path.isdir(step_dir):
+        seal(step_dir)
     except Exception as e:
       self._failed(e)
-    step, _ = self._pending
     self._pending = None
-    step_dir = os.path.join(self.directory, str(step))
-    if jax.process_index() == 0 and os.path.isdir(step_dir):
-      try:
-        seal(step_dir)
-      except OSError as e:
-        self._pending = (step, 0)
-        self._failed(e)
 
   def _failed(self, error: Exception):
+    """Raises CheckpointWriteFailed for the save in flight."""
     step, nbytes = self._pending
     self._pending = None
     self.manager.reload()
@@ -247,10 +242,7 @@ class Checkpointer:
     expected = _leaves(abstract_state)
     moved = []
     for step in sorted(self.manager.all_steps(), reverse=True):
-      step_dir = os.path.join(self.directory, str(step))
-      bad = damage(step_dir)
-      if _any_process(bad is not None):
-        moved.append(self._quarantine(step, bad or "damaged as seen by another process"))
+      if self._moved_if_damaged(step, moved):
         continue
       error = None
       for attempt in range(self.attempts):
@@ -258,50 +250,55 @@ class Checkpointer:
           time.sleep(self.backoff_s * 2 ** (attempt - 1))
           self.manager.reload()
         try:
-          saved = _leaves(self.manager.item_metadata(step)["state"])
+          r = self._read(step, expected, abstract_state, make_iter)
+          error = None
+          break
+        except CheckpointMismatch:
+          raise
         except Exception as e:  # orbax / tensorstore / json raise many types
           error = e
           log.warning("reading checkpoint step %d failed (%s), attempt %d of %d", step,
                       _reason(e), attempt + 1, self.attempts)
-          continue
-        diff = first_difference(saved, expected)
-        if diff:
-          raise CheckpointMismatch(
-              f"checkpoint step {step} in {self.directory} holds a different train state than "
-              f"this config and code build ({diff}); resume with the code and config that "
-              "wrote it, or use a new --workdir")
-        data_iter = make_iter()  # restore moves the iterator in place: a fresh one per attempt
-        try:
-          r = self.manager.restore(step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract_state),
-              data=grain.checkpoint.CheckpointRestore(data_iter),
-              meta=ocp.args.JsonRestore()))
-        except Exception as e:
-          error = e
-          log.warning("reading checkpoint step %d failed (%s), attempt %d of %d", step,
-                      _reason(e), attempt + 1, self.attempts)
-          continue
-        error = None
-        break
       if not _any_process(error is not None):
         log.info("resumed from checkpoint step %d in %s", step, self.directory)
         return r.state, r.data, r.meta
-      bad = damage(step_dir)   # a file may have gone while we tried
-      if _any_process(bad is not None):
-        moved.append(self._quarantine(step, bad or "damaged as seen by another process"))
+      if self._moved_if_damaged(step, moved):   # a file may have gone while we tried
         continue
       why = _reason(error) if error is not None else "it failed on another process"
       raise CheckpointUnreadable(
           f"checkpoint step {step} in {self.directory} could not be read in {self.attempts} "
           f"attempts ({why}), but no file of it is missing or truncated, so nothing was "
           f"moved: fix the cause (permissions, storage) and rerun to resume, or move "
-          f"{step_dir} aside to resume from the step before it")
+          f"{os.path.join(self.directory, str(step))} aside to resume from the step before it")
     if moved or self._quarantined():
       raise CheckpointUnreadable(
           f"no checkpoint of the run in {self.workdir} is left to resume from: the damaged "
           f"ones are in {self.quarantine_dir}; to train from step 0 use a new --workdir, or "
           f"move that directory and metrics.jsonl away")
     return None
+
+  def _read(self, step, expected, abstract_state, make_iter):
+    """Restores `step`; CheckpointMismatch if its saved tree is not `expected`."""
+    saved = _leaves(self.manager.item_metadata(step)["state"])
+    diff = first_difference(saved, expected)
+    if diff:
+      raise CheckpointMismatch(
+          f"checkpoint step {step} in {self.directory} holds a different train state than "
+          f"this config and code build ({diff}); resume with the code and config that wrote "
+          "it, or use a new --workdir")
+    return self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        # restore moves the iterator in place: a fresh one per attempt
+        data=grain.checkpoint.CheckpointRestore(make_iter()),
+        meta=ocp.args.JsonRestore()))
+
+  def _moved_if_damaged(self, step: int, moved: list) -> bool:
+    """Quarantines `step` (appending where to `moved`) if any process finds it damaged."""
+    bad = damage(os.path.join(self.directory, str(step)))
+    if not _any_process(bad is not None):
+      return False
+    moved.append(self._quarantine(step, bad or "damaged as seen by another process"))
+    return True
 
   def _quarantined(self) -> bool:
     return os.path.isdir(self.quarantine_dir) and bool(os.listdir(self.quarantine_dir))

@@ -100,18 +100,30 @@ CHUNK = 16   # decode steps per dispatch when no logits processor needs the host
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
-                   vocab_size: int, flag: str = "") -> None:
+                   vocab_size: int | None, flag: str = "") -> None:
   """ValueError (one line naming the value and the range) for settings that cannot sample:
-  a NaN or negative temperature, top_k outside [1, vocab], top_p outside (0, 1]. `flag`
-  prefixes the names as the caller spells them (the CLI: "--")."""
+  a NaN or negative temperature, top_k outside [1, vocab] (only its lower bound while the
+  vocabulary is unknown, vocab_size None), top_p outside (0, 1]. `flag` prefixes the names
+  as the caller spells them (the CLI: "--")."""
   if not math.isfinite(temperature) or temperature < 0:
     raise ValueError(f"{flag}temperature {temperature}: must be a finite number >= 0 "
                      "(0 = greedy)")
-  if top_k is not None and not 1 <= top_k <= vocab_size:
-    raise ValueError(f"{flag}top_k {top_k}: must be between 1 and the vocabulary size "
-                     f"({vocab_size}); leave it out to sample from all tokens")
+  if top_k is not None and not 1 <= top_k <= (vocab_size or top_k):
+    size = "" if vocab_size is None else f" ({vocab_size})"
+    raise ValueError(f"{flag}top_k {top_k}: must be between 1 and the vocabulary size{size}; "
+                     "leave it out to sample from all tokens")
   if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
     raise ValueError(f"{flag}top_p {top_p}: must be in (0, 1]; 1 keeps every token")
+
+
+def check_context(cfg, prompts, max_new_tokens: int, flag: str = "") -> None:
+  """ValueError when the longest prompt plus the tokens to generate exceed the context."""
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens > cfg.max_position_embeddings:
+    raise ValueError(
+        f"a {flag}prompt of {longest} tokens + {flag}max_new_tokens {max_new_tokens} exceeds "
+        f"the model's context of {cfg.max_position_embeddings} tokens: shorten the prompt or "
+        "generate fewer tokens")
 
 
 def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -140,12 +152,7 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token")
   check_sampling(temperature, top_k, top_p, cfg.vocab_size)
-  longest = max(len(p) for p in prompts)
-  if longest + max_new_tokens > cfg.max_position_embeddings:
-    raise ValueError(
-        f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
-        f"context of {cfg.max_position_embeddings} tokens: shorten the prompt or generate fewer "
-        "tokens")
+  check_context(cfg, prompts, max_new_tokens)
   B = len(prompts)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   T = bucket(int(lengths.max()))
@@ -261,10 +268,8 @@ def main(argv=None):
   try:
     if args.max_new_tokens < 1:
       raise UserError(f"--max_new_tokens {args.max_new_tokens}: must be >= 1")
-    try:  # the vocabulary bound of top_k is checked again once the model is known
-      check_sampling(args.temperature, None, args.top_p, 1, flag="--")
-      if args.top_k is not None and args.top_k < 1:
-        check_sampling(args.temperature, args.top_k, None, 1, flag="--")
+    try:  # before loading; top_k's vocabulary bound once the model is known
+      check_sampling(args.temperature, args.top_k, args.top_p, None, flag="--")
     except ValueError as e:
       raise UserError(str(e)) from None
     if any(s == "" for s in args.stop):
@@ -282,14 +287,9 @@ def main(argv=None):
       prompts = [[tok.bos_id] + list(tok.encode(t)) for t in texts]
     try:
       check_sampling(args.temperature, args.top_k, args.top_p, cfg.vocab_size, flag="--")
+      check_context(cfg, prompts, args.max_new_tokens, flag="--")
     except ValueError as e:
       raise UserError(str(e)) from None
-    longest = max(len(q) for q in prompts)
-    if longest + args.max_new_tokens > cfg.max_position_embeddings:
-      raise UserError(
-          f"--prompt of {longest} tokens + --max_new_tokens {args.max_new_tokens} exceeds the "
-          f"model's context of {cfg.max_position_embeddings} tokens: shorten the prompt or "
-          "lower --max_new_tokens")
   except UserError as e:
     print(f"k2jax.generate: error: {e}", file=sys.stderr)
     raise SystemExit(2)

@@ -35,17 +35,22 @@ def table(config, seq_len: int | None = None, name: str | None = None) -> str:
   return "\n".join(lines)
 
 
-def parse_config(prog: str, parser: argparse.ArgumentParser, argv):
-  """(args, config) for a CLI with argparse options plus the trainer's --config PRESET | FILE
-  and --config.KEY=VALUE overrides (read by k2jax.train's parser, so every CLI takes the
-  same configs). Raises ValueError (one line) for anything wrong."""
+def parse_config(prog: str, parser: argparse.ArgumentParser, argv, positive=()):
+  """(args, config, overrides) for a CLI with argparse options plus the trainer's --config
+  PRESET | FILE and --config.KEY=VALUE overrides (read by k2jax.train's parser, so every CLI
+  takes the same configs). The options named in `positive` must be >= 1 where given; they
+  are checked before the config is loaded. Raises ValueError (one line) for anything wrong."""
   from k2jax import train
   args, rest = parser.parse_known_args(argv)
+  for flag in positive:
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      raise ValueError(f"--{flag} {value}: must be >= 1")
   overrides = [a for a in rest if a.startswith("--config.")]
   if len(overrides) != len(rest):
     parser.error(f"unrecognized arguments: {' '.join(a for a in rest if a not in overrides)}")
   try:
-    return args, train.load_config([prog, "--config", args.config, *overrides])
+    return args, train.load_config([prog, "--config", args.config, *overrides]), overrides
   except train.UserError as e:
     raise ValueError(str(e)) from None
 
@@ -57,12 +62,7 @@ def main(argv=None):
                  help=f"preset ({', '.join(configs.PRESETS)}) or config file")
   p.add_argument("--seq_len", type=int, default=None, help="default: the config's train.seq_len")
   try:
-    args, config = None, None
-    args, _ = p.parse_known_args(argv)
-    if args.seq_len is not None and args.seq_len < 1:
-      raise ValueError(f"--seq_len {args.seq_len}: must be >= 1")
-    args, config = parse_config("k2jax.params", p, argv)
-    overrides = [a for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--config.")]
+    args, config, overrides = parse_config("k2jax.params", p, argv, positive=("seq_len",))
     # the report's published counts only label the preset as shipped
     name = args.config if not overrides else f"{args.config} with {' '.join(overrides)}"
     print(table(config, args.seq_len, name=name))

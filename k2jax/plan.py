@@ -10,9 +10,8 @@ abstract mesh; a device's bytes are its shard of every leaf (the fullest device:
 even). Per device:
   params        in model.param_dtype (K2: bf16)
   grads         the float32 gradient buffer of that parameter shard (--grad_bytes)
-  optimizer     ZeRO-1 (split over `data` too): Muon momentum /
-                Adam moments, the float32 master weights when params are lower precision,
-                QK-Clip's record
+  optimizer     ZeRO-1 (split over `data` too): Muon momentum / Adam moments, the float32
+                master weights when params are lower precision, QK-Clip's record
   activations   an estimate of what the configured implementation keeps (remat policy,
                 attention implementation, activation storage) times what the pipeline
                 schedule's table keeps in flight, see `activation_bytes`
@@ -31,6 +30,7 @@ from k2jax import configs, model, optim
 from k2jax.model import remat as remat_lib
 from k2jax.configs.sharding_rules import mesh_axes
 from k2jax.parallel import MESH_AXES, layout, schedules, state_shardings
+from k2jax.parallel.mesh import entry_axes
 from k2jax.step import init_state
 
 GB = 1e9
@@ -63,15 +63,15 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
     return sum(int(np.prod(s.shard_shape(a.shape))) * (itemsize or a.dtype.itemsize)
                for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
-  # ZeRO-1 splits each state over the mesh axes its parameter is replicated on, on a dimension
-  # they divide (parallel.state.zero1); where none does, part of that group holds it whole.
-  # Report what that costs instead of letting the figure jump unexplained.
+  # ZeRO-1 splits each state over the `opt_state` mesh axes on a dimension they divide
+  # (parallel.state.zero1); where none does, the state stays whole over them. Report what
+  # that costs instead of letting the figure jump unexplained.
   group = [a for a in mesh_axes("opt_state") if mesh_shape.get(a, 1) > 1]
   unsplit, names = 0, {}
   for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0],
                           jax.tree.leaves(sh.opt_state)):
     held = int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
-    used = {x for entry in s.spec for x in ((entry,) if isinstance(entry, str) else entry or ())}
+    used = {x for entry in s.spec for x in entry_axes(entry)}
     extra = held - held / math.prod(mesh_shape[x] for x in group if x not in used)
     if a.ndim and extra > 0:
       unsplit += extra
@@ -231,14 +231,9 @@ def main(argv=None):
   p.add_argument("--storage", choices=("model", "fp8"), default=None,
                  help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
   try:
-    args, _ = p.parse_known_args(argv)
-    for flag in ("devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages",
-                 "microbatches"):   # before any work: each positive where given
-      value = getattr(args, flag)
-      if value is not None and value < 1:
-        raise ValueError(f"--{flag} {value}: must be >= 1")
     from k2jax.params import parse_config
-    args, config = parse_config("k2jax.plan", p, argv)
+    args, config, _ = parse_config("k2jax.plan", p, argv, positive=(
+        "devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages", "microbatches"))
     if args.mesh is None:
       m = config.mesh
       args.mesh = ",".join(f"{a}={m[a]}" for a in MESH_AXES

@@ -257,14 +257,17 @@ def main(argv=None):
     config, workdir = train.parse(argv, "k2jax.sft", " [--init RUN | HF_DIR]")
     params = None
     if init is not None:
-      init_model, params = load_init(init)
+      init_model, load = load_init(init)
       try:
         config.model = model_from_init(init_model, config, argv)
       except ValueError as e:
         raise train.UserError(str(e)) from None
-      log.info("--init %s: weights of a %d-layer model, hidden size %d, %d experts",
-               init, init_model.num_hidden_layers, init_model.hidden_size,
-               init_model.n_routed_experts)
+
+      def params():   # called by the trainer once its logging is set up: the line is seen
+        log.info("--init %s: weights of a %d-layer model, hidden size %d, %d experts",
+                 init, init_model.num_hidden_layers, init_model.hidden_size,
+                 init_model.n_routed_experts)
+        return load()
     train.enable_compilation_cache()
     train.train(config, workdir, build_data=build_data, init_params=params)
   except train.UserError as e:

@@ -11,6 +11,7 @@ CPU. SIGTERM / SIGINT save a checkpoint and exit. Mistakes in the command line o
 end in one line naming the problem and exit code 2.
 """
 
+import contextlib
 import errno
 import functools
 import logging
@@ -185,12 +186,20 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
     changes = resume.check(workdir, config)
   except ValueError as e:
     raise UserError(str(e)) from None
-  try:  # before the first write: a second trainer on this workdir must not touch it
+  with hold(workdir):   # before the first write: a second run must not touch this workdir
+    return _locked(config, workdir, changes, build_data, init_params)
+
+
+@contextlib.contextmanager
+def hold(workdir: str):
+  """Holds the workdir's run lock (k2jax.runlock) for the block; UserError if another run
+  holds it (train, sft, rl)."""
+  try:
     lock = runlock.RunLock(workdir).acquire()
   except runlock.RunBusy as e:
     raise UserError(str(e)) from None
   try:
-    return _locked(config, workdir, changes, build_data, init_params)
+    yield
   finally:
     lock.release()
 

@@ -27,7 +27,7 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
-def _axes(entry) -> tuple[str, ...]:
+def entry_axes(entry) -> tuple[str, ...]:
   """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -36,7 +36,7 @@ def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model
   for dim, (size, axes) in enumerate(zip(shape, pspec)):
     if axes is None:
       continue
-    axes = _axes(axes)
+    axes = entry_axes(axes)
     n = math.prod(mesh.shape[a] for a in axes)
     if size % n:
       raise ValueError(f"{name}: dim {dim} of size {size} is sharded over mesh axes "
@@ -53,7 +53,7 @@ def spread(pspec, shape, axes, mesh_shape) -> P:
   out (the array is then whole over them).
   """
   spec = list(pspec) + [None] * (len(shape) - len(pspec))
-  used = {a for s in spec for a in _axes(s)}
+  used = {a for s in spec for a in entry_axes(s)}
   left = [a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used]
   while left:
     best = None
@@ -61,7 +61,7 @@ def spread(pspec, shape, axes, mesh_shape) -> P:
       subset = tuple(a for i, a in enumerate(left) if mask >> i & 1)
       n = math.prod(mesh_shape[a] for a in subset)
       for d, size in enumerate(shape):
-        have = math.prod(mesh_shape[a] for a in _axes(spec[d]))
+        have = math.prod(mesh_shape[a] for a in entry_axes(spec[d]))
         if size % (have * n) == 0:
           key = (n, spec[d] is None, size // have)
           if best is None or key > best[0]:
@@ -69,7 +69,7 @@ def spread(pspec, shape, axes, mesh_shape) -> P:
     if best is None:
       break
     _, subset, d = best
-    both = _axes(spec[d]) + subset
+    both = entry_axes(spec[d]) + subset
     spec[d] = both[0] if len(both) == 1 else both
     left = [a for a in left if a not in subset]
   return P(*spec)
@@ -95,7 +95,7 @@ def param_shardings(specs, mesh: Mesh, spread_layers: bool = False):
     if "vocab" in s.axes:   # a memory saving only: a vocabulary the axes do not divide stays whole
       d = s.axes.index("vocab")
       spec_l = list(pspec) + [None] * (len(s.shape) - len(pspec))
-      if s.shape[d] % math.prod(mesh.shape[a] for a in _axes(spec_l[d])):
+      if s.shape[d] % math.prod(mesh.shape[a] for a in entry_axes(spec_l[d])):
         spec_l[d] = None
         pspec = P(*spec_l)
     _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from k2jax import chat, model, optim, parallel, runlock
+from k2jax import chat, model, optim, parallel
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
 from k2jax.rl.loss import k15_loss, sequence_logprobs, temperature_at
@@ -453,11 +453,7 @@ def main(argv=None):
     except ValueError as e:
       raise train.UserError(str(e)) from None
     workdir = train._writable_workdir(workdir)
-    try:  # before the first write: one RL run per workdir (k2jax.runlock)
-      lock = runlock.RunLock(workdir).acquire()
-    except runlock.RunBusy as e:
-      raise train.UserError(str(e)) from None
-    try:
+    with train.hold(workdir):   # before the first write: one run per workdir
       params = None
       if init is not None:
         mcfg, params = sft.load_init(init)
@@ -468,8 +464,6 @@ def main(argv=None):
       train._setup_logging(workdir)
       train.enable_compilation_cache()
       run(config, workdir, params)
-    finally:
-      lock.release()
   except train.UserError as e:
     print(f"k2jax.rl: error: {e}", file=sys.stderr)
     raise SystemExit(2)
