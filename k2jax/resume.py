@@ -52,6 +52,9 @@ RESUMABLE = (
     ("optimizer.ns_steps", "optimizer value"),
     ("optimizer.adam_", "optimizer value"),
     ("optimizer.grad_clip_norm", "gradient clipping value"),
+    ("rl.iterations", "run length"),
+    ("rl.checkpoint_every", "checkpoint cadence"),
+    ("rl.inference_mesh.", "sampler layout (weights are resharded to it every iteration)"),
 )
 
 
@@ -106,12 +109,28 @@ def compare(saved: dict | None, config) -> tuple[list[str], list[str]]:
   return resumable, blocking
 
 
+def kind(flat: dict) -> str:
+  """What trained a flattened config: RL runs have an `rl` group, the trainer's runs
+  (pre-training and SFT) do not."""
+  return "rl" if any(k.startswith("rl.") for k in flat) else "train"
+
+
+_KINDS = {"rl": "an RL run (k2jax.rl)", "train": "a training run (k2jax.train / k2jax.sft)"}
+
+
 def check(workdir: str, config) -> list[str]:
   """The resumable changes of `config` against the run in `workdir` (empty for a new run).
 
-  Raises ValueError (one line) naming every change that cannot resume.
+  Raises ValueError (one line) naming every change that cannot resume, or saying the workdir
+  holds another kind of run (an RL run's checkpoints hold trajectories a trainer cannot
+  read, and the other way round): a run is never written into by another kind.
   """
-  resumable, blocking = compare(saved_config(workdir), config)
+  saved = saved_config(workdir)
+  if saved is not None and kind(saved) != kind(flatten(config)):
+    raise ValueError(f"{workdir} holds {_KINDS[kind(saved)]}, not {_KINDS[kind(flatten(config))]}"
+                     "; nothing was written to it: choose a new --workdir (its checkpoints can "
+                     "start the new run through --init)")
+  resumable, blocking = compare(saved, config)
   if blocking:
     raise ValueError(f"{workdir} holds a run whose config differs in what a resumed run cannot "
                      f"change: {'; '.join(blocking)}. Rerun with the original values, or use a "

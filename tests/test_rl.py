@@ -322,6 +322,59 @@ def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]
 
 
+TINY_RL_FLAGS = [
+    "--config", "tiny_rl", "--config.model.hidden_size=64", "--config.model.num_hidden_layers=2",
+    "--config.model.n_routed_experts=4", "--config.model.moe_intermediate_size=32",
+    "--config.model.intermediate_size=96", "--config.model.q_lora_rank=32",
+    "--config.model.kv_lora_rank=16", "--config.model.num_attention_heads=2",
+    "--config.train.seq_len=256", "--config.rl.prompts=2", "--config.rl.samples=2",
+    "--config.rl.segment_tokens=4", "--config.rl.budget=6", "--config.rl.updates_per_iteration=2",
+    "--config.rl.ptx_batch_size=2", "--config.rl.iterations=6", "--config.rl.checkpoint_every=2"]
+
+
+def _rl_rows(workdir):
+  rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def test_rl_resumes_exactly_after_kill_9(tmp_path):
+  """Killed with SIGKILL after iteration 3, once the checkpoint of iteration 2 is committed
+  (groups trained with PTX batches before and after it, trajectories paused across it), the
+  rerun's iterations equal the uninterrupted run's bit for bit: losses, gradient norm,
+  rewards, tokens decoded."""
+  import signal
+  import time
+  cmd = [sys.executable, "-m", "k2jax.rl", *TINY_RL_FLAGS]
+  whole = subprocess.Popen(cmd + [f"--workdir={tmp_path / 'whole'}"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+  killed = tmp_path / "killed"
+  p = subprocess.Popen(cmd + [f"--workdir={killed}"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+  metrics = killed / "metrics.jsonl"
+  deadline = time.time() + 300
+  while p.poll() is None and time.time() < deadline:
+    steps = [json.loads(x)["step"] for x in (metrics.read_text().splitlines()
+                                             if metrics.exists() else []) if x.endswith("}")]
+    if 3 in steps and (killed / "checkpoints" / "2").is_dir():   # orbax renames on commit
+      os.kill(p.pid, signal.SIGKILL)
+      break
+    time.sleep(0.02)
+  assert p.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+  out = subprocess.run(cmd + [f"--workdir={killed}"], capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  resumed = [int(x.split("resumed RL at iteration ")[1].split()[0])
+             for x in out.stderr.splitlines() if "resumed RL at iteration" in x]
+  assert resumed and 2 <= resumed[0] < 6, out.stderr[-3000:]
+  assert whole.wait(timeout=300) == 0, whole.stdout.read()[-3000:]
+  a, b = _rl_rows(tmp_path / "whole"), _rl_rows(killed)
+  assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+  trained = [r for r in a[resumed[0]:] if r["groups_trained"] > 0]
+  assert trained and all("ptx_loss" in r for r in trained)
+  assert any(r["resumed_trajectories"] > 0 for r in a[resumed[0]:])
+  assert b == a
+
+
 def test_rl_cli_bad_input(tmp_path):
   """The table of mistakes for `python -m k2jax.rl` (its own and the trainer's flags): one
   error line each, exit 2, no traceback, nothing written to the workdir."""
@@ -337,16 +390,39 @@ def test_rl_cli_bad_input(tmp_path):
        "model.num_experts_per_tok = 99"),
       (["--config", "tiny_rl", "--bogus"], "Unknown command line flag 'bogus'"),
       (["--config", "tiny_rl", "--config.mesh.data=3"], "mesh"),
+      (["--config", "tiny_rl", "--config.rl.temperature_end=-1"], "rl.temperature_end = -1"),
+      (["--config", "tiny_rl", "--config.rl.tau=0"], "rl.tau = 0"),
+      (["--config", "tiny_rl", "--config.rl.ptx_weight=nan"], "rl.ptx_weight = nan"),
   ]
-  procs = [subprocess.Popen([sys.executable, "-m", "k2jax.rl", *argv,
-                             f"--workdir={tmp_path / f'w{i}'}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i, (argv, _) in enumerate(cases)]
-  for i, ((argv, fragment), p) in enumerate(zip(cases, procs)):
+  # Workdirs holding other runs: an SFT run (config.json without an rl group, a checkpoint
+  # directory), and an RL run of another model shape. Neither may be touched.
+  runs = {}
+  sft_dir = tmp_path / "sft_run"
+  (sft_dir / "checkpoints" / "8").mkdir(parents=True)
+  (sft_dir / "config.json").write_text(configs.get_config("tiny_sft").to_json_best_effort())
+  runs[sft_dir] = (["--config", "tiny_rl"], "holds a training run (k2jax.train / k2jax.sft), "
+                   "not an RL run")
+  rl_dir = tmp_path / "rl_run"
+  (rl_dir / "checkpoints").mkdir(parents=True)
+  other = configs.get_config("tiny_rl")
+  other.model.hidden_size = 96
+  (rl_dir / "config.json").write_text(other.to_json_best_effort())
+  runs[rl_dir] = (["--config", "tiny_rl"], "model.hidden_size: 96 -> 128")
+  before = {d: {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} for d in runs}
+  dirs = [tmp_path / f"w{i}" for i in range(len(cases))] + list(runs)
+  cases += list(runs.values())
+  procs = [subprocess.Popen([sys.executable, "-m", "k2jax.rl", *argv, f"--workdir={d}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for d, (argv, _) in zip(dirs, cases)]
+  for d, (argv, fragment), p in zip(dirs, cases, procs):
     _, err = p.communicate(timeout=300)
     lines = [l for l in err.splitlines() if l.startswith("k2jax.rl: error:")]
     assert p.returncode == 2 and len(lines) == 1 and fragment in lines[0], (argv, err[-2000:])
     assert "Traceback" not in err
-    assert not (tmp_path / f"w{i}" / "config.json").exists()
+    if d in runs:    # byte for byte as it was, nothing added (no lock, no log)
+      assert {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} == before[d]
+    else:
+      assert not (d / "config.json").exists()
   p = subprocess.run([sys.executable, "-m", "k2jax.rl", "--config", "tiny_rl",
                       f"--workdir={tmp_path / 'afile'}"], capture_output=True, text=True,
                      timeout=300)

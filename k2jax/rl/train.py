@@ -326,7 +326,11 @@ def run(config, workdir: str, init=None) -> dict:
   random init, for tests)."""
   from k2jax import sft
   from k2jax.metrics import MetricsWriter
+  from k2jax import resume
   r, t = config.rl, config.train
+  changes = resume.check(workdir, config)   # before any write: ValueError leaves it untouched
+  if changes:
+    log.info("resuming with changed settings: %s", "; ".join(changes))
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
@@ -373,7 +377,6 @@ def run(config, workdir: str, init=None) -> dict:
         sft.default_dialogs(n=512, seed=1)
     ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
                              for d in dialogs], t.seq_len, tok.pad_id)
-  ptx_rng = np.random.default_rng(int(t.seed) + 1)
   step_fn = jax.jit(functools.partial(rl_step, config, tx), donate_argnums=0)
   logp_fn = jax.jit(functools.partial(old_logprobs, config))
   writer = MetricsWriter(workdir, start)
@@ -400,6 +403,9 @@ def run(config, workdir: str, init=None) -> dict:
         batch = batch_of(groups, rewards, r.prompts, tok.pad_id)
         with jax.set_mesh(train_mesh):
           batch["logp_old"] = logp_fn(state.params, batch)
+          # PTX rows drawn from a generator keyed by the iteration, not one carried across
+          # iterations: a resumed run draws what the uninterrupted one drew
+          ptx_rng = np.random.default_rng([int(t.seed) + 1, it])
           for _ in range(r.updates_per_iteration):
             ptx = None
             if ptx_rows is not None:
@@ -438,7 +444,7 @@ def run(config, workdir: str, init=None) -> dict:
 
 
 def main(argv=None):
-  from k2jax import sft, train
+  from k2jax import resume, sft, train
   argv = list(sys.argv if argv is None else argv)
   init, argv = sft.pop_init(argv)
   try:
@@ -446,21 +452,22 @@ def main(argv=None):
     if "rl" not in config:
       raise train.UserError("config has no rl group: start from the tiny_rl preset "
                             "(--config tiny_rl)")
-    try:
+    params = None
+    if init is not None:
+      mcfg, params = sft.load_init(init)
+      try:
+        config.model = sft.model_from_init(mcfg, config, argv)
+      except ValueError as e:
+        raise train.UserError(str(e)) from None
+    try:   # everything is checked before any file is written
       configs_validate(config)
-      parallel.make_mesh(config.mesh)            # before any file is written
+      parallel.make_mesh(config.mesh)
       parallel.make_mesh(config.rl.inference_mesh)
+      workdir = train._writable_workdir(workdir)
+      resume.check(workdir, config)    # another kind of run, or a change that cannot resume
     except ValueError as e:
       raise train.UserError(str(e)) from None
-    workdir = train._writable_workdir(workdir)
     with train.hold(workdir):   # before the first write: one run per workdir
-      params = None
-      if init is not None:
-        mcfg, params = sft.load_init(init)
-        try:
-          config.model = sft.model_from_init(mcfg, config, argv)
-        except ValueError as e:
-          raise train.UserError(str(e)) from None
       train._setup_logging(workdir)
       train.enable_compilation_cache()
       run(config, workdir, params)
@@ -487,3 +494,19 @@ def configs_validate(config):
                        + ", ".join(envs_lib.ENVIRONMENTS))
   if r.samples < 2:
     raise ValueError(f"rl.samples = {r.samples}: the K1.5 baseline needs >= 2 samples per prompt")
+  for k in ("temperature_start", "temperature_end"):
+    if not float(r[k]) > 0 or not np.isfinite(float(r[k])):
+      raise ValueError(f"rl.{k} = {r[k]} must be > 0: greedy samples of a prompt are all "
+                       "alike, which leaves no reward differences to learn from")
+  if not float(r.tau) > 0 or not np.isfinite(float(r.tau)):
+    raise ValueError(f"rl.tau = {r.tau} must be > 0: the K1.5 loss reaches the policy only "
+                     "through tau log(pi / pi_old)")
+  if not float(r.ptx_weight) >= 0 or not np.isfinite(float(r.ptx_weight)):
+    raise ValueError(f"rl.ptx_weight = {r.ptx_weight} must be >= 0 (0 turns the PTX loss off)")
+  if float(r.ptx_weight) > 0 and int(r.ptx_batch_size) < 1:
+    raise ValueError(f"rl.ptx_batch_size = {r.ptx_batch_size} must be >= 1 while "
+                     "rl.ptx_weight > 0")
+  if not np.isfinite(float(r.truncation_penalty)):
+    raise ValueError(f"rl.truncation_penalty = {r.truncation_penalty} must be a finite reward")
+  if int(r.max_operand) < 1:
+    raise ValueError(f"rl.max_operand = {r.max_operand} must be >= 1")
