@@ -153,7 +153,12 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     raise ValueError("generate: every prompt needs at least one token")
   check_sampling(temperature, top_k, top_p, cfg.vocab_size)
   check_context(cfg, prompts, max_new_tokens)
-  B = len(prompts)
+  n = len(prompts)
+  # The batch is bucketed like the lengths (RL decodes a different number of unfinished
+  # trajectories every iteration, a server a different number of requests): extra rows
+  # repeat the first prompt, start finished and are never reported.
+  B = bucket(n, minimum=1)
+  prompts = list(prompts) + [prompts[0]] * (B - n)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   T = bucket(int(lengths.max()))
   S = bucket(int(lengths.max()) + max_new_tokens)
@@ -166,14 +171,14 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   key = jax.random.key(seed)
   stop = set(int(s) for s in stop_ids)
   out: list[list[int]] = [[] for _ in range(B)]
-  done = np.zeros(B, bool)
+  done = np.arange(B) >= n
 
   def allowed():
     """The logits processor's masks (host side), or None: the on-device path."""
     if logits_processor is None:
       return None
     mask = np.ones((B, cfg.vocab_size), bool)
-    for b in range(B):
+    for b in range(n):
       m = None if done[b] else logits_processor(b, out[b])
       if m is not None:
         mask[b, :len(m)] = m
@@ -187,7 +192,7 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   while True:
     for ids in pending:
       emitted = []
-      for b in range(B):
+      for b in range(n):
         if done[b]:
           emitted.append(None)
           continue
@@ -199,11 +204,11 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
           done[b] = True
       t += 1
       if done.all() or t == max_new_tokens:
-        return out
+        return out[:n]
     # Rows that finished inside a chunk keep decoding there; their extra tokens are dropped.
     if logits_processor is None:
-      n = min(CHUNK, max_new_tokens - t)
-      toks, cache = steps(params, cache, nxt, key, t, n=n, **opts)
+      chunk = min(CHUNK, max_new_tokens - t)
+      toks, cache = steps(params, cache, nxt, key, t, n=chunk, **opts)
       nxt = toks[-1]
       pending = list(np.asarray(toks))
     else:

@@ -206,3 +206,26 @@ def test_generate_refuses_settings_that_cannot_sample():
   for kw in (dict(temperature=float("nan")), dict(top_k=0), dict(top_p=0.0)):
     with pytest.raises(ValueError, match="must be"):
       generate.generate(cfg, None, [[1, 2]], max_new_tokens=2, **kw)
+
+
+def test_the_batch_is_bucketed_and_padding_rows_never_surface():
+  """RL decodes a different number of unfinished trajectories every iteration: 5, 6 and 7
+  rows share one compiled program (bucket 8), greedy rows equal each row decoded alone, and
+  callbacks never see the padding rows."""
+  cfg = CONFIGS["plain"]
+  params = jax.tree.map(lambda a: a * 3 if a.ndim >= 3 else a,
+                        model.init(cfg, jax.random.key(4)))
+  rng = np.random.default_rng(5)
+  prompts = [list(rng.integers(1, cfg.vocab_size, size=int(rng.integers(2, 9))))
+             for _ in range(7)]
+  prefill, step, steps = generate._programs(cfg)
+  seen = []
+  out = generate.generate(cfg, params, prompts[:5], max_new_tokens=6,
+                          on_token=lambda toks: seen.append(len(toks)))
+  assert len(out) == 5 and set(seen) == {5}
+  compiled = (prefill._cache_size(), steps._cache_size())
+  for n in (6, 7):
+    generate.generate(cfg, params, prompts[:n], max_new_tokens=6)
+  assert (prefill._cache_size(), steps._cache_size()) == compiled
+  alone = [generate.generate(cfg, params, [p], max_new_tokens=6)[0] for p in prompts[:5]]
+  assert out == alone

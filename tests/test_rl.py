@@ -461,3 +461,25 @@ def test_an_end_marker_split_across_segments_ends_the_turn(monkeypatch):
   ro.decode(None, None, 1.0, seed=1)
   for t in ro.groups[0]:
     assert t.done and not t.truncated and t.final_text == "7 + 1 = 8" and t.generated == 19
+
+
+def test_policy_judge_scores_equal_the_unpadded_forward():
+  """The self-critique judge left-pads questions to a length bucket (one compile per bucket):
+  the padding is masked, so each score equals log p(Yes) - log p(No) from the forward of the
+  question alone."""
+  from k2jax.model import forward, init
+  from k2jax.rl.train import PolicyJudge
+  cfg = rl_config().model
+  tok = ByteTokenizer()
+  judge = PolicyJudge(cfg, tok)
+  judge.params = jax.tree.map(lambda a: a * 3 if a.ndim >= 3 else a, init(cfg, jax.random.key(6)))
+  responses = ["4", "the answer is 4 because 2 + 2 = 4", ""]
+  scores = judge("What is 2 + 2?", responses, ["states 4", "is brief"])
+  yes, no = chat._encode_text("Yes", tok)[0], chat._encode_text("No", tok)[0]
+  for r, s in zip(responses, scores):
+    q = ("Question: What is 2 + 2?\nResponse: " + r + "\nRubrics:\n- states 4\n- is brief"
+         "\nDoes the response meet every rubric? Answer Yes or No.")
+    ids = chat.encode([{"role": "user", "content": q}], tokenizer=tok)
+    logits = np.asarray(forward(cfg, judge.params, jnp.asarray([ids]))[0][0, -1], np.float64)
+    logp = logits - np.logaddexp.reduce(logits)
+    assert s == pytest.approx(logp[yes] - logp[no], abs=1e-4)

@@ -81,7 +81,8 @@ class PolicyJudge:
 
   def __init__(self, cfg, tokenizer):
     self.cfg, self.tok, self.params = cfg, tokenizer, None
-    self._fwd = jax.jit(lambda p, x: model.forward(cfg, p, x)[0][:, -1].astype(jnp.float32))
+    self._fwd = jax.jit(lambda p, x, pos, seg: model.forward(
+        cfg, p, x, positions=pos, segment_ids=seg)[0][:, -1].astype(jnp.float32))
 
   def __call__(self, question, responses, rubrics):
     yes = chat._encode_text("Yes", self.tok)[0]
@@ -92,10 +93,15 @@ class PolicyJudge:
            "\n".join(f"- {x}" for x in rubrics) +
            "\nDoes the response meet every rubric? Answer Yes or No.")
       rows.append(chat.encode([{"role": "user", "content": q}], tokenizer=self.tok))
-    T = max(len(x) for x in rows)
-    # left-pad so the last position is every row's next-token prediction
+    from k2jax.generate import bucket
+    # left-padded to a power-of-two length (one compile per bucket, not per question) so
+    # the last position is every row's next-token prediction; padding is segment 0, which
+    # the question (segment 1, positions from 0) does not attend to
+    T = bucket(max(len(x) for x in rows), minimum=64)
     x = np.asarray([[self.tok.pad_id] * (T - len(r)) + r for r in rows], np.int32)
-    logits = np.asarray(self._fwd(self.params, x))
+    seg = np.asarray([[0] * (T - len(r)) + [1] * len(r) for r in rows], np.int32)
+    pos = np.asarray([[0] * (T - len(r)) + list(range(len(r))) for r in rows], np.int32)
+    logits = np.asarray(self._fwd(self.params, x, pos, seg))
     logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
     return list(logp[:, yes] - logp[:, no])
 
@@ -321,9 +327,11 @@ def batch_of(groups, rewards, prompts: int, pad_id: int):
   return b
 
 
-def run(config, workdir: str, init=None) -> dict:
+def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
   """Run (or resume) RL in workdir. init: fn() -> params of the starting policy (or None: a
-  random init, for tests)."""
+  random init, for tests). ptx_dialogs: the chat dialogs of the PTX loss (default: data.files,
+  else k2jax.sft's default dialogs): the data the policy was fine-tuned on, since PTX on
+  anything else pulls the policy away from the behaviour RL starts from."""
   from k2jax import sft
   from k2jax.metrics import MetricsWriter
   from k2jax import resume
@@ -373,8 +381,8 @@ def run(config, workdir: str, init=None) -> dict:
       start = 0
   ptx_rows = None
   if r.ptx_weight > 0:
-    dialogs = sft.read_dialogs(config.data.files) if config.data.files else \
-        sft.default_dialogs(n=512, seed=1)
+    dialogs = ptx_dialogs or (sft.read_dialogs(config.data.files) if config.data.files else
+                              sft.default_dialogs(n=512, seed=1))
     ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
                              for d in dialogs], t.seq_len, tok.pad_id)
   step_fn = jax.jit(functools.partial(rl_step, config, tx), donate_argnums=0)
