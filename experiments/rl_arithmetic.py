@@ -1,15 +1,20 @@
-"""SFT then RL (K1.5 loss) of the tiny model on one-digit arithmetic: does RL raise the reward?
+"""SFT then RL (K1.5 loss, report 3.2.3) of the tiny model on one-digit arithmetic: does RL
+raise the reward, and what stopped it from doing so?
 
-    python experiments/rl_arithmetic.py                 # ~30 minutes on 2 CPU cores
-    python experiments/rl_arithmetic.py --sft-steps 20 --iterations 2 --out /tmp/rl  # smoke
+    python experiments/rl_arithmetic.py                       # the ablation + 3 seeds, ~30 min
+    python experiments/rl_arithmetic.py --quick               # the fixed setting, < 10 min
+    python experiments/rl_arithmetic.py --variants fixed,muon_ptx_default --seeds 3
 
-1. SFT from a random init on the embedded arithmetic dialogs (operands 0..9, no tool calls)
-   with k2jax.sft's data and the pre-training trainer (MuonClip);
-2. RL with k2jax.rl.train on the arithmetic environment (8 prompts x 4 samples, partial
-   rollouts, PTX, temperature decay);
-3. greedy accuracy on 128 held-out problems before and after RL, and the sampled mean reward
-   per iteration. Writes experiments/results/rl/{rl_arithmetic.csv,rl_arithmetic.png,
-   summary.json}. Resumable: each stage resumes from its checkpoints.
+1. SFT from a random init on k2jax.sft's arithmetic dialogs (operands 0..9, no tool calls),
+   once, shared by every RL run (resumable);
+2. RL runs with k2jax.rl.train.run, one per (variant, seed): a variant is a row of VARIANTS
+   (what it changes against the tiny_rl preset); the seed draws the prompts and samples;
+3. greedy accuracy on 128 held-out problems after SFT and after each RL run, and the sampled
+   mean reward per iteration.
+
+Writes to --results: curves.csv (variant, seed, iteration, mean reward, ...), summary.csv
+(per variant: accuracy after RL and reward early / late, mean +- standard error over seeds),
+rl_arithmetic.png (reward curves with standard-error bands), summary.json.
 """
 
 import argparse
@@ -18,6 +23,7 @@ import json
 import os
 import random
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -29,6 +35,22 @@ from k2jax.generate import generate  # noqa: E402
 from k2jax.rl import envs  # noqa: E402
 from k2jax.rl import train as rl_train  # noqa: E402
 
+# The SFT data: RL's starting behaviour, and (in the fixed setting) its PTX data.
+SFT_DIALOGS = dict(max_operand=9, tool_fraction=0.0)
+
+# What each RL run changes against tiny_rl (ptx: "sft" = the SFT dialogs, "default" = the
+# trainer's default dialogs: operands to 99, half of them calculator calls, unit conversions).
+VARIANTS = {
+    "fixed": dict(ptx="sft"),
+    "muon_ptx_default": dict(ptx="default"),          # the setting that did not learn
+    "no_ptx": dict(ptx="sft", ptx_weight=0.0),
+    "adamw": dict(ptx="sft", optimizer="adamw", learning_rate=3e-5),
+    "lr3e-5": dict(ptx="sft", learning_rate=3e-5),
+    "lr1e-3": dict(ptx="sft", learning_rate=1e-3),
+    "tau1": dict(ptx="sft", tau=1.0),
+    "samples8": dict(ptx="sft", samples=8, prompts=4),
+}
+
 
 def greedy_accuracy(cfg, params, tok, n=128, seed=12345, max_operand=9):
   env = envs.Arithmetic(max_operand=max_operand)
@@ -39,82 +61,154 @@ def greedy_accuracy(cfg, params, tok, n=128, seed=12345, max_operand=9):
   return float(np.mean([env.score(t, x) for t, x in zip(tasks, texts)])), texts[:4]
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--sft-steps", type=int, default=1000)
-  ap.add_argument("--iterations", type=int, default=40)
-  ap.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (tiny_rl's by default)")
-  ap.add_argument("--out", default="experiments/out/rl_arithmetic")
-  ap.add_argument("--results", default="experiments/results/rl")
-  a = ap.parse_args()
-  os.makedirs(a.results, exist_ok=True)
-
+def sft_stage(steps, out):
   c = configs.get_config("tiny_sft")
-  c.train.update(dict(steps=a.sft_steps, batch_size=8, seq_len=256, log_every=10, eval_every=100,
+  c.train.update(dict(steps=steps, batch_size=8, seq_len=256, log_every=10, eval_every=100,
                       checkpoint_every=100))
-  c.optimizer.update(dict(warmup_steps=min(20, a.sft_steps // 4), decay_steps=a.sft_steps // 3))
-  dialogs = sft.default_dialogs(max_operand=9, tool_fraction=0.0)
-  sft_dir = os.path.join(a.out, "sft")
-  train.train(c, sft_dir, build_data=lambda cfg, i, n: sft.build_data(cfg, i, n, dialogs))
-  _, sft_params = load_run(sft_dir)
-  tok = data_lib.get_tokenizer(c.data.tokenizer)
-  before, examples_before = greedy_accuracy(c.model, sft_params, tok)
-  print(f"after SFT: greedy accuracy {before:.3f}; e.g. {examples_before}")
+  c.optimizer.update(dict(warmup_steps=min(20, steps // 4), decay_steps=steps // 3))
+  dialogs = sft.default_dialogs(**SFT_DIALOGS)
+  d = os.path.join(out, f"sft{steps}")
+  train.train(c, d, build_data=lambda cfg, i, n: sft.build_data(cfg, i, n, dialogs))
+  return c, load_run(d)[1]
 
+
+def rl_config(variant, seed, iterations, model_cfg):
+  v = VARIANTS[variant]
   r = configs.get_config("tiny_rl")
-  r.rl.iterations = a.iterations
+  r.model = model_cfg
+  r.train.seed = seed
+  r.rl.iterations = iterations
+  for k in ("ptx_weight", "tau", "samples", "prompts"):
+    if k in v:
+      r.rl[k] = v[k]
   r.train.steps = r.rl.iterations * r.rl.updates_per_iteration
-  r.model = c.model
-  rl_dir = os.path.join(a.out, "rl")
-  if a.rl_lr is not None:
-    r.optimizer.update(dict(learning_rate=a.rl_lr, end_learning_rate=a.rl_lr / 10))
-    rl_dir += f"_lr{a.rl_lr:g}"
+  if "optimizer" in v:
+    r.optimizer.name = v["optimizer"]
+  if "learning_rate" in v:
+    r.optimizer.update(dict(learning_rate=v["learning_rate"],
+                            end_learning_rate=v["learning_rate"] / 10))
   # greedy SFT output is well formed; sampling at 1.0 from a tiny model mostly runs past the
   # 32-token budget, leaving no reward signal to learn from
   r.rl.temperature_start = 0.8
-  out = rl_train.run(r, rl_dir, init=lambda: sft_params)
-  after, examples_after = greedy_accuracy(r.model, out["state"].params, tok)
-  print(f"after RL: greedy accuracy {after:.3f}; e.g. {examples_after}")
+  return r
 
-  rows = []
-  with open(os.path.join(rl_dir, "metrics.jsonl")) as f:
-    for line in f:
-      m = json.loads(line)
-      rows.append({k: m.get(k, "") for k in ("step", "mean_reward", "truncated_frac",
-                                              "mean_response_tokens", "k15_loss", "ptx_loss",
-                                              "temperature", "groups_trained",
-                                              "resumed_trajectories", "seconds")})
-  with open(os.path.join(a.results, "rl_arithmetic.csv"), "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+
+def mean_se(xs):
+  xs = np.asarray(xs, float)
+  return float(xs.mean()), float(xs.std(ddof=1) / np.sqrt(len(xs))) if len(xs) > 1 else 0.0
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="the fixed setting only, shorter SFT")
+  ap.add_argument("--sft-steps", type=int, default=None)
+  ap.add_argument("--iterations", type=int, default=None)
+  ap.add_argument("--seeds", type=int, default=None)
+  ap.add_argument("--variants", default=None, help="comma-separated rows of VARIANTS")
+  ap.add_argument("--out", default="experiments/out/rl_arithmetic")
+  ap.add_argument("--results", default="experiments/results/rl")
+  a = ap.parse_args()
+  sft_steps = a.sft_steps or (600 if a.quick else 1000)
+  iterations = a.iterations or (30 if a.quick else 40)
+  seeds = a.seeds or (2 if a.quick else 3)
+  variants = (a.variants or ("fixed" if a.quick else ",".join(VARIANTS))).split(",")
+  for v in variants:
+    if v not in VARIANTS:
+      raise SystemExit(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
+  os.makedirs(a.results, exist_ok=True)
+  t0 = time.time()
+  c, sft_params = sft_stage(sft_steps, a.out)
+  tok = data_lib.get_tokenizer(c.data.tokenizer)
+  before, _ = greedy_accuracy(c.model, sft_params, tok)
+  print(f"after {sft_steps} SFT steps: greedy accuracy {before:.3f} ({time.time() - t0:.0f} s)")
+
+  curves, results = [], {}
+  for v in variants:
+    ptx = sft.default_dialogs(**SFT_DIALOGS) if VARIANTS[v]["ptx"] == "sft" else None
+    for seed in range(seeds):
+      r = rl_config(v, seed, iterations, c.model)
+      d = os.path.join(a.out, f"sft{sft_steps}_rl{iterations}", v, f"seed{seed}")
+      out = rl_train.run(r, d, init=lambda: sft_params, ptx_dialogs=ptx)
+      acc, examples = greedy_accuracy(r.model, out["state"].params, tok)
+      rows = [json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))]
+      rewards = [x["mean_reward"] for x in rows if "mean_reward" in x]
+      k = max(1, len(rewards) // 4)
+      results.setdefault(v, []).append(dict(seed=seed, accuracy=acc, examples=examples,
+                                            early=float(np.mean(rewards[:k])),
+                                            late=float(np.mean(rewards[-k:]))))
+      for x in rows:
+        curves.append({"variant": v, "seed": seed, "iteration": x["step"],
+                       **{k: x.get(k, "") for k in ("mean_reward", "truncated_frac",
+                                                    "mean_response_tokens", "k15_loss",
+                                                    "ptx_loss", "grad_norm", "temperature",
+                                                    "groups_trained")}})
+      print(f"{v} seed {seed}: greedy accuracy {acc:.3f}, reward early {results[v][-1]['early']:.3f}"
+            f" late {results[v][-1]['late']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+
+  with open(os.path.join(a.results, "curves.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(curves[0]))
     w.writeheader()
-    w.writerows(rows)
-  summary = {"sft_steps": a.sft_steps, "iterations": a.iterations,
-             "rl_learning_rate": r.optimizer.learning_rate,
-             "greedy_accuracy_after_sft": before, "greedy_accuracy_after_rl": after,
-             "examples_after_rl": examples_after}
+    w.writerows(curves)
+  table = []
+  for v, rs in results.items():
+    acc, acc_se = mean_se([x["accuracy"] for x in rs])
+    early, early_se = mean_se([x["early"] for x in rs])
+    late, late_se = mean_se([x["late"] for x in rs])
+    gain, gain_se = mean_se([x["late"] - x["early"] for x in rs])
+    table.append(dict(variant=v, changes=json.dumps(VARIANTS[v]), seeds=len(rs),
+                      accuracy_after_sft=round(before, 4), accuracy_after_rl=round(acc, 4),
+                      accuracy_se=round(acc_se, 4), reward_early=round(early, 4),
+                      reward_early_se=round(early_se, 4), reward_late=round(late, 4),
+                      reward_late_se=round(late_se, 4), reward_gain=round(gain, 4),
+                      reward_gain_se=round(gain_se, 4)))
+  with open(os.path.join(a.results, "summary.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(table[0]))
+    w.writeheader()
+    w.writerows(table)
+  print(f"\ngreedy accuracy after SFT: {before:.3f} (128 held-out problems); reward = sampled "
+        f"mean reward, first / last quarter of {iterations} iterations; mean +- s.e. over seeds")
+  print(f"{'variant':<18}{'acc after RL':>16}{'reward early':>16}{'reward late':>16}"
+        f"{'late - early':>16}")
+  for x in table:
+    print(f"{x['variant']:<18}{x['accuracy_after_rl']:>9.3f} +- {x['accuracy_se']:.3f}"
+          f"{x['reward_early']:>9.3f} +- {x['reward_early_se']:.3f}"
+          f"{x['reward_late']:>9.3f} +- {x['reward_late_se']:.3f}"
+          f"{x['reward_gain']:>9.3f} +- {x['reward_gain_se']:.3f}")
+  summary = {"sft_steps": sft_steps, "iterations": iterations, "seeds": seeds,
+             "greedy_accuracy_after_sft": before, "variants": table,
+             "examples_after_rl": {v: rs[0]["examples"] for v, rs in results.items()},
+             "seconds": time.time() - t0}
   with open(os.path.join(a.results, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
 
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  pts = [(x["step"], x["mean_reward"]) for x in rows if x["mean_reward"] != ""]
-  fig, ax = plt.subplots(figsize=(6, 3.5))
-  if pts:
-    s, m = zip(*pts)
-    ax.plot(s, m, ".", alpha=0.4, label="mean sampled reward (groups finished this iteration)")
-    k = min(5, len(m))
-    smooth = np.convolve(m, np.ones(k) / k, mode="valid")
-    ax.plot(s[k - 1:], smooth, "-", label=f"running mean of {k}")
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for v in results:
+    per_seed = {}
+    for x in curves:
+      if x["variant"] == v and x["mean_reward"] != "":
+        per_seed.setdefault(x["seed"], {})[x["iteration"]] = x["mean_reward"]
+    its = sorted(set.intersection(*[set(s) for s in per_seed.values()]))
+    if not its:
+      continue
+    m = np.asarray([[s[i] for i in its] for s in per_seed.values()])
+    k = 3   # running mean over iterations, then mean +- s.e. over seeds
+    m = np.stack([np.convolve(row, np.ones(k) / k, mode="valid") for row in m])
+    mu = m.mean(0)
+    se = m.std(0, ddof=1) / np.sqrt(len(m)) if len(m) > 1 else 0 * mu
+    xs = its[k - 1:]
+    ax.plot(xs, mu, label=f"{v} (greedy acc after RL "
+            f"{np.mean([r['accuracy'] for r in results[v]]):.2f})")
+    ax.fill_between(xs, mu - se, mu + se, alpha=0.2)
   ax.axhline(before, color="gray", ls="--", label=f"greedy accuracy after SFT ({before:.2f})")
-  ax.axhline(after, color="k", ls=":", label=f"greedy accuracy after RL ({after:.2f})")
   ax.set_xlabel("RL iteration")
-  ax.set_ylabel("reward")
-  ax.set_title("tiny K2: K1.5 RL on one-digit arithmetic")
-  ax.legend(fontsize=7)
+  ax.set_ylabel("sampled mean reward (running mean of 3)")
+  ax.set_title(f"tiny K2: K1.5 RL on one-digit arithmetic ({seeds} seeds, mean +- s.e.)")
+  ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(os.path.join(a.results, "rl_arithmetic.png"), dpi=120)
-  print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ def get_config():
       truncation_penalty=-0.5,    # reward of a response cut off at its budget
       segment_tokens=16,          # tokens per trajectory per iteration (partial rollouts)
       max_turns=3,                # assistant turns with tool calls per trajectory
+      sandbox="namespaces",       # the code environment's isolation (k2jax.rl.sandbox);
+                                  # "limits" opts into resource limits only, where user
+                                  # namespaces are disabled
       updates_per_iteration=2,
       ptx_weight=0.1,             # auxiliary LM loss on curated chat data (report 3.2.3)
       ptx_batch_size=4,

@@ -215,9 +215,12 @@ class Code(_PerResponse):
   name = "code"
 
   def __init__(self, problems=CODE_PROBLEMS, budget: int = 256, timeout_s: float = 2.0,
-               memory_mb: int = 256):
+               memory_mb: int = 256, isolation: str = "namespaces"):
+    """isolation: the sandbox's ("namespaces", or the opt-in "limits" where namespaces cannot
+    start: k2jax.rl.sandbox); SandboxUnavailable here, before training, if it cannot start."""
     self.problems, self.budget = list(problems), budget
     self.timeout_s, self.memory_mb = timeout_s, memory_mb
+    self.isolation = sandbox.check(isolation)
 
   def tasks(self, rng, n):
     out = []
@@ -238,7 +241,8 @@ class Code(_PerResponse):
     tests = task.data["tests"]
     passed = 0
     for stdin, expected in tests:
-      r = sandbox.run(code, stdin=stdin, timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+      r = sandbox.run(code, stdin=stdin, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                      isolation=self.isolation)
       passed += int(r.ok and r.stdout.strip() == expected.strip())
     return passed / len(tests)
 

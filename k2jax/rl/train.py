@@ -294,6 +294,8 @@ def make_environments(config, judge):
                                      budget=int(config.rl.budget)))
     elif name == "self_critique":
       out.append(envs_lib.SelfCritique(judge=judge, budget=int(config.rl.budget)))
+    elif name == "code":
+      out.append(envs_lib.Code(isolation=str(config.rl.get("sandbox", "namespaces"))))
     else:
       out.append(envs_lib.make(name))
   return out
@@ -518,3 +520,11 @@ def configs_validate(config):
     raise ValueError(f"rl.truncation_penalty = {r.truncation_penalty} must be a finite reward")
   if int(r.max_operand) < 1:
     raise ValueError(f"rl.max_operand = {r.max_operand} must be >= 1")
+  if "code" in names:    # before training: the code environment cannot score without it
+    from k2jax.rl import sandbox
+    try:
+      sandbox.check(str(r.get("sandbox", "namespaces")))
+    except sandbox.SandboxUnavailable as e:
+      raise ValueError(f"rl.envs=code: {e}") from None
+    except ValueError as e:
+      raise ValueError(f"rl.sandbox: {e}") from None
