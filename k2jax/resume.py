@@ -54,6 +54,7 @@ RESUMABLE = (
     ("optimizer.grad_clip_norm", "gradient clipping value"),
     ("rl.iterations", "run length"),
     ("rl.checkpoint_every", "checkpoint cadence"),
+    ("rl.sandbox", "code sandbox isolation"),
     ("rl.inference_mesh.", "sampler layout (weights are resharded to it every iteration)"),
 )
 
