@@ -426,6 +426,12 @@ def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
     assert again[0][k] == pytest.approx(hist[1][k], rel=1e-5), k
   rows = [json.loads(x) for x in open(tmp_path / "split" / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2]
+  # the starting weights are the caller's: two runs from the same arrays (the trainer donates
+  # its state to each step, which must not delete them)
+  start = out["state"].params
+  for name in ("a", "b"):
+    rl_train.run(c, str(tmp_path / name), init=lambda: start)
+  assert all(not x.is_deleted() for x in jax.tree.leaves(start))
 
 
 TINY_RL_FLAGS = [

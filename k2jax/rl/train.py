@@ -377,7 +377,8 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
       state = jax.jit(functools.partial(init_state, config, tx),
                       out_shardings=shardings)(jax.random.key(t.seed))
       if init is not None:
-        params = jax.device_put(init(), shardings.params)
+        # a copy: the step donates the state, which must not delete the caller's arrays
+        params = jax.device_put(init(), shardings.params, may_alias=False)
         state = state._replace(params=params, opt_state=jax.jit(
             tx.init, out_shardings=shardings.opt_state)(params))
       start = 0
