@@ -55,6 +55,21 @@ VARIANTS = {
     "frozen_bias_big_batch": dict(ptx="sft", bias_update_speed=0.0, prompts=32, samples=8,
                                   updates_per_iteration=1, iterations=15),
     "big_batch": dict(ptx="sft", prompts=32, samples=8, updates_per_iteration=1, iterations=15),
+    # ... and whole responses per iteration (segments of 32 tokens = the budget): every
+    # iteration trains, instead of every other one
+    "frozen_bias_big_batch_seg32": dict(ptx="sft", bias_update_speed=0.0, prompts=32,
+                                        samples=8, updates_per_iteration=1, iterations=15,
+                                        segment_tokens=32),
+    "frozen_bias_big_batch_seg32_lr1e-3": dict(ptx="sft", bias_update_speed=0.0, prompts=32,
+                                               samples=8, updates_per_iteration=1,
+                                               iterations=15, segment_tokens=32,
+                                               learning_rate=1e-3),
+    "adamw_big_batch_seg32": dict(ptx="sft", optimizer="adamw", learning_rate=3e-5, prompts=32,
+                                  samples=8, updates_per_iteration=1, iterations=15,
+                                  segment_tokens=32),
+    "adamw_big_batch_seg32_lr1e-4": dict(ptx="sft", optimizer="adamw", learning_rate=1e-4,
+                                         prompts=32, samples=8, updates_per_iteration=1,
+                                         iterations=15, segment_tokens=32),
 }
 # The best setting found so far (single seed: greedy 0.664 -> 0.695, sampled reward 0.35 -> 0.60
 # over 15 iterations; 3 seeds still to run). Why: a 32-sample Muon step lowers the
@@ -91,7 +106,8 @@ def rl_config(variant, seed, iterations, model_cfg):
     r.model.bias_update_speed = v["bias_update_speed"]
   r.train.seed = seed
   r.rl.iterations = v.get("iterations", iterations)
-  for k in ("ptx_weight", "tau", "samples", "prompts", "updates_per_iteration"):
+  for k in ("ptx_weight", "tau", "samples", "prompts", "updates_per_iteration",
+            "segment_tokens"):
     if k in v:
       r.rl[k] = v[k]
   r.train.steps = r.rl.iterations * r.rl.updates_per_iteration
@@ -104,6 +120,50 @@ def rl_config(variant, seed, iterations, model_cfg):
   # 32-token budget, leaving no reward signal to learn from
   r.rl.temperature_start = 0.8
   return r
+
+
+def update_direction(model_cfg, params, tok, seed=0):
+  """Where one optimizer update moves the policy, on one batch of 32 x 8 samples from the SFT
+  model: the mean change of log pi(y|x) for samples above their group's mean reward, below
+  it, and at it (groups whose samples all scored alike: no signal). An update that lowers the
+  at-mean samples as much as it raises the good ones moves probability to answers nobody
+  sampled. Rows: each optimizer at its RL learning rate, its update after the warm-up."""
+  import functools
+  import jax
+  import optax
+  from k2jax import model as model_lib, optim
+  r = rl_config("frozen_bias_big_batch", seed, 1, model_cfg)
+  r.rl.ptx_weight = 0.0
+  environments = rl_train.make_environments(r, None)
+  ro = rl_train.Rollouts(r, tok, environments, random.Random(seed))
+  ro.refill()
+  for i in range(3):
+    ro.decode(r.model, params, 0.8, seed=i)
+  groups = ro.complete_groups()
+  rewards = rl_train.score(groups, environments, r.rl.truncation_penalty)
+  batch = rl_train.batch_of(groups, rewards, r.rl.prompts, tok.pad_id)
+  logp = jax.jit(functools.partial(rl_train.old_logprobs, r))
+  batch["logp_old"] = logp(params, batch)
+  adv = rewards - rewards.mean(1, keepdims=True)
+  grads = jax.grad(lambda p: rl_train.rl_loss(r, p, batch, None)[0])(params)
+  _, stats = model_lib.forward(r.model, params, batch["inputs"][:1])
+  rows = []
+  for name, opt in (("muonclip lr 3e-4", dict()), ("muonclip lr 3e-5", dict(learning_rate=3e-5)),
+                    ("adamw lr 3e-5", dict(name="adamw", learning_rate=3e-5)),
+                    ("adamw lr 1e-4", dict(name="adamw", learning_rate=1e-4))):
+    c = r.copy_and_resolve_references()
+    c.optimizer.update(opt)
+    tx = optim.optimizer(c)
+    state = tx.init(params)
+    for _ in range(c.optimizer.warmup_steps + 1):   # the same gradient until past warm-up
+      upd, state = tx.update(grads, state, params, max_logits=stats.max_logits,
+                             expert_load=stats.expert_load)
+    d = np.asarray(logp(optax.apply_updates(params, upd), batch))[:len(groups)] - \
+        np.asarray(batch["logp_old"])[:len(groups)]
+    rows.append(dict(update=name, above_mean=float(d[adv > 0].mean()),
+                     below_mean=float(d[adv < 0].mean()), at_mean=float(d[adv == 0].mean()),
+                     samples=int(d.size), mean_reward=float(rewards.mean())))
+  return rows
 
 
 def mean_se(xs):
@@ -134,6 +194,17 @@ def main():
   tok = data_lib.get_tokenizer(c.data.tokenizer)
   before, _ = greedy_accuracy(c.model, sft_params, tok)
   print(f"after {sft_steps} SFT steps: greedy accuracy {before:.3f} ({time.time() - t0:.0f} s)")
+
+  direction = update_direction(c.model, sft_params, tok)
+  with open(os.path.join(a.results, "update_direction.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(direction[0]))
+    w.writeheader()
+    w.writerows(direction)
+  print("\nchange of log pi(y|x) after one update, by the sample's reward against its group's "
+        "mean (32 prompts x 8 samples of the SFT model):")
+  print(f"{'update':<20}{'above mean':>12}{'below mean':>12}{'at mean':>12}")
+  for x in direction:
+    print(f"{x['update']:<20}{x['above_mean']:>12.4f}{x['below_mean']:>12.4f}{x['at_mean']:>12.4f}")
 
   curves, results = [], {}
   for v in variants:

@@ -110,13 +110,25 @@ def _setup_logging(workdir):
   fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
   console = logging.StreamHandler(sys.stderr)
   console.setFormatter(_ConsoleFormatter(fmt, "%H:%M:%S"))
-  log_file = logging.FileHandler(os.path.join(workdir, "train.log"))
+  log_file = _LogFile(os.path.join(workdir, "train.log"))
   log_file.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
   for h in (console, log_file):
     root.addHandler(h)
   for noisy in ("absl", "jax._src", "orbax", "grain"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   _quiet_closed_event_loops()
+
+
+class _LogFile(logging.FileHandler):
+  """train.log, which gives up quietly when its disk is full: logging's default prints a
+  "--- Logging error ---" traceback to the console for every record it cannot write, burying
+  the one line that says the disk is full (the console still has every record)."""
+
+  def handleError(self, record):
+    e = sys.exc_info()[1]
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+      return
+    super().handleError(record)
 
 
 class _ConsoleFormatter(logging.Formatter):

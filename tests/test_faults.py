@@ -270,3 +270,25 @@ def test_a_workdir_that_stops_taking_writes_mid_run_ends_in_one_line(tmp_path, m
   assert ("saving checkpoint step 4 " in line and "Read-only file system" in line
           and "step 2 is the last good checkpoint" in line), line
   assert ckpt_lib.damage(str(tmp_path / "checkpoints" / "2")) is None
+
+
+def test_train_log_on_a_full_disk_stays_quiet(tmp_path, capsys):
+  """A record train.log cannot write (ENOSPC) is dropped silently: logging's default prints
+  a '--- Logging error ---' traceback per record, burying the disk-full line (seen when the
+  tmpfs above filled while the trainer logged). Other errors are still reported."""
+  import logging
+
+  class Full:
+    def write(self, _):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+      pass
+  handler = train._LogFile(str(tmp_path / "train.log"))
+  handler.stream = Full()
+  record = logging.LogRecord("k2jax.train", logging.INFO, __file__, 1, "step 5", None, None)
+  handler.emit(record)
+  assert "Logging error" not in capsys.readouterr().err
+  Full.write = lambda self, _: (_ for _ in ()).throw(ValueError("not a disk problem"))
+  handler.emit(record)
+  assert "Logging error" in capsys.readouterr().err
