@@ -393,8 +393,12 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
   writer = MetricsWriter(workdir, start)
   history = []
   from k2jax.train import files_line
-  log.info("RL: iterations %d..%d of %d prompts x %d samples on %s; %s", start + 1,
-           r.iterations, r.prompts, r.samples, r.envs, files_line(workdir))
+  if start >= r.iterations:
+    log.info("RL: all %d iterations are done (raise rl.iterations to go on); %s",
+             r.iterations, files_line(workdir))
+  else:
+    log.info("RL: iterations %d..%d of %d prompts x %d samples on %s; %s", start + 1,
+             r.iterations, r.prompts, r.samples, r.envs, files_line(workdir))
   try:
     for it in range(start, r.iterations):
       t0 = time.perf_counter()
