@@ -184,8 +184,10 @@ def main():
   ap.add_argument("--seeds", type=int, default=None)
   ap.add_argument("--variants", default=None, help="comma-separated rows of VARIANTS")
   ap.add_argument("--out", default="experiments/out/rl_arithmetic")
-  ap.add_argument("--results", default="experiments/results/rl")
+  ap.add_argument("--results", default=None,
+                  help="default experiments/results/rl (rl_quick with --quick)")
   a = ap.parse_args()
+  a.results = a.results or ("experiments/results/rl_quick" if a.quick else "experiments/results/rl")
   sft_steps = a.sft_steps or (600 if a.quick else 1000)
   iterations = a.iterations or (60 if a.quick else None)
   seeds = a.seeds or (1 if a.quick else 3)
