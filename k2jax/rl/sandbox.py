@@ -186,10 +186,14 @@ def _namespace_argv(bwrap: str, python: str, main_py: str, scratch_mb: int) -> l
   return argv
 
 
-@functools.lru_cache(maxsize=None)
 def check(isolation: str = "namespaces") -> str:
   """-> the isolation run() will give, or SandboxUnavailable saying why it cannot start
   here and what to do. "limits" always starts; "namespaces" is tried once per process."""
+  return _check(isolation)    # one cache entry per isolation, however it is passed
+
+
+@functools.lru_cache(maxsize=None)
+def _check(isolation: str) -> str:
   if isolation not in ISOLATION:
     raise ValueError(f"sandbox isolation {isolation!r}: choose one of {', '.join(ISOLATION)}")
   if isolation == "limits":
@@ -289,7 +293,8 @@ def _run(code, stdin, timeout_s, memory_mb, max_procs, file_mb, scratch_mb, pyth
       os.chmod(workdir, 0o755)
       os.chown(workdir, SANDBOX_UID, SANDBOX_GID)
       os.chown(main_py, SANDBOX_UID, SANDBOX_GID)
-    py = python or interpreter(as_root)
+    launcher = interpreter(as_root)
+    py = python or launcher
     argv = (_namespace_argv(_bwrap(as_root), py, main_py, scratch_mb)
             if isolation == "namespaces" else None)
     # bwrap and the namespace's init count against the process limit too
@@ -297,7 +302,7 @@ def _run(code, stdin, timeout_s, memory_mb, max_procs, file_mb, scratch_mb, pyth
     setup = dict(newnet=CLONE_NEWNET, newuser=CLONE_NEWUSER, as_root=as_root, fd=write_fd,
                  memory_mb=memory_mb, cpu_s=int(timeout_s) + 1, file_mb=file_mb,
                  max_procs=procs, uid=SANDBOX_UID, gid=SANDBOX_GID, python=py, argv=argv)
-    proc = subprocess.Popen([interpreter(as_root), "-I", "-S", "-c", _LAUNCHER, json.dumps(setup)],
+    proc = subprocess.Popen([launcher, "-I", "-S", "-c", _LAUNCHER, json.dumps(setup)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, pass_fds=(write_fd,), close_fds=True,
                             cwd=workdir, start_new_session=True,

@@ -509,15 +509,17 @@ def configs_validate(config):
                        + ", ".join(envs_lib.ENVIRONMENTS))
   if r.samples < 2:
     raise ValueError(f"rl.samples = {r.samples}: the K1.5 baseline needs >= 2 samples per prompt")
-  for k in ("temperature_start", "temperature_end"):
-    if not float(r[k]) > 0 or not np.isfinite(float(r[k])):
-      raise ValueError(f"rl.{k} = {r[k]} must be > 0: greedy samples of a prompt are all "
-                       "alike, which leaves no reward differences to learn from")
-  if not float(r.tau) > 0 or not np.isfinite(float(r.tau)):
-    raise ValueError(f"rl.tau = {r.tau} must be > 0: the K1.5 loss reaches the policy only "
-                     "through tau log(pi / pi_old)")
-  if not float(r.ptx_weight) >= 0 or not np.isfinite(float(r.ptx_weight)):
-    raise ValueError(f"rl.ptx_weight = {r.ptx_weight} must be >= 0 (0 turns the PTX loss off)")
+  # (key, lowest value, why): each must be finite and above (or, for >=, at least) its bound
+  for k, low, why in (
+      ("temperature_start", "> 0", ": greedy samples of a prompt are all alike, which leaves no "
+       "reward differences to learn from"),
+      ("temperature_end", "> 0", ": greedy samples of a prompt are all alike, which leaves no "
+       "reward differences to learn from"),
+      ("tau", "> 0", ": the K1.5 loss reaches the policy only through tau log(pi / pi_old)"),
+      ("ptx_weight", ">= 0", " (0 turns the PTX loss off)")):
+    v = float(r[k])
+    if not np.isfinite(v) or not (v > 0 if low == "> 0" else v >= 0):
+      raise ValueError(f"rl.{k} = {r[k]} must be {low}{why}")
   if float(r.ptx_weight) > 0 and int(r.ptx_batch_size) < 1:
     raise ValueError(f"rl.ptx_batch_size = {r.ptx_batch_size} must be >= 1 while "
                      "rl.ptx_weight > 0")
