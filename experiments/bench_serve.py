@@ -1,0 +1,116 @@
+"""k2jax.serve throughput: 1 client vs 16 concurrent clients, batched vs one request at a time.
+
+    python experiments/bench_serve.py                 # tiny model (random weights), this CPU
+    python experiments/bench_serve.py --requests 64 --max_tokens 64
+
+Each setting starts the real server (Starlette + uvicorn, in this process) and drives it with
+the official `openai` client from N threads; every request asks for exactly --max_tokens
+tokens (greedy, no stop: the batch's work is fixed). Rows: requests/s and generated tokens/s,
+and their ratio to the one-client baseline measured in the same run. "one at a time" is the
+same 16 clients against a server with --max_batch 1. A warm-up round per setting compiles the
+programs first. The machine's ceiling (a measured f32 matmul rate) is printed beside it.
+CSV: experiments/results/serve/throughput.csv (or --out).
+"""
+
+import argparse
+import concurrent.futures
+import csv
+import os
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from k2jax import configs, model  # noqa: E402
+from k2jax.data import ByteTokenizer  # noqa: E402
+from k2jax.engine import Engine  # noqa: E402
+from k2jax.serve import make_app  # noqa: E402
+
+
+def matmul_gflops(n=1024, reps=5):
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    f(a).block_until_ready()
+  return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def run(cfg, params, *, clients, max_batch, requests, max_tokens):
+  import openai
+  import uvicorn
+  engine = Engine(cfg, params, ByteTokenizer(), max_batch=max_batch, window_s=0.01)
+  server = uvicorn.Server(uvicorn.Config(make_app(engine, "tiny"), host="127.0.0.1", port=0,
+                                         log_level="warning"))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  while not server.started:
+    time.sleep(0.02)
+  url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+  client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+  def one(i):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": f"request {i}: " + "ab" * (i % 7)}],
+        max_tokens=max_tokens, temperature=0, stop=None)
+    return r.usage.completion_tokens
+
+  try:
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+      list(pool.map(one, range(clients)))                     # warm-up: compiles
+      batches = engine.stats["batches"]
+      t0 = time.perf_counter()
+      tokens = sum(pool.map(one, range(requests)))
+      dt = time.perf_counter() - t0
+    return dict(requests_per_s=requests / dt, tokens_per_s=tokens / dt,
+                batches=engine.stats["batches"] - batches, seconds=dt)
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
+    engine.close()
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--requests", type=int, default=32)
+  p.add_argument("--max_tokens", type=int, default=32)
+  p.add_argument("--out", default=os.path.join(HERE, "results", "serve"))
+  args = p.parse_args()
+  cfg = configs.get_config("tiny").model
+  params = model.init(cfg, jax.random.key(0))
+  settings = [("1 client", 1, 16), ("16 clients, batched", 16, 16),
+              ("16 clients, one at a time", 16, 1)]
+  rows = []
+  for name, clients, max_batch in settings:
+    r = run(cfg, params, clients=clients, max_batch=max_batch, requests=args.requests,
+            max_tokens=args.max_tokens)
+    rows.append(dict(setting=name, clients=clients, max_batch=max_batch, **r))
+    print(f"{name}: {r}", flush=True)
+  base = rows[0]
+  for r in rows:
+    r["requests_vs_1_client"] = r["requests_per_s"] / base["requests_per_s"]
+    r["tokens_vs_1_client"] = r["tokens_per_s"] / base["tokens_per_s"]
+  gflops = matmul_gflops()
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "throughput.csv")
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["matmul_gflops"])
+    w.writeheader()
+    w.writerows([dict(r, matmul_gflops=round(gflops, 1)) for r in rows])
+  print(f"\ntiny model, {args.requests} requests of {args.max_tokens} tokens each; "
+        f"{jax.devices()[0].platform} f32 1024^3 matmul {gflops:.0f} GFLOP/s")
+  print(f"{'setting':28s} {'req/s':>8s} {'tok/s':>8s} {'vs 1 client':>12s} {'batches':>8s}")
+  for r in rows:
+    print(f"{r['setting']:28s} {r['requests_per_s']:8.2f} {r['tokens_per_s']:8.1f} "
+          f"{r['tokens_vs_1_client']:11.2f}x {r['batches']:8d}")
+  print(f"-> {path}")
+
+
+if __name__ == "__main__":
+  main()

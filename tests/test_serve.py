@@ -1,0 +1,282 @@
+"""k2jax.serve driven by the official `openai` client: chat, seeds, streaming, stop strings, n,
+tool calls, concurrent requests sharing batches, bad requests, the CLI."""
+
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from k2jax import chat, configs, model  # noqa: E402
+from k2jax.data import ByteTokenizer  # noqa: E402
+from k2jax.engine import Engine  # noqa: E402
+from k2jax.generate import generate  # noqa: E402
+from k2jax.serve import make_app  # noqa: E402
+
+# Bounded schemas: a random model under a grammar writes unbounded integers / strings forever.
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99,
+                                                          "minimum": 0},
+                                                    "b": {"type": "integer", "maximum": 99,
+                                                          "minimum": 0}},
+                   "required": ["a", "b"], "additionalProperties": False}}},
+         {"type": "function", "function": {
+    "name": "echo", "parameters": {"type": "object", "properties": {"text": {
+        "type": "string", "enum": ["hi", "yes"]}}, "required": ["text"],
+        "additionalProperties": False}}}]
+USER = [{"role": "user", "content": "what is 2 + 3?"}]
+
+
+def _serve(app):
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  while not server.started:
+    time.sleep(0.02)
+  port = server.servers[0].sockets[0].getsockname()[1]
+  return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def served():
+  """A random tiny model behind the server: (base url, engine, cfg, params, tokenizer)."""
+  cfg = configs.get_config("tiny").model
+  params = model.init(cfg, jax.random.key(7))
+  tok = ByteTokenizer()
+  engine = Engine(cfg, params, tok, max_batch=16, window_s=0.05)
+  server, thread, url = _serve(make_app(engine, "tiny", default_max_tokens=24))
+  yield url, engine, cfg, params, tok
+  server.should_exit = True
+  thread.join(timeout=30)
+  engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+  return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_a_greedy_answer_equal_to_generate(served, client):
+  url, engine, cfg, params, tok = served
+  assert [m.id for m in client.models.list().data] == ["tiny"]
+  r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
+  ids = generate(cfg, params, [chat.encode(USER, tokenizer=tok)], max_new_tokens=12,
+                 stop_ids=[tok.eos_id])[0]
+  assert r.choices[0].message.content == tok.decode(ids).split("<|im_end|>")[0]
+  assert r.choices[0].finish_reason in ("length", "stop")
+  assert r.usage.prompt_tokens == len(chat.encode(USER, tokenizer=tok))
+  assert r.usage.completion_tokens == len(ids) and r.object == "chat.completion"
+
+
+def test_a_seed_repeats_and_the_stream_equals_the_answer(client):
+  kw = dict(model="tiny", messages=USER, max_tokens=20, temperature=1.0, seed=11)
+  a = client.chat.completions.create(**kw).choices[0].message.content
+  b = client.chat.completions.create(**kw).choices[0].message.content
+  assert a == b
+  chunks = list(client.chat.completions.create(**kw, stream=True,
+                                               stream_options={"include_usage": True}))
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == a
+  assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_stop_strings_cut_the_text_before_them(client):
+  kw = dict(model="tiny", messages=USER, max_tokens=24, temperature=1.0, seed=5)
+  full = client.chat.completions.create(**kw).choices[0].message.content
+  stop = full[6:8]
+  assert stop, full
+  r = client.chat.completions.create(**kw, stop=[stop, "\x00never"])
+  assert r.choices[0].message.content == full[:full.index(stop)]
+  assert r.choices[0].finish_reason == "stop"
+  streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+      **kw, stop=stop, stream=True) if c.choices)
+  assert streamed == full[:full.index(stop)]
+
+
+def test_n_choices_share_the_request(client):
+  r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, n=3, seed=2)
+  assert [c.index for c in r.choices] == [0, 1, 2]
+  assert 3 <= r.usage.completion_tokens <= 3 * 8
+  assert all(c.finish_reason in ("length", "stop") for c in r.choices)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "echo"}}])
+def test_constrained_tool_calls_come_back_parsed(client, choice):
+  r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=choice,
+                                     max_tokens=300, temperature=0.7, seed=3)
+  c = r.choices[0]
+  assert c.finish_reason == "tool_calls", c
+  for call in c.message.tool_calls:
+    args = json.loads(call.function.arguments)
+    if call.function.name == "add":
+      assert set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+    else:
+      assert call.function.name == "echo" and isinstance(args["text"], str)
+    assert call.id.startswith(f"functions.{call.function.name}:")
+  if isinstance(choice, dict):
+    assert {call.function.name for call in c.message.tool_calls} == {"echo"}
+  chunks = list(client.chat.completions.create(
+      model="tiny", messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=300,
+      temperature=0.7, seed=3, stream=True))
+  calls = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+  assert [(t.function.name, t.function.arguments) for t in calls] == [
+      (t.function.name, t.function.arguments) for t in c.message.tool_calls]
+  assert "<|tool" not in "".join(ch.choices[0].delta.content or "" for ch in chunks)
+
+
+def test_a_tool_call_dialog_renders_back(client):
+  """The returned call, sent back with its result, is a valid next request."""
+  r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
+                                     tool_choice="required", max_tokens=300, seed=4)
+  call = r.choices[0].message.tool_calls[0]
+  messages = USER + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+  # (without the tool declaration: with it the byte-level dialog passes the tiny context)
+  r2 = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+  assert r2.usage.prompt_tokens > len(call.function.arguments) + 100
+  assert r2.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_concurrent_requests_share_batches_and_match_alone(served, client):
+  url, engine, cfg, params, tok = served
+  prompts = [[{"role": "user", "content": f"question {i}" + "?" * i}] for i in range(8)]
+  alone = [tok.decode(generate(cfg, params, [chat.encode(p, tokenizer=tok)], max_new_tokens=10,
+                               stop_ids=[tok.eos_id])[0]).split("<|im_end|>")[0]
+           for p in prompts]
+  batches = engine.stats["batches"]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    got = list(pool.map(lambda p: client.chat.completions.create(
+        model="tiny", messages=p, max_tokens=10, temperature=0).choices[0].message.content,
+        prompts))
+  assert got == alone
+  assert engine.stats["batches"] - batches < len(prompts)
+
+
+def _post(url, body, method="POST"):
+  data = body if isinstance(body, bytes) else json.dumps(body).encode()
+  req = urllib.request.Request(url, data=data if method == "POST" else None, method=method,
+                               headers={"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(req, timeout=60) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+OK = {"model": "tiny", "messages": USER, "max_tokens": 2}
+BAD_REQUESTS = [  # (id, body or bytes, status, param, message fragment)
+    ("not-json", b"{messages:", 400, None, "not JSON"),
+    ("not-object", [1, 2], 400, None, "must be a JSON object"),
+    ("unknown-model", {**OK, "model": "gpt-4"}, 404, "model", "is not served here"),
+    ("no-messages", {**OK, "messages": []}, 400, "messages", "non-empty list"),
+    ("bad-role", {**OK, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages",
+     "role 'robot'"),
+    ("content-parts", {**OK, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages[0]", "string content"),
+    ("temperature", {**OK, "temperature": 3}, 400, "temperature", "[0, 2]"),
+    ("top_p", {**OK, "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("n", {**OK, "n": 0}, 400, "n", "[1, 16]"),
+    ("max_tokens-type", {**OK, "max_tokens": "ten"}, 400, "max_tokens", "an integer"),
+    ("over-context", {**OK, "max_tokens": 5000}, 400, "max_tokens", "context is 1024 tokens"),
+    ("long-prompt", {**OK, "messages": [{"role": "user", "content": "x" * 2000}]}, 400,
+     "messages", "shorten the messages"),
+    ("stop", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ("tool-choice-name", {**OK, "tools": TOOLS, "tool_choice": {"type": "function", "function":
+                                                                {"name": "mul"}}},
+     400, "tool_choice", "'mul', which is not among"),
+    ("required-without-tools", {**OK, "tool_choice": "required"}, 400, "tool_choice",
+     "needs tools"),
+    ("tool-without-name", {**OK, "tools": [{"type": "function", "function": {}}]}, 400,
+     "tools[0]", "non-empty name"),
+    ("logprobs", {**OK, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("stream-type", {**OK, "stream": "yes"}, 400, "stream", "true or false"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, case):
+  _, body, status, param, fragment = case
+  code, got = _post(served[0] + "/v1/chat/completions", body)
+  assert code == status, got
+  err = got["error"]
+  assert fragment in err["message"] and err["param"] == param and "\n" not in err["message"]
+  assert _post(served[0] + "/v1/chat/completions", OK)[0] == 200
+
+
+def test_unknown_routes_and_methods_are_json_errors(served):
+  assert _post(served[0] + "/v1/completions", OK)[0] == 404
+  code, got = _post(served[0] + "/v1/chat/completions", None, method="GET")
+  assert code == 405 and "POST /v1/chat/completions" in got["error"]["message"]
+  with pytest.raises(openai.NotFoundError, match="is not served here"):
+    openai.OpenAI(base_url=served[0] + "/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="other", messages=USER)
+
+
+def test_a_client_that_leaves_a_stream_frees_its_rows(served, client):
+  engine = served[1]
+  stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=800,
+                                          stream=True, seed=1)
+  next(iter(stream))
+  stream.close()
+  before = engine.stats["tokens"]
+  r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=3, seed=1)
+  assert r.choices[0].finish_reason == "length"
+  deadline = time.time() + 60
+  while engine.stats["tokens"] == before and time.time() < deadline:
+    time.sleep(0.1)
+  assert engine.stats["tokens"] - before < 600      # the abandoned rows did not run to 800
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_cli_serves_a_trained_run_and_refuses_bad_input(tmp_path):
+  from tests.test_train import small_config
+  from k2jax import train
+  run = tmp_path / "run"
+  train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), str(run))
+  with socket.socket() as held:
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    busy = held.getsockname()[1]
+    for args, fragment in [(["--workdir", str(tmp_path / "nope")], "no such directory"),
+                           (["--workdir", str(run), "--port", str(busy)], "cannot listen there"),
+                           (["--workdir", str(run), "--max_batch", "0"], "--max_batch 0")]:
+      p = subprocess.run([sys.executable, "-m", "k2jax.serve", *args], capture_output=True,
+                         text=True, timeout=120)
+      assert p.returncode == 2 and fragment in p.stderr.strip().splitlines()[-1], p.stderr
+  port = _free_port()
+  proc = subprocess.Popen([sys.executable, "-m", "k2jax.serve", "--workdir", str(run), "--port",
+                           str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 240
+    while True:
+      try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        break
+      except OSError:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-2000:]
+        time.sleep(0.5)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    assert [m.id for m in c.models.list().data] == ["run"]
+    r = c.chat.completions.create(model="run", messages=USER, max_tokens=5)
+    assert r.usage.completion_tokens <= 5 and isinstance(r.choices[0].message.content, str)
+  finally:
+    proc.terminate()
+    proc.wait(timeout=60)
