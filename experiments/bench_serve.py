@@ -7,8 +7,8 @@ Each setting starts the real server (Starlette + uvicorn, in this process) and d
 the official `openai` client from N threads; every request asks for exactly --max_tokens
 tokens (greedy, no stop: the batch's work is fixed). Rows: requests/s and generated tokens/s,
 and their ratio to the one-client baseline measured in the same run. "one at a time" is the
-same 16 clients against a server with --max_batch 1. A warm-up round per setting compiles the
-programs first. The machine's ceiling (a measured f32 matmul rate) is printed beside it.
+same 16 clients against a server with --max_batch 1. Every batch-size bucket is compiled first
+(Engine.warmup), then a warm-up round runs. The machine's ceiling (a measured f32 matmul rate) is printed beside it.
 CSV: experiments/results/serve/throughput.csv (or --out).
 """
 
@@ -42,10 +42,11 @@ def matmul_gflops(n=1024, reps=5):
   return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def run(cfg, params, *, clients, max_batch, requests, max_tokens):
+def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms):
   import openai
   import uvicorn
-  engine = Engine(cfg, params, ByteTokenizer(), max_batch=max_batch, window_s=0.01)
+  engine = Engine(cfg, params, ByteTokenizer(), max_batch=max_batch, window_s=window_ms / 1e3)
+  engine.warmup(prompt_tokens=180, max_tokens=max_tokens, sampled=False)   # every batch bucket
   server = uvicorn.Server(uvicorn.Config(make_app(engine, "tiny"), host="127.0.0.1", port=0,
                                          log_level="warning"))
   thread = threading.Thread(target=server.run, daemon=True)
@@ -78,8 +79,10 @@ def run(cfg, params, *, clients, max_batch, requests, max_tokens):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--requests", type=int, default=32)
+  p.add_argument("--requests", type=int, default=64)
   p.add_argument("--max_tokens", type=int, default=32)
+  p.add_argument("--window_ms", type=float, default=20.0, help="the server's batch window "
+                 "(k2jax.serve --batch_window_ms)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "serve"))
   args = p.parse_args()
   cfg = configs.get_config("tiny").model
@@ -89,7 +92,7 @@ def main():
   rows = []
   for name, clients, max_batch in settings:
     r = run(cfg, params, clients=clients, max_batch=max_batch, requests=args.requests,
-            max_tokens=args.max_tokens)
+            max_tokens=args.max_tokens, window_ms=args.window_ms)
     rows.append(dict(setting=name, clients=clients, max_batch=max_batch, **r))
     print(f"{name}: {r}", flush=True)
   base = rows[0]
@@ -98,12 +101,13 @@ def main():
     r["tokens_vs_1_client"] = r["tokens_per_s"] / base["tokens_per_s"]
   gflops = matmul_gflops()
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "throughput.csv")
+  path = os.path.join(args.out, f"throughput_window{args.window_ms:g}ms.csv")
   with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["matmul_gflops"])
+    w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["window_ms", "matmul_gflops"])
     w.writeheader()
-    w.writerows([dict(r, matmul_gflops=round(gflops, 1)) for r in rows])
-  print(f"\ntiny model, {args.requests} requests of {args.max_tokens} tokens each; "
+    w.writerows([dict(r, window_ms=args.window_ms, matmul_gflops=round(gflops, 1)) for r in rows])
+  print(f"\ntiny model, {args.requests} requests of {args.max_tokens} tokens each, batch window "
+        f"{args.window_ms:g} ms; "
         f"{jax.devices()[0].platform} f32 1024^3 matmul {gflops:.0f} GFLOP/s")
   print(f"{'setting':28s} {'req/s':>8s} {'tok/s':>8s} {'vs 1 client':>12s} {'batches':>8s}")
   for r in rows:

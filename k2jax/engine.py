@@ -5,8 +5,9 @@
               stop=["\\n\\n"], emit=print)
     engine.submit(job)        # emit(Event) is called from the engine's thread
 
-One thread owns the device. It takes a request, waits `window_s` for others (a burst of
-clients arrives within milliseconds), takes whatever else is queued up to `max_batch` rows,
+One thread owns the device. It takes a request, waits up to `window_s` for others when the
+last batch was shared (clients answered together come back within milliseconds; a lone
+client is not made to wait), takes whatever else is queued up to `max_batch` rows,
 groups the rows by the settings a `generate` call shares (temperature, top_p, top_k, seed)
 and decodes each group as one batch: every decode step serves every request of the group.
 Requests that arrive while a batch decodes wait for the next one (static batching: simple,
@@ -106,7 +107,7 @@ class Engine:
     seed: draws the sampling key of requests that give none (reproducible server runs).
   """
 
-  def __init__(self, cfg, params, tokenizer, *, max_batch: int = 16, window_s: float = 0.005,
+  def __init__(self, cfg, params, tokenizer, *, max_batch: int = 16, window_s: float = 0.02,
                seed: int = 0):
     self.cfg, self.params, self.tok = cfg, params, tokenizer
     self.max_batch, self.window_s = max_batch, window_s
@@ -115,12 +116,24 @@ class Engine:
     self.stop_text = ["<|im_end|>"]
     self._rng = np.random.default_rng(seed)
     self._queue: queue.Queue = queue.Queue()
+    self._last_rows = 0
     self.stats = dict(batches=0, rows=0, tokens=0)
     self._thread = threading.Thread(target=self._loop, name="k2jax-engine", daemon=True)
     self._thread.start()
 
   def submit(self, job: Job) -> None:
     self._queue.put(job)
+
+  def warmup(self, prompt_tokens: int, max_tokens: int, sampled: bool = True) -> None:
+    """Compile the decode programs for every batch-size bucket up to max_batch at one prompt
+    length (a server's first requests otherwise wait for XLA; each bucket is a program).
+    Runs on the caller's thread: call it before serving."""
+    from k2jax.generate import bucket
+    sizes = sorted({bucket(b, minimum=1) for b in range(1, self.max_batch + 1)})
+    for b in sizes:
+      for temperature in (0.0, 1.0) if sampled else (0.0,):
+        generate(self.cfg, self.params, [[self.tok.bos_id] * prompt_tokens] * b,
+                 max_new_tokens=max_tokens, temperature=temperature)
 
   def close(self) -> None:
     self._queue.put(None)
@@ -133,10 +146,13 @@ class Engine:
     if first is None:
       return None
     jobs, rows = [first], first.n
-    deadline = time.monotonic() + self.window_s
+    # Wait for company only under concurrent load (the last batch had several rows): a lone
+    # client would pay the window on every request for nothing.
+    deadline = time.monotonic() + (self.window_s if self._last_rows > 1 else 0.0)
     while rows < self.max_batch:
       try:
-        job = self._queue.get(timeout=max(deadline - time.monotonic(), 1e-4))
+        wait = deadline - time.monotonic()
+        job = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
       except queue.Empty:
         break
       if job is None:
@@ -144,6 +160,7 @@ class Engine:
         break
       jobs.append(job)
       rows += job.n
+    self._last_rows = rows
     return jobs
 
   def _loop(self) -> None:

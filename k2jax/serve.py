@@ -312,8 +312,8 @@ def main(argv=None):
   p.add_argument("--model_name", default=None, help="the name clients pass as `model` "
                  "(default: the run's directory name)")
   p.add_argument("--max_batch", type=int, default=16, help="rows decoded together at most")
-  p.add_argument("--batch_window_ms", type=float, default=5.0,
-                 help="how long a request waits for others to share its batch")
+  p.add_argument("--batch_window_ms", type=float, default=20.0,
+                 help="under concurrent load, how long a batch waits for more requests")
   p.add_argument("--max_tokens", type=int, default=512,
                  help="tokens generated when a request does not say (capped by the context)")
   p.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed")

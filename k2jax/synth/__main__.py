@@ -1,0 +1,3 @@
+from k2jax.synth.cli import main
+
+main()

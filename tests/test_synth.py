@@ -1,0 +1,331 @@
+"""k2jax.synth: chunking and the fidelity checks, resumable output, the three pipelines end to
+end (decisions scripted through the client interface; a real k2jax.serve endpoint for the
+HTTP path and a kill -9 resume), and that k2jax.train / k2jax.sft read what they write."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from k2jax import chat
+from k2jax.synth import ScriptedClient, agentic, cli, rephrase
+from k2jax.synth.client import Reply
+from k2jax.synth.rephrase import Settings, overlap, split_chunks
+from k2jax.synth.store import Output, in_shard, item_seed
+
+DOCS = [
+    {"id": "lovelace", "text": "Ada Lovelace wrote the first published algorithm in 1843.\n\n"
+     "It computed Bernoulli numbers on the Analytical Engine designed by Charles Babbage. "
+     "The notes ran to 65 pages, three times the length of the article they annotated."},
+    {"id": "water", "text": "Water boils at 100 degrees Celsius at sea level and freezes at 0."},
+    {"id": "plain", "text": "a short note with no numbers and no names at all."},
+]
+
+
+def test_chunks_cover_the_text_in_order_and_respect_the_size():
+  text = " ".join(f"Sentence number {i} says something." for i in range(200)) + "\n\n" + \
+      "x" * 2500 + "\n\nlast paragraph."
+  for size in (50, 333, 1500):
+    chunks = split_chunks(text, size)
+    assert all(len(c) <= size for c in chunks)
+    assert re.sub(r"\s", "", "".join(chunks)) == re.sub(r"\s", "", text)
+
+
+def test_overlap_catches_dropped_and_invented_numbers_and_names():
+  src = DOCS[0]["text"]
+  assert overlap(src, src) == {"number_recall": 1.0, "numbers_invented": 0.0, "name_recall": 1.0}
+  dropped = overlap(src, src.replace("1843", "the nineteenth century"))
+  assert dropped["number_recall"] == pytest.approx(1 / 2)       # of {1843, 65}
+  invented = overlap(src, src + " It sold 500 copies.")
+  assert invented["numbers_invented"] == pytest.approx(1 / 3)   # 500 of {1843, 65, 500}
+  names = overlap(src, src.replace("Babbage", "someone").replace("Bernoulli", "some"))
+  assert names["name_recall"] < 1.0
+
+
+def _source(request) -> str:
+  """The last <<< >>> block of a request (what a rewrite request asks to rewrite)."""
+  return re.findall(r"<<<\n(.*?)\n>>>", request.messages[-1]["content"], re.S)[-1]
+
+
+def faithful(request):
+  """A scripted model: rewrites keep the text; the judge scores 9."""
+  text = request.messages[-1]["content"]
+  if "Does the rewrite state every fact" in text:
+    return '{"score": 9, "missing": [], "invented": []}'
+  return "In other words: " + _source(request)
+
+
+def test_rephrase_records_carry_provenance_and_pass_both_checks():
+  client = ScriptedClient(faithful)
+  s = Settings(chunk_chars=80)
+  recs = [rephrase.rephrase(client, DOCS[0], k, seed=3, settings=s) for k in range(3)]
+  assert len({r["style"] for r in recs}) == 3                 # k draws distinct styles
+  for r in recs:
+    assert r["source_id"] == "lovelace" and r["fidelity"] == 9
+    assert [c["chunk"] for c in r["chunks"]] == list(range(len(split_chunks(DOCS[0]["text"], 80))))
+    assert "1843" in r["text"] and "Babbage" in r["text"]
+  # the second chunk's prompt shows the original and the rewrite before it (Figure 4)
+  second = [q for q in client.requests if "The document so far" in q.messages[-1]["content"]]
+  assert second and "In other words:" in second[0].messages[-1]["content"]
+  again = rephrase.rephrase(ScriptedClient(faithful), DOCS[0], 1, seed=3, settings=s)
+  assert again == recs[1]
+
+
+@pytest.mark.parametrize("model, reason", [
+    (lambda r: "Does the rewrite" in r.messages[-1]["content"] and '{"score": 9}' or
+     _source(r).replace("1843", "long ago"), "dropped content"),
+    (lambda r: "Does the rewrite" in r.messages[-1]["content"] and '{"score": 9}' or
+     _source(r) + " In 2024 it sold 12 copies.", "invented content"),
+    (lambda r: "Does the rewrite" in r.messages[-1]["content"] and '{"score": 3}' or
+     _source(r), "judge: chunk 0 scored 3"),
+    (lambda r: "Does the rewrite" in r.messages[-1]["content"] and "I think it is fine" or
+     _source(r), "judge malformed"),
+    (lambda r: Reply(_source(r), finish_reason="length"), "truncated"),
+])
+def test_unfaithful_rewrites_are_dropped_with_their_reason(model, reason):
+  with pytest.raises(rephrase.Dropped, match=reason):
+    rephrase.rephrase(ScriptedClient(model), DOCS[0], 0, seed=0, settings=Settings())
+
+
+def test_output_resumes_an_item_cut_off_mid_write(tmp_path):
+  path = str(tmp_path / "out.jsonl")
+  out = Output(path)
+  out.keep("a", [{"text": "1"}])
+  out.keep("b", [{"text": "2"}, {"text": "3"}, {"text": "4"}])
+  out.drop("c", "judge: low")
+  out.close()
+  data = open(path, "rb").read()
+  cut = data.rfind(b'{"text": "4"') + 5      # killed inside b's third line
+  open(path, "wb").write(data[:cut])
+  again = Output(path)
+  assert again.seen == {"a", "c"}            # b is redone, from its first record
+  assert [json.loads(x)["item"] for x in open(path)] == ["a"]
+  again.keep("b", [{"text": "2"}, {"text": "3"}, {"text": "4"}])
+  again.close()
+  assert [json.loads(x)["text"] for x in open(path)] == ["1", "2", "3", "4"]
+  data = open(path, "rb").read()             # cut between two lines of b
+  open(path, "wb").write(data[:data.find(b'{"text": "3"')])
+  assert Output(path).seen == {"a", "c"}
+
+
+def test_shards_split_the_items_exactly():
+  ids = [f"doc-{i}" for i in range(500)]
+  parts = [[i for i in ids if in_shard(i, (k, 3))] for k in range(3)]
+  assert sorted(sum(parts, [])) == sorted(ids) and min(map(len, parts)) > 100
+  assert item_seed(1, "a", 2) == item_seed(1, "a", 2) != item_seed(2, "a", 2)
+
+
+def _write_docs(tmp_path):
+  path = tmp_path / "docs.jsonl"
+  path.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+  return str(path)
+
+
+def test_rephrase_and_math_cli_write_what_train_reads(tmp_path, capsys):
+  from k2jax.data.corpus import file_documents
+  docs = _write_docs(tmp_path)
+  out = str(tmp_path / "re.jsonl")
+  cli.main(["rephrase", "--input", docs, "--output", out, "-k", "2", "--chunk_chars", "90"],
+           client=ScriptedClient(faithful))
+  recs = [json.loads(x) for x in open(out)]
+  assert sorted(r["item"] for r in recs) == sorted(f"{d['id']}#{k}" for d in DOCS for k in (0, 1))
+  assert "kept 6 records; dropped 0" in capsys.readouterr().out
+  assert len(file_documents(out)) == 6
+  cli.main(["rephrase", "--input", docs, "--output", out, "-k", "2"],
+           client=ScriptedClient(lambda r: pytest.fail("a finished item was redone")))
+  shards = [str(tmp_path / f"s{k}.jsonl") for k in range(2)]
+  for k, path in enumerate(shards):
+    cli.main(["rephrase", "--input", docs, "--output", path, "-k", "2", "--chunk_chars", "90",
+              "--shard", f"{k}/2"], client=ScriptedClient(faithful))
+  sharded = sorted(json.dumps(json.loads(x), sort_keys=True) for p in shards for x in open(p))
+  assert sharded == sorted(json.dumps(r, sort_keys=True) for r in recs)   # seeded per item
+  notes = str(tmp_path / "notes.jsonl")
+  src = tmp_path / "math.jsonl"
+  src.write_text(json.dumps({"id": "ru", "text": "Найдите сумму 2 + 3 = 5."}) + "\n" +
+                 json.dumps({"id": "en", "text": "Find the sum: 2 + 3 = 5."}) + "\n")
+  cli.main(["math", "--input", str(src), "--output", notes], client=ScriptedClient(faithful))
+  got = {r["source_id"]: r for r in map(json.loads, open(notes))}
+  assert got["ru"]["translated"] and not got["en"]["translated"]
+  assert got["en"]["style"] == "learning_note" and "2 + 3 = 5" in got["en"]["text"]
+  assert len(file_documents(notes)) == 2
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "add integers",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                       "b": {"type": "integer"}},
+                      "required": ["a", "b"]}}}
+MCP_NOTE = {"name": "save_note", "description": "store a note",
+            "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}
+
+
+def _call(name, args, idx=0):
+  return ("<|tool_calls_section_begin|><|tool_call_begin|>functions." + name + f":{idx}"
+          "<|tool_call_argument_begin|>" + json.dumps(args) +
+          "<|tool_call_end|><|tool_calls_section_end|>")
+
+
+def agent_model(*, call="add", verdict=True, sim_json=True):
+  """A scripted model playing every part of the agentic pipeline."""
+  def fn(r):
+    text = r.messages[-1]["content"] or ""
+    if "Name broad categories" in text:
+      return '["finance", "travel"]'
+    if "Name specific application domains" in text:
+      return '["budgeting"]'
+    if "Design" in text and "tools" in text:
+      return json.dumps([{"name": "convert_currency", "description": "convert",
+                          "parameters": {"type": "object", "properties": {
+                              "amount": {"type": "number"}}}}, {"name": "bad name!"}])
+    if "Write one realistic request" in text:
+      return '{"task": "add 2 and 3, then save it", "rubric": ["calls a tool", "says 5"]}'
+    if "You play a user" in text:
+      return "DONE" if "assistant: The result is" in text else "Please add 2 and 3."
+    if "You simulate the tool" in text:
+      return '{"result": {"ok": true}, "state": {"saved": 1}}' if sim_json else "sure!"
+    if "meet every rubric item" in text:
+      return json.dumps({"pass": verdict, "failed": [] if verdict else ["says 5"],
+                         "reason": "checked"})
+    if r.tools:                                   # the agent
+      if any(m["role"] == "tool" for m in r.messages):
+        return "The result is " + [m for m in r.messages if m["role"] == "tool"][-1]["content"]
+      names = [t["function"]["name"] for t in r.tools]
+      name = call if call in names or call == "nope" else names[0]
+      return _call(name, {"a": 2, "b": 3} if name == "add" else {"text": "5"})
+    raise AssertionError(f"unexpected request: {text[:80]}")
+  return fn
+
+
+def test_agentic_trajectory_executes_code_tools_and_simulates_the_others():
+  from k2jax.rl import sandbox
+  code_add = dict(ADD, **{"x-k2jax-code": "def run(args):\n  return {'sum': args['a'] + args['b']}",
+                          "x-k2jax-domain": "math"})
+  try:
+    sandbox.check()
+    run = None
+  except sandbox.SandboxUnavailable:       # the plumbing still runs, with a stand-in runner
+    run = lambda program, stdin, timeout_s: sandbox.run(program, stdin=stdin,   # noqa: E731
+                                                        timeout_s=timeout_s, isolation="limits")
+  tools = [agentic.normalize_tool(code_add)]
+  rec = agentic.trajectory(ScriptedClient(agent_model()), tools, 0, seed=1, sandbox_run=run)
+  roles = [m["role"] for m in rec["messages"]]
+  assert roles == ["system", "user", "assistant", "tool", "assistant"]
+  assert json.loads(rec["messages"][3]["content"]) == {"sum": 5}      # really executed
+  assert rec["judge"]["pass"] and rec["rubric"] == ["calls a tool", "says 5"]
+  assert rec["tools"] == [ADD] and rec["ended"] == "user_done"
+  sim = agentic.normalize_tool(MCP_NOTE, "notes")
+  rec = agentic.trajectory(ScriptedClient(agent_model(call="save_note")), [sim], 0, seed=1)
+  assert rec["messages"][3]["content"] == '{"ok": true}'
+  assert rec["tools"][0]["function"]["parameters"] == MCP_NOTE["inputSchema"]
+  ids, mask = chat.encode_with_mask(rec["messages"], rec["tools"])   # what sft trains on
+  assert any(mask) and not all(mask)
+
+
+@pytest.mark.parametrize("kw, reason", [(dict(call="nope"), "unknown tool"),
+                                        (dict(verdict=False), "rubric: says 5"),
+                                        (dict(sim_json=False), "malformed JSON from the tool")])
+def test_agentic_drops_say_why(kw, reason):
+  tools = [agentic.normalize_tool(MCP_NOTE, "notes")]
+  with pytest.raises(rephrase.Dropped, match=reason):
+    agentic.trajectory(ScriptedClient(agent_model(call="save_note", **kw) if "call" not in kw
+                                      else agent_model(**kw)), tools, 0, seed=1)
+
+
+def test_agentic_cli_evolves_tools_and_writes_what_sft_reads(tmp_path, capsys):
+  from k2jax import sft
+  tools = tmp_path / "tools.json"
+  tools.write_text(json.dumps({"domain": "notes", "tools": [MCP_NOTE]}))
+  out = str(tmp_path / "agentic.jsonl")
+  cli.main(["agentic", "--tools", str(tools), "--evolve", "2,1,2", "--items", "6",
+            "--output", out], client=ScriptedClient(agent_model(call="save_note")))
+  evolved = json.load(open(out + ".tools.json"))
+  assert [t["function"]["name"] for t in evolved] == ["convert_currency"] * 2   # 'bad name!' out
+  assert {t["x-k2jax-domain"] for t in evolved} == {"finance / budgeting", "travel / budgeting"}
+  dialogs = sft.read_dialogs(out)
+  assert len(dialogs) == 6 and all(d["tools"] and d["messages"][-1]["role"] == "assistant"
+                                   for d in dialogs)
+  assert "kept 6 records" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["rephrase", "--input", "{tmp}/none*.jsonl", "--output", "{tmp}/o.jsonl"], "matches no file"),
+    (["rephrase", "--input", "{docs}", "--output", "{tmp}/o.jsonl", "--shard", "2/2"],
+     "--shard '2/2': must be i/n"),
+    (["rephrase", "--input", "{docs}", "--output", "{tmp}/o.jsonl", "--styles", "poem"],
+     "--styles ['poem'] unknown"),
+    (["rephrase", "--input", "{docs}", "--output", "{tmp}/o.jsonl", "--endpoint",
+      "http://127.0.0.1:9/v1"], "is the server running"),
+    (["agentic", "--output", "{tmp}/o.jsonl", "--endpoint", "http://x"], "give --tools"),
+    (["agentic", "--output", "{tmp}/o.jsonl", "--evolve", "2,2", "--endpoint", "http://x"],
+     "--evolve 2,2: must be three counts"),
+    (["math", "--input", "{bad}", "--output", "{tmp}/o.jsonl", "--endpoint", "http://x"],
+     "not a JSON object with a 'text' field"),
+    (["math", "--input", "{docs}", "--output", "{tmp}", "--endpoint", "http://x"],
+     "is a directory"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, argv, fragment):
+  docs = _write_docs(tmp_path)
+  (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+  argv = [a.format(tmp=tmp_path, docs=docs, bad=tmp_path / "bad.jsonl") for a in argv]
+  p = subprocess.run([sys.executable, "-m", "k2jax.synth", *argv], capture_output=True,
+                     text=True, timeout=120)
+  assert p.returncode == 2, p.stderr
+  assert p.stderr.strip().splitlines()[-1].startswith("k2jax.synth: error:")
+  assert fragment in p.stderr.strip().splitlines()[-1]
+  assert not os.path.exists(tmp_path / "o.jsonl")
+
+
+def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
+  """The HTTP path end to end: the tiny model behind k2jax.serve (its random text fails the
+  checks; every item must still be kept or dropped with a reason exactly once), killed with
+  SIGKILL mid-corpus and rerun."""
+  import threading
+
+  import jax
+  import uvicorn
+
+  from k2jax import configs, model
+  from k2jax.data import ByteTokenizer
+  from k2jax.engine import Engine
+  from k2jax.serve import make_app
+  cfg = configs.get_config("tiny").model
+  engine = Engine(cfg, model.init(cfg, jax.random.key(0)), ByteTokenizer(), window_s=0.02)
+  server = uvicorn.Server(uvicorn.Config(make_app(engine, "tiny"), host="127.0.0.1", port=0,
+                                         log_level="warning"))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  while not server.started:
+    time.sleep(0.02)
+  url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+  docs = tmp_path / "many.jsonl"
+  docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"note {i}: short text."}) + "\n"
+                          for i in range(24)))
+  out = str(tmp_path / "out.jsonl")
+  argv = [sys.executable, "-m", "k2jax.synth", "rephrase", "--input", str(docs), "--output", out,
+          "--endpoint", url, "-k", "1", "--max_tokens", "8", "--concurrency", "4", "--no_judge"]
+  try:
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 240
+    while sum(os.path.getsize(f) for f in (out, out + ".drops") if os.path.exists(f)) < 300:
+      assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-2000:]
+      time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    first = sum(1 for f in (out, out + ".drops") if os.path.exists(f) for _ in open(f))
+    assert 0 < first < 24
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+  finally:
+    server.should_exit = True
+    thread.join(timeout=30)
+    engine.close()
+  rows = [json.loads(x) for f in (out, out + ".drops") if os.path.exists(f) for x in open(f)]
+  items = [x["item"] for x in rows]
+  assert sorted(items) == sorted(f"d{i}#0" for i in range(24))      # no gap, no duplicate
+  for x in rows:
+    assert x.get("reason") or x.get("style")
+  assert "k2jax.synth rephrase: kept" in r.stdout
