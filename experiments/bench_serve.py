@@ -17,7 +17,6 @@ import concurrent.futures
 import csv
 import os
 import sys
-import threading
 import time
 
 import jax
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from k2jax import configs, model  # noqa: E402
 from k2jax.data import ByteTokenizer  # noqa: E402
 from k2jax.engine import Engine  # noqa: E402
-from k2jax.serve import make_app  # noqa: E402
+from k2jax.serve import Background, make_app  # noqa: E402
 
 
 def matmul_gflops(n=1024, reps=5):
@@ -44,17 +43,10 @@ def matmul_gflops(n=1024, reps=5):
 
 def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms):
   import openai
-  import uvicorn
   engine = Engine(cfg, params, ByteTokenizer(), max_batch=max_batch, window_s=window_ms / 1e3)
   engine.warmup(prompt_tokens=180, max_tokens=max_tokens, sampled=False)   # every batch bucket
-  server = uvicorn.Server(uvicorn.Config(make_app(engine, "tiny"), host="127.0.0.1", port=0,
-                                         log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  while not server.started:
-    time.sleep(0.02)
-  url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
-  client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+  server = Background(make_app(engine, "tiny"))
+  client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
 
   def one(i):
     r = client.chat.completions.create(
@@ -72,8 +64,7 @@ def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms):
     return dict(requests_per_s=requests / dt, tokens_per_s=tokens / dt,
                 batches=engine.stats["batches"] - batches, seconds=dt)
   finally:
-    server.should_exit = True
-    thread.join(timeout=30)
+    server.stop()
     engine.close()
 
 

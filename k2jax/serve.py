@@ -279,6 +279,39 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512):
                                        Exception: failed})
 
 
+class Background:
+  """A server on a thread of this process (notebooks, tests, benchmarks):
+
+      with Background(make_app(engine, "tiny")) as server:
+        OpenAI(base_url=server.url, api_key="unused")...
+
+  port 0 picks a free port; `url` is the /v1 base the openai client takes."""
+
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    import threading
+
+    import uvicorn
+    self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    self.thread = threading.Thread(target=self.server.run, daemon=True)
+    self.thread.start()
+    while not self.server.started:
+      if not self.thread.is_alive():
+        raise RuntimeError(f"the server did not start on {host}:{port}")
+      time.sleep(0.01)
+    port = self.server.servers[0].sockets[0].getsockname()[1]
+    self.url = f"http://{host}:{port}/v1"
+
+  def stop(self) -> None:
+    self.server.should_exit = True
+    self.thread.join(timeout=30)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.stop()
+
+
 def _sse(obj) -> str:
   return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -317,6 +350,9 @@ def main(argv=None):
   p.add_argument("--max_tokens", type=int, default=512,
                  help="tokens generated when a request does not say (capped by the context)")
   p.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed")
+  p.add_argument("--warmup", type=int, default=0, metavar="PROMPT_TOKENS",
+                 help="before listening, compile every batch bucket for prompts of this length "
+                 "(0: compile on first use)")
   args = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   try:
@@ -338,6 +374,10 @@ def main(argv=None):
   name = args.model_name or os.path.basename(os.path.normpath(args.workdir or args.hf))
   engine = Engine(cfg, params, tok, max_batch=args.max_batch,
                   window_s=args.batch_window_ms / 1e3, seed=args.seed)
+  if args.warmup:
+    log.info("compiling batches of 1..%d rows for %d-token prompts", args.max_batch, args.warmup)
+    engine.warmup(min(args.warmup, cfg.max_position_embeddings - 1),
+                  min(args.max_tokens, max(1, cfg.max_position_embeddings - args.warmup)))
   app = make_app(engine, name, default_max_tokens=args.max_tokens)
   log.info("serving %s at http://%s:%d/v1", name, args.host, args.port)
   uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

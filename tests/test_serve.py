@@ -6,23 +6,20 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import jax
-import numpy as np
 import pytest
 
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+import openai
 
-from k2jax import chat, configs, model  # noqa: E402
-from k2jax.data import ByteTokenizer  # noqa: E402
-from k2jax.engine import Engine  # noqa: E402
-from k2jax.generate import generate  # noqa: E402
-from k2jax.serve import make_app  # noqa: E402
+from k2jax import chat, configs, model
+from k2jax.data import ByteTokenizer
+from k2jax.engine import Engine
+from k2jax.generate import generate
+from k2jax.serve import Background, make_app
 
 # Bounded schemas: a random model under a grammar writes unbounded integers / strings forever.
 TOOLS = [{"type": "function", "function": {
@@ -39,16 +36,6 @@ TOOLS = [{"type": "function", "function": {
 USER = [{"role": "user", "content": "what is 2 + 3?"}]
 
 
-def _serve(app):
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  while not server.started:
-    time.sleep(0.02)
-  port = server.servers[0].sockets[0].getsockname()[1]
-  return server, thread, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def served():
   """A random tiny model behind the server: (base url, engine, cfg, params, tokenizer)."""
@@ -56,10 +43,8 @@ def served():
   params = model.init(cfg, jax.random.key(7))
   tok = ByteTokenizer()
   engine = Engine(cfg, params, tok, max_batch=16, window_s=0.05)
-  server, thread, url = _serve(make_app(engine, "tiny", default_max_tokens=24))
-  yield url, engine, cfg, params, tok
-  server.should_exit = True
-  thread.join(timeout=30)
+  with Background(make_app(engine, "tiny", default_max_tokens=24)) as server:
+    yield server.url.removesuffix("/v1"), engine, cfg, params, tok
   engine.close()
 
 

@@ -283,24 +283,16 @@ def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
   """The HTTP path end to end: the tiny model behind k2jax.serve (its random text fails the
   checks; every item must still be kept or dropped with a reason exactly once), killed with
   SIGKILL mid-corpus and rerun."""
-  import threading
-
   import jax
-  import uvicorn
 
   from k2jax import configs, model
   from k2jax.data import ByteTokenizer
   from k2jax.engine import Engine
-  from k2jax.serve import make_app
+  from k2jax.serve import Background, make_app
   cfg = configs.get_config("tiny").model
   engine = Engine(cfg, model.init(cfg, jax.random.key(0)), ByteTokenizer(), window_s=0.02)
-  server = uvicorn.Server(uvicorn.Config(make_app(engine, "tiny"), host="127.0.0.1", port=0,
-                                         log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  while not server.started:
-    time.sleep(0.02)
-  url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+  server = Background(make_app(engine, "tiny"))
+  url = server.url
   docs = tmp_path / "many.jsonl"
   docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"note {i}: short text."}) + "\n"
                           for i in range(24)))
@@ -320,8 +312,7 @@ def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
   finally:
-    server.should_exit = True
-    thread.join(timeout=30)
+    server.stop()
     engine.close()
   rows = [json.loads(x) for f in (out, out + ".drops") if os.path.exists(f) for x in open(f)]
   items = [x["item"] for x in rows]

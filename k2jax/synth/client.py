@@ -146,7 +146,6 @@ class LocalClient(Client):
     import queue
 
     from k2jax import chat
-    from k2jax.engine import Job
     from k2jax.serve import RequestError, parse
     body = {k: v for k, v in dataclasses.asdict(request).items() if v is not None}
     try:      # the server's own checks and rendering: one behaviour for both backends
