@@ -149,13 +149,13 @@ def make_agent(tools: list[dict], rng: random.Random, max_tools: int = 4) -> Age
                "what happened, including failures.")
 
 
-def make_task(client: Client, agent: Agent, seed: int) -> dict:
+def make_task(client: Client, agent: Agent, seed: int, max_tokens: int = 1024) -> dict:
   """{"task": what the user wants, "rubric": [checks]} (Dropped when malformed)."""
   specs = json.dumps([public(t) for t in agent.tools], ensure_ascii=False)
   got = _ask_json(client, f"Tools: {specs}\nWrite one realistic request a user of {agent.domain!r}"
                   " would make that needs these tools, and a rubric: 2-5 checks a good assistant"
                   ' conversation passes. Reply with JSON {"task": ..., "rubric": [...]}.', seed,
-                  "task writer")
+                  "task writer", max_tokens)
   if (not isinstance(got, dict) or not isinstance(got.get("task"), str)
       or not isinstance(got.get("rubric"), list) or not got["rubric"]):
     raise Dropped("malformed JSON from the task writer: needs task and a non-empty rubric")
@@ -175,7 +175,7 @@ def _outcome(rng: random.Random) -> str:
 
 
 def run_tool(client: Client, tool: dict, args: dict, state: dict, rng: random.Random,
-             seed: int, sandbox_run=None) -> tuple[str, dict]:
+             seed: int, sandbox_run=None, max_tokens: int = 1024) -> tuple[str, dict]:
   """(result text, new state) of one call: executed in the sandbox when the tool has code,
   else simulated by the model under a drawn outcome with the state it keeps."""
   name = tool["function"]["name"]
@@ -192,7 +192,7 @@ def run_tool(client: Client, tool: dict, args: dict, state: dict, rng: random.Ra
                   f"Its state so far: {json.dumps(state)}\nCall arguments: {json.dumps(args)}\n"
                   f"Simulate a {outcome} of this call, consistent with the state. Reply with JSON "
                   '{"result": what the tool returns, "state": the updated state}.', seed,
-                  "tool simulator")
+                  "tool simulator", max_tokens)
   if not isinstance(got, dict) or "result" not in got:
     raise Dropped("malformed JSON from the tool simulator: no result")
   new_state = got.get("state") if isinstance(got.get("state"), dict) else state
@@ -200,32 +200,34 @@ def run_tool(client: Client, tool: dict, args: dict, state: dict, rng: random.Ra
   return (result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)), new_state
 
 
-def _user_turn(client: Client, persona: str, task: str, messages: list[dict], seed: int) -> str:
+def _user_turn(client: Client, persona: str, task: str, messages: list[dict], seed: int,
+               max_tokens: int = 256) -> str:
   seen = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages[1:]
                    if m["role"] in ("user", "assistant"))
   reply = client.chat(Request(messages=[{"role": "user", "content":
       f"You play a user: {persona}. You want: {task}\nConversation so far:\n{seen or '(none)'}\n"
       "Write your next message to the assistant only. If your request is fully handled, reply "
-      "with DONE."}], temperature=0.9, max_tokens=256, seed=seed))
+      "with DONE."}], temperature=0.9, max_tokens=min(256, max_tokens), seed=seed))
   return reply.content.strip()
 
 
 def simulate(client: Client, agent: Agent, task: dict, *, seed: int, max_turns: int = 6,
-             sandbox_run=None) -> dict:
+             sandbox_run=None, max_tokens: int = 1024) -> dict:
   """One trajectory: {"messages", "turns", "tool_calls", "ended"}."""
   rng = random.Random(seed)
   persona = rng.choice(PERSONAS)
   by_name = {t["function"]["name"]: t for t in agent.tools}
   states = {name: {} for name in by_name}
   messages = [{"role": "system", "content": agent.system}]
-  first = _user_turn(client, persona, task["task"], messages, item_seed(seed, "user", 0))
+  first = _user_turn(client, persona, task["task"], messages, item_seed(seed, "user", 0),
+                     max_tokens)
   if not first or first.upper() == "DONE":
     raise Dropped("empty: the user simulator opened with nothing")
   messages.append({"role": "user", "content": first})
   calls_made, ended = 0, "max_turns"
   for turn in range(max_turns):
     reply = client.chat(Request(messages=messages, tools=[public(t) for t in agent.tools],
-                                temperature=0.7, max_tokens=1024,
+                                temperature=0.7, max_tokens=max_tokens,
                                 seed=item_seed(seed, "agent", turn)))
     msg = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
@@ -240,12 +242,14 @@ def simulate(client: Client, agent: Agent, task: dict, *, seed: int, max_turns: 
         if not isinstance(c["arguments"], dict):
           raise Dropped(f"malformed tool call: arguments of {c['name']} are not a JSON object")
         result, states[c["name"]] = run_tool(client, tool, c["arguments"], states[c["name"]],
-                                             rng, item_seed(seed, "tool", turn, k), sandbox_run)
+                                             rng, item_seed(seed, "tool", turn, k), sandbox_run,
+                                             max_tokens)
         messages.append({"role": "tool", "tool_call_id": c["id"], "name": c["name"],
                          "content": result})
         calls_made += 1
       continue
-    nxt = _user_turn(client, persona, task["task"], messages, item_seed(seed, "user", turn + 1))
+    nxt = _user_turn(client, persona, task["task"], messages, item_seed(seed, "user", turn + 1),
+                     max_tokens)
     if not nxt or nxt.upper().startswith("DONE"):
       ended = "user_done"
       break
@@ -255,14 +259,15 @@ def simulate(client: Client, agent: Agent, task: dict, *, seed: int, max_turns: 
   return {"messages": messages, "persona": persona, "tool_calls": calls_made, "ended": ended}
 
 
-def judge(client: Client, task: dict, messages: list[dict], seed: int) -> dict:
+def judge(client: Client, task: dict, messages: list[dict], seed: int,
+          max_tokens: int = 512) -> dict:
   """{"pass": bool, "failed": [rubric items], "reason": str} from the model (Dropped when
   malformed)."""
   shown = json.dumps(messages[1:], ensure_ascii=False)
   got = _ask_json(client, f"Task: {task['task']}\nRubric:\n" + "\n".join(
       f"- {r}" for r in task["rubric"]) + f"\nConversation (JSON): {shown}\nDoes the assistant "
       'meet every rubric item? Reply with JSON {"pass": true|false, "failed": [items], '
-      '"reason": "..."}.', seed, "judge", 512)
+      '"reason": "..."}.', seed, "judge", min(512, max_tokens))
   if not isinstance(got, dict) or not isinstance(got.get("pass"), bool):
     raise Dropped("malformed JSON from the judge: no boolean pass")
   return {"pass": got["pass"], "failed": got.get("failed") or [],
@@ -270,14 +275,15 @@ def judge(client: Client, task: dict, messages: list[dict], seed: int) -> dict:
 
 
 def trajectory(client: Client, tools: list[dict], index: int, *, seed: int, max_tools: int = 4,
-               max_turns: int = 6, sandbox_run=None) -> dict:
-  """Item `index` of the pipeline: agent, task, simulation, judge -> one kept record."""
+               max_turns: int = 6, max_tokens: int = 1024, sandbox_run=None) -> dict:
+  """Item `index` of the pipeline: agent, task, simulation, judge -> one kept record.
+  max_tokens bounds every reply (a small model's context holds prompt + reply)."""
   s = item_seed(seed, "trajectory", index)
   agent = make_agent(tools, random.Random(s), max_tools)
-  task = make_task(client, agent, item_seed(s, "task"))
+  task = make_task(client, agent, item_seed(s, "task"), max_tokens)
   sim = simulate(client, agent, task, seed=item_seed(s, "sim"), max_turns=max_turns,
-                 sandbox_run=sandbox_run)
-  verdict = judge(client, task, sim["messages"], item_seed(s, "judge"))
+                 sandbox_run=sandbox_run, max_tokens=max_tokens)
+  verdict = judge(client, task, sim["messages"], item_seed(s, "judge"), max_tokens)
   if not verdict["pass"]:
     raise Dropped(f"rubric: {'; '.join(map(str, verdict['failed']))[:120] or verdict['reason']}")
   return {"messages": sim["messages"], "tools": [public(t) for t in agent.tools],

@@ -159,6 +159,7 @@ def parser() -> argparse.ArgumentParser:
   a.add_argument("--items", type=int, default=100, help="trajectories to attempt")
   a.add_argument("--max_turns", type=int, default=6)
   a.add_argument("--max_tools", type=int, default=4, help="tools per agent")
+  a.add_argument("--max_tokens", type=int, default=1024, help="per reply")
   return p
 
 
@@ -170,7 +171,8 @@ def main(argv=None, *, client=None):
   try:
     shard = parse_shard(args.shard)
     for flag in ("concurrency", "retries", "timeout") + (
-        ("chunk_chars", "max_tokens") if args.pipeline != "agentic" else ("items", "max_turns")):
+        ("chunk_chars", "max_tokens") if args.pipeline != "agentic" else
+        ("items", "max_turns", "max_tokens")):
       if getattr(args, flag) < (0 if flag == "retries" else 1):
         raise UserError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     if args.pipeline == "rephrase":
@@ -224,7 +226,8 @@ def main(argv=None, *, client=None):
         raise SystemExit(2)
       items = [(f"trajectory-{i}", i) for i in range(args.items)]
       work = lambda i: [agentic.trajectory(client, tools, i, seed=args.seed,  # noqa: E731
-                                           max_tools=args.max_tools, max_turns=args.max_turns)]
+                                           max_tools=args.max_tools, max_turns=args.max_turns,
+                                           max_tokens=args.max_tokens)]
     else:
       settings = Settings(chunk_chars=args.chunk_chars, max_tokens=args.max_tokens,
                           min_score=args.min_score, judge=not args.no_judge)
