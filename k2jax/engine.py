@@ -14,9 +14,10 @@ Requests that arrive while a batch decodes wait for the next one (static batchin
 and on the accelerator the step time barely grows with rows, so 16 clients get ~16x the
 throughput of one; continuous batching would also let a short request leave early).
 
-A request with a `seed` runs in a batch of its own: a sampled token depends on the row's
-position in the batch and on the batch size (the sampling key is one per step), so sharing a
-batch with whoever else arrived would make the seed mean nothing.
+Every row samples with its own key (`generate` with one seed per row): a request's seed
+gives the same tokens whoever shares its batch, as long as the batched forward gives the
+row the same logits (exact on XLA:CPU; accelerators may differ in the last bits, which can
+flip a near-tie). Rows of a request without a seed draw theirs from the engine's generator.
 
 Rows end at a stop token, a stop string (the text is cut before it, as OpenAI does), their
 own `max_tokens`, or when the client goes away (`job.cancelled`). Streamed text is held back
@@ -171,8 +172,7 @@ class Engine:
           continue
         key = (job.temperature if job.temperature > 0 else 0.0,
                job.top_p if job.temperature > 0 else None,
-               job.top_k if job.temperature > 0 else None,
-               None if job.seed is None else ("seed", id(job)))
+               job.top_k if job.temperature > 0 else None)
         groups.setdefault(key, []).append(job)
       for group in groups.values():
         try:
@@ -185,7 +185,10 @@ class Engine:
   def _decode(self, jobs: list[Job]) -> None:
     rows = [_Row(job, i, self.stop_text) for job in jobs for i in range(job.n)]
     first = jobs[0]
-    seed = first.seed % 2**31 if first.seed is not None else int(self._rng.integers(2**31))
+    seeds = []
+    for job in jobs:      # row i of a seeded request: a key from (seed, i)
+      base = job.seed % 2**31 if job.seed is not None else int(self._rng.integers(2**31))
+      seeds += [(base * 1_000_003 + i) % 2**32 for i in range(job.n)]
     tok, stop_ids = self.tok, set(self.stop_ids)
 
     def finish(row: _Row, reason: str) -> None:
@@ -232,7 +235,7 @@ class Engine:
 
     generate(self.cfg, self.params, [job.prompt for job in jobs for _ in range(job.n)],
              max_new_tokens=max(job.max_tokens for job in jobs),
-             temperature=first.temperature, top_p=first.top_p, top_k=first.top_k, seed=seed,
+             temperature=first.temperature, top_p=first.top_p, top_k=first.top_k, seed=seeds,
              stop_ids=self.stop_ids, logits_processor=processor, on_token=on_token)
     for row in rows:     # a row that hit the batch's last step without ending on its own
       if row.finish is None:

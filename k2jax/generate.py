@@ -32,11 +32,18 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def fold(key, i):
+  """fold_in for one key or a batch of keys [B] (one per row)."""
+  return jax.vmap(jax.random.fold_in, (0, None))(key, i) if key.shape else jax.random.fold_in(key, i)
+
+
 def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float | None,
            allowed=None):
   """Next tokens [B] from logits [B, V]: greedy at temperature 0, else softmax(logits / T)
   restricted to the top_k tokens and to the smallest set whose probability reaches top_p.
-  allowed [B, V] bool (optional) masks tokens out first."""
+  allowed [B, V] bool (optional) masks tokens out first. `key` is one key for the batch, or
+  keys [B], one per row: then a row's draw depends on its key and logits only, not on which
+  rows share its batch (what lets a server batch seeded requests)."""
   logits = logits.astype(jnp.float32)
   if allowed is not None:
     logits = jnp.where(allowed, logits, -jnp.inf)
@@ -55,6 +62,8 @@ def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float |
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
         keep_sorted)
     logits = jnp.where(keep, logits, -jnp.inf)
+  if key.shape:
+    return jax.vmap(lambda k, x: jax.random.categorical(k, x))(key, logits).astype(jnp.int32)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
@@ -85,7 +94,7 @@ def _programs(cfg):
       """n decode steps on device (no logits processor): tokens [n, B]."""
       def body(carry, i):
         cache, tok = carry
-        nxt, _, cache = step(params, cache, tok, jax.random.fold_in(key, start + i), None, **o)
+        nxt, _, cache = step(params, cache, tok, fold(key, start + i), None, **o)
         return (cache, nxt), nxt
       (cache, _), toks = jax.lax.scan(body, (cache, tokens), jnp.arange(n))
       return toks, cache
@@ -128,7 +137,7 @@ def check_context(cfg, prompts, max_new_tokens: int, flag: str = "") -> None:
 
 def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0, stop_ids: Sequence[int] = (),
+             seed: int | Sequence[int] = 0, stop_ids: Sequence[int] = (),
              logits_processor: Callable[[int, list[int]], np.ndarray | None] | None = None,
              on_token: Callable[[list[int | None]], set[int] | None] | None = None
              ) -> list[list[int]]:
@@ -140,7 +149,8 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     prompts: token-id lists, one per row (at least one token each).
     max_new_tokens: tokens to generate per row at most.
     temperature, top_k, top_p: sampling (temperature 0 = greedy).
-    seed: the sampling key.
+    seed: the sampling key: one for the batch, or one per row (a row's tokens then do not
+      depend on the other rows; k2jax.engine batches seeded requests this way).
     stop_ids: a row ends after emitting any of these (the stop token is included).
     logits_processor: fn(row, tokens generated so far) -> bool [vocab] of allowed next tokens
       (or None = all), called on the host per row and step (constrained decoding).
@@ -168,7 +178,13 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   prefill, step, steps = _programs(cfg)
   opts = dict(greedy=temperature <= 0, temperature=jnp.float32(max(float(temperature), 1e-6)),
               top_k=top_k, top_p=top_p)
-  key = jax.random.key(seed)
+  if isinstance(seed, (int, np.integer)):
+    key = jax.random.key(seed)
+  else:
+    if len(seed) != n:
+      raise ValueError(f"generate: {len(seed)} seeds for {n} prompts")
+    seeds = list(seed) + [0] * (B - n)
+    key = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
   stop = set(int(s) for s in stop_ids)
   out: list[list[int]] = [[] for _ in range(B)]
   done = np.arange(B) >= n
@@ -186,7 +202,7 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
 
   cache = decode.init_cache(cfg, B, S)
   nxt, _, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
-                          jax.random.fold_in(key, 0), allowed(), **opts)
+                          fold(key, 0), allowed(), **opts)
   pending = [np.asarray(nxt)]            # sampled, not yet handed out
   t = 0
   while True:
@@ -212,7 +228,7 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
       nxt = toks[-1]
       pending = list(np.asarray(toks))
     else:
-      nxt, _, cache = step(params, cache, nxt, jax.random.fold_in(key, t), allowed(), **opts)
+      nxt, _, cache = step(params, cache, nxt, fold(key, t), allowed(), **opts)
       pending = [np.asarray(nxt)]
 
 

@@ -229,3 +229,18 @@ def test_the_batch_is_bucketed_and_padding_rows_never_surface():
   assert (prefill._cache_size(), steps._cache_size()) == compiled
   alone = [generate.generate(cfg, params, [p], max_new_tokens=6)[0] for p in prompts[:5]]
   assert out == alone
+
+
+def test_per_row_seeds_make_a_row_independent_of_its_batch():
+  """generate(seed=[...]): a row's sampled tokens depend on its own seed only."""
+  cfg = CONFIGS["plain"]
+  params = model.init(cfg, jax.random.key(3))
+  prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+  kw = dict(max_new_tokens=9, temperature=1.0, top_p=0.9)
+  batched = generate.generate(cfg, params, prompts, seed=[11, 12, 13, 14], **kw)
+  for b, p in enumerate(prompts):
+    assert generate.generate(cfg, params, [p], seed=[11 + b], **kw)[0] == batched[b]
+  assert generate.generate(cfg, params, prompts[:2], seed=[11, 99], **kw)[0] == batched[0]
+  assert generate.generate(cfg, params, prompts[:2], seed=[12, 12], **kw)[0] != batched[0]
+  with pytest.raises(ValueError, match="3 seeds for 4 prompts"):
+    generate.generate(cfg, params, prompts, seed=[1, 2, 3], **kw)

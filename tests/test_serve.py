@@ -265,3 +265,20 @@ def test_cli_serves_a_trained_run_and_refuses_bad_input(tmp_path):
   finally:
     proc.terminate()
     proc.wait(timeout=60)
+
+
+def test_seeded_requests_share_a_batch_and_still_repeat(served, client):
+  """Per-row sampling keys: a seeded request gives the same text alone and batched with
+  other seeded requests (the engine groups them; before, each decoded alone)."""
+  engine = served[1]
+  kw = dict(model="tiny", max_tokens=12, temperature=1.0)
+  prompts = [[{"role": "user", "content": f"tell me {i}"}] for i in range(6)]
+  alone = [client.chat.completions.create(messages=p, seed=100 + i, **kw).choices[0].message.content
+           for i, p in enumerate(prompts)]
+  batches = engine.stats["batches"]
+  with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    together = list(pool.map(lambda i: client.chat.completions.create(
+        messages=prompts[i], seed=100 + i, **kw).choices[0].message.content, range(6)))
+  assert together == alone
+  assert engine.stats["batches"] - batches < 6
+  assert len(set(alone)) > 1

@@ -320,3 +320,31 @@ def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
   for x in rows:
     assert x.get("reason") or x.get("style")
   assert "k2jax.synth rephrase: kept" in r.stdout
+
+
+def test_train_and_sft_run_on_what_synth_writes(tmp_path):
+  """The records feed the trainers as they are: k2jax.train on rephrased text, k2jax.sft
+  (CLI) on agentic dialogs, a few steps each."""
+  from tests.test_sft import SMALL, run_sft
+  from tests.test_train import small_config
+  from k2jax import metrics, train
+  docs = tmp_path / "docs.jsonl"
+  docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Item {i}. " + DOCS[i % 3]["text"]})
+                          + "\n" for i in range(12)))
+  out = str(tmp_path / "re.jsonl")
+  cli.main(["rephrase", "--input", str(docs), "--output", out, "-k", "1"],
+           client=ScriptedClient(faithful))
+  cfg = small_config(steps=2, eval_every=2, checkpoint_every=2)
+  cfg.data.files = out
+  train.train(cfg, str(tmp_path / "pre"))
+  assert [r["step"] for r in metrics.read(str(tmp_path / "pre")) if "loss" in r] == [1, 2]
+  tools = tmp_path / "tools.json"
+  tools.write_text(json.dumps({"domain": "notes", "tools": [MCP_NOTE]}))
+  dialogs = str(tmp_path / "agentic.jsonl")
+  cli.main(["agentic", "--tools", str(tools), "--items", "8", "--output", dialogs],
+           client=ScriptedClient(agent_model(call="save_note")))
+  r = run_sft("--config", "tiny_sft", "--workdir", str(tmp_path / "sft"), "--config.train.steps=2",
+              f"--config.data.files={dialogs}", *SMALL,
+                "--config.train.seq_len=1024", "--config.train.batch_size=2")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert any("loss" in json.loads(x) for x in open(tmp_path / "sft" / "metrics.jsonl"))
