@@ -41,13 +41,19 @@ def _groups(line, n):
     if m.group(3):
       ids = ids.transpose(tuple(map(int, m.group(3).split(","))))
     return [tuple(g) for g in ids.reshape(shape[0], -1)]
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-  if m:   # newer XLA: a device mesh and the axes a group varies over
-    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
+  if m:   # newer XLA: a device mesh (device ids in iota order, or reshaped and transposed)
+    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))   # and the axes a group varies over
     names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-    vary = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+    vary = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
     keep = [i for i in range(len(names)) if i not in vary]
-    ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(keep + vary)
+    ids = np.arange(int(np.prod(sizes)))
+    if m.group(2):
+      ids = ids.reshape(tuple(map(int, m.group(2).split(","))))
+      if m.group(3):
+        ids = ids.transpose(tuple(map(int, m.group(3).split(","))))
+    ids = ids.reshape(sizes).transpose(keep + vary)
     return [tuple(g) for g in ids.reshape(-1, int(np.prod([sizes[i] for i in vary] or [1])))]
   m = re.search(r"replica_groups=\{(.*?)\}\}", line)
   if m:
