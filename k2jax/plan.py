@@ -57,11 +57,14 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   tx = optim.optimizer(stored)
   abstract = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
   mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
-  sh = state_shardings(model.param_specs(stored.model), mesh, abstract, tx)
+  sh = state_shardings(model.param_specs(stored.model), mesh, abstract, tx,
+                       host_state=config.optimizer.host_state)
 
-  def per_device(tree, shardings, itemsize=None):
+  def per_device(tree, shardings, itemsize=None, memory_kind=None):
     return sum(int(np.prod(s.shard_shape(a.shape))) * (itemsize or a.dtype.itemsize)
-               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+               if memory_kind is None or (s.memory_kind == "pinned_host") == (
+                   memory_kind == "pinned_host"))
 
   # ZeRO-1 splits each state over the `opt_state` mesh axes on a dimension they divide
   # (parallel.state.zero1); where none does, the state stays whole over them. Report what
@@ -81,7 +84,9 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   param_size = np.dtype(config.model.param_dtype).itemsize
   return dict(params=per_device(abstract.params, sh.params),
               grads=per_device(abstract.params, sh.params, grad_bytes),
-              optimizer=per_device(abstract.opt_state, sh.opt_state),
+              optimizer=per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
+              optimizer_host=per_device(abstract.opt_state, sh.opt_state,
+                                        memory_kind="pinned_host"),
               optimizer_unsplit=unsplit,
               optimizer_unsplit_leaves=sorted(names, key=names.get, reverse=True),
               total_params=n * param_size, total_grads=n * grad_bytes)
@@ -181,16 +186,24 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
   for key, label in (("params", "params"), ("grads", "grads / accumulation"),
                      ("optimizer", "optimizer (ZeRO-1)")):
     lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
-  if st["optimizer_unsplit"] > max(0.01 * st["optimizer"], 1e6):
+  if st["optimizer_host"]:
+    lines[-1] = (f"  {'optimizer on device':<24}{st['optimizer'] / GB:>10.2f}   (not mirroring "
+                 f"a parameter: QK-Clip's record, counts)")
+  opt_all = st["optimizer"] + st["optimizer_host"]
+  if st["optimizer_unsplit"] > max(0.01 * opt_all, 1e6):
     lines.append(f"    of which {st['optimizer_unsplit'] / GB:.2f} GB is not split over its whole "
                  f"data-parallel group (data = {mesh['data']}): no dimension of "
                  f"{', '.join(st['optimizer_unsplit_leaves'][:3])} is divisible by it (ZeRO-1 "
                  f"keeps those shards whole over the axes that do not divide)")
   states = st["params"] + st["grads"] + st["optimizer"]
-  lines.append(f"  {'all states':<24}{states / GB:>10.2f}   (from parallel.state_shardings)")
+  lines.append(f"  {'all states on device':<24}{states / GB:>10.2f}   "
+               f"(from parallel.state_shardings)")
   lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}   remat={used['remat']}, "
                f"attention={used['attention_impl']}, storage={used['storage']}")
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
+  if st["optimizer_host"]:
+    lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
+                 f"states (optimizer.host_state: on the device during the update only)")
   if P > 1:
     tab = schedules.build(schedule, P, V, M)
     sp = layout.split(cfg.model, P, V)

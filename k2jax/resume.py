@@ -52,6 +52,7 @@ RESUMABLE = (
     ("optimizer.ns_steps", "optimizer value"),
     ("optimizer.adam_", "optimizer value"),
     ("optimizer.grad_clip_norm", "gradient clipping value"),
+    ("optimizer.host_state", "where optimizer states live (host or device memory)"),
     ("rl.iterations", "run length"),
     ("rl.checkpoint_every", "checkpoint cadence"),
     ("rl.sandbox", "code sandbox isolation"),

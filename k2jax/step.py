@@ -130,6 +130,15 @@ def _skip(config):
   return None if skip == "auto" else skip
 
 
+def on_device(ocfg, opt_state):
+  """The optimizer state in device memory, for the update. With `optimizer.host_state` its
+  ZeRO-1 leaves live in host memory between steps (parallel.state_shardings) and come to the
+  device only here; the step's output shardings send the new ones back."""
+  if not ocfg.get("host_state", False):
+    return opt_state
+  return jax.device_put(opt_state, jax.memory.Space.Device)
+
+
 def train_step(config, tx, schedule, state: TrainState, batch):
   """-> (new state, metrics). `config` is the full config (model, optimizer, train, mesh);
   with a pipeline, `state` is in the stored layout (k2jax.parallel.layout) and `tx` was
@@ -139,14 +148,15 @@ def train_step(config, tx, schedule, state: TrainState, batch):
                             _table(config), _skip(config))
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params,
+  old_opt = on_device(ocfg, state.opt_state)
+  updates, opt_state = tx.update(grads, old_opt, state.params,
                                  max_logits=aux.max_logits, expert_load=aux.expert_load)
   params = optax.apply_updates(state.params, updates)
   nan_streak = jnp.where(finite, 0, state.nan_streak + 1)
   new_state = TrainState(
       step=state.step + 1,
       params=_gate(finite, params, state.params),
-      opt_state=_gate(finite, opt_state, state.opt_state),
+      opt_state=_gate(finite, opt_state, old_opt),
       nan_streak=nan_streak,
       skipped=state.skipped + (~finite).astype(jnp.int32))
   sp = layout.of(config)

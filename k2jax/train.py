@@ -273,14 +273,16 @@ def _run(config, workdir, mesh, data, init_params=None):
   schedule = optim.learning_rate_schedule(config)
   rng = jax.random.key(t.seed)
   abstract = jax.eval_shape(functools.partial(init_state, stored, tx), rng)
-  shardings = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx)
+  host = config.optimizer.host_state
+  shardings = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx,
+                                       host_state=host)
   if sp is None:
     tx_logical, abstract_logical, ckpt_shardings = tx, abstract, shardings
   else:
     tx_logical = optim.optimizer(config)
     abstract_logical = jax.eval_shape(functools.partial(init_state, config, tx_logical), rng)
     ckpt_shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract_logical,
-                                              tx_logical, spread_layers=True)
+                                              tx_logical, spread_layers=True, host_state=host)
   batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
   to_stored = jax.jit(lambda s: layout.convert_state(sp, tx_logical, s, layout.to_stored),
                       out_shardings=shardings, donate_argnums=0)

@@ -164,6 +164,7 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
     from k2jax import configs
     c.model = configs.get_config("kimi_k2").model
     c.model.num_hidden_layers = 9
+    c.optimizer.host_state = True   # as the preset: ZeRO-1 states in host memory
   c.model.update(dict(dtype="bfloat16", remat="selective", activation_storage="fp8",
                       moe_impl=moe_impl, attention_impl=attention_impl))
   mesh = parallel.make_mesh(c.mesh)
@@ -171,7 +172,8 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   tx = optim.optimizer(stored)
   with jax.set_mesh(mesh):
     ab = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
-    sh = parallel.state_shardings(model.param_specs(stored.model), mesh, ab, tx)
+    sh = parallel.state_shardings(model.param_specs(stored.model), mesh, ab, tx,
+                                  host_state=c.optimizer.host_state)
     ab = jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x), ab, sh)
     bs = parallel.batch_sharding(mesh, 16, 4)
     b = {k: jax.ShapeDtypeStruct((16, 32), jnp.float32 if k == "loss_mask" else jnp.int32,
@@ -182,6 +184,7 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
       text = jax.jit(step).trace(ab, b).lower(lowering_platforms=(platform,)).as_text()
   low = text.lower()
   print("RESULT " + json.dumps({"chars": len(text), "ppermute": text.count("collective_permute"),
+                                "host": text.count("pinned_host"),
                                 "kernels": {"triton": "triton" in low,
                                             "mosaic": "tpu_custom_call" in low}}))
 

@@ -11,18 +11,30 @@ def mesh(pipeline=1, data=1, expert=1):
   return AbstractMesh((pipeline, data, expert), parallel.MESH_AXES)
 
 
-def test_rules_split_experts_layers_and_vocabulary_and_keep_the_rest_whole():
+def test_rules_split_experts_layers_vocabulary_and_the_model_dimension_over_the_expert_group():
   cfg = configs.get_config("tiny").model
   sh = parallel.param_shardings(model.param_specs(cfg), mesh(data=2, expert=4))
-  assert sh["moe_layers"]["moe"]["experts"]["gate"].spec == P("pipeline", "expert", None, None)
-  assert sh["moe_layers"]["moe"]["router"].spec == P("pipeline", None, None)
+  moe = sh["moe_layers"]["moe"]
+  assert moe["experts"]["gate"].spec == P("pipeline", "expert", None, None)   # experts keep d whole
+  assert moe["experts"]["down"].spec == P("pipeline", "expert", None, None)
+  assert moe["router"].spec == P("pipeline", "expert", None)   # FSDP over the expert group
+  assert moe["shared"]["down"].spec == P("pipeline", None, "expert")
+  assert sh["moe_layers"]["attn"]["o"].spec == P("pipeline", None, None, "expert")
+  assert sh["moe_layers"]["attn"]["q_b"].spec == P("pipeline", None, "expert", None)  # heads
+  assert sh["moe_layers"]["attn"]["q_a_norm"].spec == P("pipeline", None)
+  # under a pipeline the dense stack (1 layer, run by stage 0) is whole on every device
+  piped = parallel.param_shardings(model.param_specs(cfg), mesh(pipeline=3, expert=4))
+  assert piped["dense_layers"]["attn"]["o"].spec == P(None, None, None, None)
+  assert piped["moe_layers"]["attn"]["o"].spec == P("pipeline", None, None, "expert")
   assert sh["embed"].spec == P("expert", None)             # vocabulary rows over the expert group
   assert sh["lm_head"].spec == P(None, "expert")
-  assert sh["final_norm"].spec == P(None)
-  # a vocabulary the expert axis does not divide stays whole instead of failing
+  assert sh["final_norm"].spec == P("expert")
+  # sizes the expert axis does not divide stay whole instead of failing (memory-only splits)
   odd = configs.get_config("tiny").model
-  odd.vocab_size = 262
-  assert parallel.param_shardings(model.param_specs(odd), mesh(expert=4))["embed"].spec[0] is None
+  odd.vocab_size, odd.hidden_size = 262, 66
+  sh = parallel.param_shardings(model.param_specs(odd), mesh(expert=4))
+  assert sh["embed"].spec[0] is None and sh["final_norm"].spec == P(None)
+  assert sh["moe_layers"]["attn"]["o"].spec == P("pipeline", None, None, None)
   assert all("data" not in str(s.spec) for s in parallel.param_shardings(
       model.param_specs(cfg), mesh(data=8)).values() if hasattr(s, "spec"))
 

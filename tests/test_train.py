@@ -286,3 +286,53 @@ def test_help_lists_the_config_groups_and_how_to_override_them():
     assert out.startswith(f"usage: python -m {m} --config PRESET|FILE")
     assert "--config.GROUP.KEY=VALUE" in out and "  train: " in out and "--workdir:" in out
     assert ("  rl: " in out) == (m == "k2jax.rl")
+
+
+def test_host_state_keeps_optimizer_states_in_host_memory_and_changes_nothing(tmp_path):
+  """optimizer.host_state (report 2.4.2: optimizer states offloaded to CPU): the ZeRO-1
+  leaves live in host memory between steps, come to the device for the update and go back;
+  the trajectory is the device-resident one bit for bit, through a checkpoint and resume."""
+  import functools
+  import jax
+  import numpy as np
+  from k2jax import model, optim, parallel
+  from k2jax.step import init_state, train_step
+  cfg = small_config()
+  cfg.optimizer.host_state = True
+  tx = optim.optimizer(cfg)
+  key = jax.random.key(0)
+  abstract = jax.eval_shape(functools.partial(init_state, cfg, tx), key)
+  mesh = parallel.make_mesh(cfg.mesh)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.model.vocab_size, (4, 33))
+  batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], loss_mask=np.ones((4, 32), bool),
+               positions=np.tile(np.arange(32), (4, 1)), segment_ids=np.ones((4, 32), np.int32))
+  sched = optim.learning_rate_schedule(cfg)
+  kinds, runs = {}, {}
+  for host in (True, False):
+    c = cfg.copy_and_resolve_references()
+    c.optimizer.host_state = host
+    sh = parallel.state_shardings(model.param_specs(c.model), mesh, abstract, tx, host_state=host)
+    with jax.set_mesh(mesh):
+      state = jax.jit(functools.partial(init_state, c, tx), out_shardings=sh)(key)
+      step = jax.jit(functools.partial(train_step, c, tx, sched), out_shardings=(sh, None))
+      for _ in range(3):
+        state, m = step(state, batch)
+    if host:   # every state mirroring a parameter is on the host; QK-Clip's flags stay
+      kinds = {}
+      for a in jax.tree.leaves(state.opt_state):
+        kinds[a.sharding.memory_kind] = kinds.get(a.sharding.memory_kind, 0) + a.nbytes
+    runs[host] = (jax.device_get(state), float(m["loss"]))
+  assert kinds["pinned_host"] > 50 * kinds.get("device", 0), kinds
+  assert runs[True][1] == runs[False][1]
+  for a, b in zip(jax.tree.leaves(runs[True][0]), jax.tree.leaves(runs[False][0])):
+    np.testing.assert_array_equal(a, b)
+  # the trainer: 2 steps, checkpoint, resume to 4; the same with device states
+  for name, host in (("dev", False), ("host", True)):
+    c = small_config(steps=2, checkpoint_every=2, eval_every=4)
+    c.optimizer.host_state = host
+    train.train(c, str(tmp_path / name))
+    c.train.steps = 4
+    train.train(c, str(tmp_path / name))
+  assert losses(tmp_path / "host") == losses(tmp_path / "dev")
+  assert sorted(losses(tmp_path / "host")) == [1, 2, 3, 4]

@@ -88,6 +88,10 @@ def optimizer_config():
       adam_b2=0.95,
       adam_eps=1e-8,
       grad_clip_norm=0.0,             # 0 = off
+      host_state=False,               # ZeRO-1 states (momentum, Adam moments, fp32 master
+                                      # weights) kept in host memory and brought to the device
+                                      # for the update only (report 2.4.2: optimizer states
+                                      # offloaded to CPU)
   ))
 
 

@@ -51,8 +51,12 @@ def get_config():
   ))
   # Report 2.5: WSD, 500-step warmup, 2e-4 for 10T tokens, cosine to 2e-5 over 5.5T tokens,
   # 67M-token global batch (16384 x 4096) -> ~149k constant + ~82k decay steps. tau = 100.
+  # Report 2.4.2: the optimizer states (Muon momentum, fp32 master weights; ZeRO-1 over
+  # data) live in host memory and come to the device for the update only, so a device
+  # holds bf16 params + fp32 gradient buffer: 29.5 GB on the fullest device of PP16 x EP16
+  # x DP8 (`python -m k2jax.plan --config kimi_k2 --devices 2048`), 34.4 GB with them on it.
   c.optimizer.update(dict(learning_rate=2e-4, end_learning_rate=2e-5, warmup_steps=500,
-                          decay_steps=82_000, weight_decay=0.1, tau=100.0))
+                          decay_steps=82_000, weight_decay=0.1, tau=100.0, host_state=True))
   # Logging reads metrics back from the device (device_get); every 10 steps keeps the
   # device busy in between.
   c.train.update(dict(steps=231_000, batch_size=16384, seq_len=4096, log_every=10,

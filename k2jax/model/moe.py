@@ -151,9 +151,12 @@ def moe(cfg, p, x, valid=None):
   if batch_axes:
     ep = rules.active_mesh_axes("experts", mesh)
     ep_axis = ep[0] if ep else None
-    # Specs of one layer's routed params (the scan removed the `layers` axis), from the table.
-    specs = jax.tree.map(lambda s: rules.logical_spec(s.axes) if ep_axis else P(),
-                         moe_specs(cfg), is_leaf=spec.is_spec)
+    # Specs of one layer's routed params (the scan removed the `layers` axis): split over the
+    # expert axis on `experts` only; the router (stored split over `expert` on its model
+    # dimension, sharding_rules) is gathered whole into every shard.
+    specs = jax.tree.map(
+        lambda s: P(*[ep_axis if a == "experts" else None for a in s.axes]) if ep_axis else P(),
+        moe_specs(cfg), is_leaf=spec.is_spec)
     specs = {k: specs[k] for k in routed}
     fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes, ep_axis),
                        in_specs=(specs, P(batch_axes), P(batch_axes)),

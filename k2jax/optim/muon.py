@@ -24,7 +24,7 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec
+from k2jax.configs.sharding_rules import MEMORY_ONLY, active_mesh_axes, param_spec
 from k2jax.model import param_specs, spec
 
 
@@ -91,13 +91,17 @@ def scale_by_rms_match(weight_dimension_numbers, rms: float = 0.2):
 
 
 def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
-  """Run `inner` (optax's scale_by_muon) on momentum gathered to the parameters' own sharding.
+  """Run `inner` (optax's scale_by_muon) on momentum gathered to whole matrices (split only
+  over the axes of their layers and experts).
 
-  ZeRO-1 splits Muon's momentum over the `opt_state` mesh axes, but Newton-Schulz needs whole
-  matrices. Left alone, XLA partitions its matmuls over the split momentum and exchanges
+  ZeRO-1 splits Muon's momentum over the `opt_state` mesh axes, and the sharding rules split
+  non-expert weights over `expert` on their model dimension (FSDP), but Newton-Schulz needs
+  whole matrices. Left alone, XLA partitions its matmuls over the split momentum and exchanges
   partial products in every iteration; constraining the momentum to the parameter sharding
   instead all-gathers each matrix once, orthogonalizes it whole, and the train step's
-  output sharding keeps this rank's shard of the new momentum (report 2.4.2, ZeRO-1).
+  output sharding keeps this rank's shard of the new momentum (report 2.4.2, ZeRO-1). (On a
+  pipeline, XLA also moved pieces of the FSDP-split matrices across pipeline devices to
+  partition Newton-Schulz; whole matrices keep the update on the device that holds them.)
   A no-op without a mesh or when those axes have size 1.
 
   Args:
@@ -106,18 +110,24 @@ def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.Gra
   Returns:
     `inner` with its momentum constrained before each update.
   """
-  pspecs = jax.tree.map(lambda s: logical_spec(s.axes), param_specs(cfg), is_leaf=spec.is_spec)
   masked = lambda x: isinstance(x, optax.MaskedNode)
 
-  def gather(mu):  # mu mirrors the params tree, with MaskedNode outside the Muon group
+  def gather(mu, mesh):  # mu mirrors the params tree, with MaskedNode outside the Muon group
+    pspecs = jax.tree.map(lambda s: param_spec(s.axes, s.shape, mesh, whole=True),
+                          param_specs(cfg), is_leaf=spec.is_spec)
     return jax.tree.map(lambda x, p: x if masked(x) else jax.lax.with_sharding_constraint(x, p),
                         mu, pspecs, is_leaf=masked)
 
   def update_fn(updates, state, params=None):
     mesh = jax.sharding.get_abstract_mesh()
-    if active_mesh_axes("opt_state", mesh):
-      state = state._replace(mu=gather(state.mu))
-    return inner.update(updates, state, params)
+    if not (active_mesh_axes("opt_state", mesh)
+            or any(active_mesh_axes(a, mesh) for a in MEMORY_ONLY)):
+      return inner.update(updates, state, params)
+    # gradient, momentum and the orthogonalized update all whole: left any freedom, XLA
+    # partitioned Newton-Schulz of the pipeline-replicated dense layer across pipeline devices
+    updates, new = inner.update(gather(updates, mesh), state._replace(mu=gather(state.mu, mesh)),
+                                params)
+    return gather(updates, mesh), new
 
   return optax.GradientTransformation(inner.init, update_fn)
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k2jax.configs.sharding_rules import MESH_AXES, RULES, logical_spec  # noqa: F401
+from k2jax.configs.sharding_rules import MESH_AXES, RULES, logical_spec, param_spec  # noqa: F401
 from k2jax.model import spec
 
 
@@ -86,18 +86,10 @@ def param_shardings(specs, mesh: Mesh, spread_layers: bool = False):
   its largest other dimension it divides, so saving never gathers a stack on one device).
   """
   def one(path, s):
-    pspec = logical_spec(s.axes)
-    if (s.axes and s.axes[0] == "layers" and pspec[0] == "pipeline"
-        and s.shape[0] % mesh.shape["pipeline"]):
-      pspec = P(None, *pspec[1:])
-      if spread_layers:
-        pspec = spread(pspec, s.shape, ("pipeline",), mesh.shape)
-    if "vocab" in s.axes:   # a memory saving only: a vocabulary the axes do not divide stays whole
-      d = s.axes.index("vocab")
-      spec_l = list(pspec) + [None] * (len(s.shape) - len(pspec))
-      if s.shape[d] % math.prod(mesh.shape[a] for a in entry_axes(spec_l[d])):
-        spec_l[d] = None
-        pspec = P(*spec_l)
+    pspec = param_spec(s.axes, s.shape, mesh)
+    if (spread_layers and s.axes and s.axes[0] == "layers" and pspec[0] is None
+        and mesh.shape["pipeline"] > 1):
+      pspec = spread(pspec, s.shape, ("pipeline",), mesh.shape)
     _check_divisible("/".join(str(getattr(k, "key", k)) for k in path), s.shape, pspec, mesh)
     return NamedSharding(mesh, pspec)
   return jax.tree_util.tree_map_with_path(one, specs, is_leaf=spec.is_spec)

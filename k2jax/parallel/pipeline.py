@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from k2jax.configs.sharding_rules import logical_spec
+from k2jax.configs.sharding_rules import logical_spec, param_spec
 from k2jax.kernels import moe as moe_kernels
 from k2jax.model import spec as model_spec, transformer
 from k2jax.model.layers import rms_norm
@@ -339,8 +339,9 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   # The gradient sums keep their parameters' sharding over the automatic axes (the vocab
   # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
   # pipeline 2 x data 2 x expert 2).
+  mesh = jax.sharding.get_abstract_mesh()
   specs = jax.tree.map(
-      lambda s: P(*[None if a == AXIS else a for a in logical_spec(s.axes)]),
+      lambda s: P(*[None if a == AXIS else a for a in param_spec(s.axes, s.shape, mesh)]),
       transformer.param_specs(cfg), is_leaf=model_spec.is_spec)
   keep = lambda g, names: {k: jax.tree.map(jax.lax.with_sharding_constraint, g[k], specs[k])
                            for k in names}

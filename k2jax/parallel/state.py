@@ -29,7 +29,7 @@ def zero1(sharding: NamedSharding, shape) -> NamedSharding:
 
 
 def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = True,
-                    spread_layers: bool = False):
+                    spread_layers: bool = False, host_state: bool = False):
   """NamedShardings for a TrainState.
 
   Args:
@@ -40,6 +40,9 @@ def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = Tru
     shard_optimizer: False keeps optimizer state sharded like the params (plain data
       parallelism, for comparison).
     spread_layers: param_shardings' (True for a logical view of a pipelined stack).
+    host_state: the states that mirror a parameter live in host memory (memory kind
+      `pinned_host`); k2jax.step.train_step brings them to the device for the update and
+      the step's output shardings put them back (config `optimizer.host_state`).
   Returns:
     A TrainState of NamedShardings.
   """
@@ -49,7 +52,8 @@ def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = Tru
   def param_leaf(leaf, param_sharding):
     if isinstance(leaf, optax.MaskedNode):  # partition() leaves holes for other groups
       return leaf
-    return zero1(param_sharding, leaf.shape) if shard_optimizer else param_sharding
+    s = zero1(param_sharding, leaf.shape) if shard_optimizer else param_sharding
+    return s.with_memory_kind("pinned_host") if host_state else s
 
   opt = optax.tree_utils.tree_map_params(
       tx, param_leaf, abstract_state.opt_state, params, transform_non_params=lambda _: rep,

@@ -41,7 +41,7 @@ from k2jax import chat, model, optim, parallel
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
 from k2jax.rl.loss import k15_loss, sequence_logprobs, temperature_at
-from k2jax.step import TrainState, _gate, lm_loss
+from k2jax.step import TrainState, _gate, lm_loss, on_device
 
 log = logging.getLogger("k2jax.rl")
 
@@ -149,11 +149,12 @@ def rl_step(config, tx, state: TrainState, batch, ptx):
       lambda p: rl_loss(config, p, batch, ptx), has_aux=True)(state.params)
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(k15) & jnp.isfinite(grad_norm)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params,
+  old_opt = on_device(config.optimizer, state.opt_state)
+  updates, opt_state = tx.update(grads, old_opt, state.params,
                                  max_logits=stats.max_logits, expert_load=stats.expert_load)
   params = optax.apply_updates(state.params, updates)
   new = TrainState(state.step + 1, _gate(finite, params, state.params),
-                   _gate(finite, opt_state, state.opt_state),
+                   _gate(finite, opt_state, old_opt),
                    jnp.where(finite, 0, state.nan_streak + 1),
                    state.skipped + (~finite).astype(jnp.int32))
   return new, {"k15_loss": k15, "ptx_loss": ptx_loss, "grad_norm": grad_norm,
@@ -351,7 +352,8 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
   specs = model.param_specs(config.model)
   from k2jax.step import init_state
   abstract = jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(t.seed))
-  shardings = parallel.state_shardings(specs, train_mesh, abstract, tx)
+  shardings = parallel.state_shardings(specs, train_mesh, abstract, tx,
+                                       host_state=config.optimizer.host_state)
   inf_shardings = parallel.param_shardings(specs, inf_mesh)
 
   manager = ocp.CheckpointManager(
