@@ -228,7 +228,23 @@ def gpu_bench(lengths, heads, tuning=None):
       return (jax.jit(lambda q, k, v: flash_gpu._forward(
           q, k, v, seg, D ** -0.5, True, fwd_t, False, segmented=False, write_max=False)[0]),
           None)
-    for name, make in [*cands.items(), ("cudnn", cudnn), ("pallas_gpu_no_smax", no_max)]:
+    def tokamax_impl(impl):
+      """tokamax's public attention (output only) with one of its implementations: the
+      field's kernels at the same shape, for the table README's `auto` choice reads."""
+      def make():
+        from k2jax.kernels import platform
+        tk = platform.tokamax()
+
+        def f(q, k, v):
+          return tk.dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5,
+                                          implementation=impl)
+
+        def loss(q, k, v):
+          return jnp.sum(f(q, k, v).astype(jnp.float32))
+        return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2))), "no S_max"
+      return make
+    tk = [(f"tokamax_{i}", tokamax_impl(i)) for i in ("mosaic", "triton")]
+    for name, make in [*cands.items(), ("cudnn", cudnn), ("pallas_gpu_no_smax", no_max), *tk]:
       try:
         made = make()
         f, g = made[0], made[1]

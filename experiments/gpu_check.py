@@ -8,7 +8,11 @@ k2jax.kernels and what the benchmarks import). In order:
      then TFLOP/s at MLA dims vs cuDNN (experiments/bench_attention.py --gpu);
   2. moe: grouped-matmul correctness and TFLOP/s at K2 expert shapes vs a dense matmul of the
      same FLOPs and ragged_dot, and the fused routed-experts layer (bench_moe.py --gpu);
-  3. decode: tokens/s of a ~1B-activated K2-shaped model (bench_decode.py --gpu), if present.
+  3. decode: tokens/s of a ~1B-activated K2-shaped model (bench_decode.py --gpu), if present;
+  4. tokamax: the units of each tokamax attention kernel's softmax-residual row max against
+     float64 (kernels/flash_tokamax.residual_check): the factor that goes into
+     flash_tokamax.RESIDUAL_MAX before attention_impl=tokamax may read QK-Clip's S_max from
+     it (tokamax's timings are rows of part 1's table).
 Each part catches its own failures; CSVs go to --out (default $OUT or experiments/results).
 """
 
@@ -41,7 +45,7 @@ def _map_kernels():
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
-  p.add_argument("--only", default="attention,moe,decode")
+  p.add_argument("--only", default="attention,moe,decode,tokamax")
   p.add_argument("--tokens", type=int, default=8192)
   args = p.parse_args()
   _map_kernels()
@@ -66,6 +70,28 @@ def main():
           continue
         import bench_decode
         bench_decode.gpu(argparse.Namespace(out=os.path.join(args.out, "decode"), new_tokens=64))
+      elif part == "tokamax":
+        import csv
+        from k2jax.kernels import flash_tokamax
+        ops, _ = flash_tokamax._ops()
+        rows = []
+        for name in ("mosaic_gpu", "triton", "xla"):
+          for dtype in ("float32", "bfloat16"):
+            if name not in ops:
+              continue
+            try:
+              rows.append(dict(flash_tokamax.residual_check(name, dtype=dtype), note=""))
+            except Exception as e:  # one kernel failing must not hide the others
+              rows.append(dict(name=name, dtype=dtype, factor=float("nan"), rel=float("nan"),
+                               natural=False, base2=False, note=f"FAILED {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160]}"))
+            print(rows[-1], flush=True)
+        os.makedirs(os.path.join(args.out, "attention"), exist_ok=True)
+        with open(os.path.join(args.out, "attention", "tokamax_residuals.csv"), "w",
+                  newline="") as f:
+          w = csv.DictWriter(f, fieldnames=list(rows[0]))
+          w.writeheader()
+          w.writerows(rows)
       summary.append(f"{part}: ok in {time.time() - t0:.0f}s")
     except Exception:
       traceback.print_exc()

@@ -20,6 +20,9 @@ Implementations (one signature):
               backend. `auto` on CPU.
   pallas_gpu  Triton-lowered Pallas kernels (kernels/flash_gpu.py). `auto` on GPU.
   pallas_tpu  Mosaic Pallas kernels (kernels/flash_tpu.py). `auto` on TPU.
+  tokamax     tokamax's kernels (optional package; kernels/flash_tokamax.py), S_max from
+              their softmax residuals where the residuals' units are checked. Not `auto`'s
+              pick anywhere yet: no GPU / TPU measurement of it against ours exists.
 Both Pallas versions run on CPU with interpret=True (that is how they are tested).
 """
 
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 
 from k2jax.kernels import platform
 
-IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu")
+IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "tokamax")
 PAD_SEGMENT = -1          # internal padding to a block multiple: matches no real segment
 
 
@@ -44,7 +47,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
     scale: the softmax scale s (1/sqrt(Dqk), times YaRN's mscale^2 in MLA).
     segment_ids: [B, T] int (0 = padding) or None (one document per row).
     causal: mask j > i.
-    impl: "auto" | "xla" | "chunked" | "pallas_gpu" | "pallas_tpu".
+    impl: "auto" | "xla" | "chunked" | "pallas_gpu" | "pallas_tpu" | "tokamax".
     interpret: run a Pallas implementation in interpret mode (CPU tests).
     block: block size along T (chunked / Pallas); None = the implementation's default.
     tuning: pallas_gpu's {"fwd" / "bwd": (block_q, block_k, num_warps, num_stages)}.
@@ -66,6 +69,9 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
     from k2jax.kernels import flash_tpu as attention_tpu
     return attention_tpu.attention(q, k, v, scale=scale, segment_ids=segment_ids,
                                    causal=causal, interpret=interpret, block=block)
+  if impl == "tokamax":
+    from k2jax.kernels import flash_tokamax
+    return flash_tokamax.attention(q, k, v, scale=scale, segment_ids=segment_ids, causal=causal)
   raise ValueError(f"attention impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")
 
 
@@ -268,7 +274,9 @@ def activation_bytes_per_token(impl: str, heads: int, seq_len: int, dqk: int, dv
                                act_bytes: int) -> float:
   """What one layer's backward keeps for attention per token: the materialized f32 logits,
   f32 probabilities and their cast (xla: O(T)), or the kernel's residuals, its head-major
-  q, k, v, the output, log-sum-exp and row max (the flash implementations: O(1))."""
-  if (auto_impl() if impl == "auto" else impl) == "xla":
+  q, k, v, the output, log-sum-exp and row max (the flash implementations: O(1)). tokamax
+  on CPU is its xla implementation."""
+  impl = auto_impl() if impl == "auto" else impl
+  if impl == "xla" or (impl == "tokamax" and platform.backend() == "cpu"):
     return heads * seq_len * (4 + 4 + act_bytes)
   return act_bytes * heads * (2 * dqk + 2 * dv) + 8 * heads

@@ -199,8 +199,7 @@ grouped_matmul_megablox.defvjp(_megablox_fwd, _megablox_bwd)
 
 def grouped_matmul_tokamax(x, w, group_sizes, interpret: bool = False):
   del interpret
-  import tokamax  # optional extra: pip install tokamax
-  return tokamax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+  return platform.tokamax().ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
 
 IMPLS = {"ragged_dot": grouped_matmul_ragged_dot, "blocked": grouped_matmul_blocked,

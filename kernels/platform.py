@@ -30,3 +30,16 @@ def target(platform: str):
 def backend() -> str:
   """The backend kernels are chosen for: the innermost `target`, else JAX's default."""
   return _target[-1] if _target else jax.default_backend()
+
+
+def tokamax():
+  """Import the optional tokamax package for a kernel call.
+
+  tokamax reads its settings from absl flags and, when nobody has parsed them, parses
+  sys.argv itself, which fails in any program with its own arguments (pytest, Jupyter, our
+  CLIs): its flags are left at their defaults. A later absl `app.run` still parses argv."""
+  from absl import flags
+  import tokamax as tk   # optional extra: pip install k2jax[gpu] / [tpu]
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  return tk

@@ -10,7 +10,14 @@ import pytest
 
 from k2jax.kernels import attention
 
-IMPLS = ["xla", "chunked", "pallas_gpu", "pallas_tpu"]
+try:
+  import tokamax  # noqa: F401  (optional extra: its tests skip without it)
+  HAVE_TOKAMAX = True
+except ImportError:
+  HAVE_TOKAMAX = False
+needs_tokamax = pytest.mark.skipif(not HAVE_TOKAMAX, reason="tokamax is not installed")
+IMPLS = ["xla", "chunked", "pallas_gpu", "pallas_tpu",
+         pytest.param("tokamax", marks=needs_tokamax)]
 
 
 def reference(q, k, v, do, scale, seg, causal):
@@ -102,7 +109,7 @@ def test_max_logits_carry_no_gradient_and_ignore_padding():
   rng = np.random.default_rng(7)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32) for _ in range(3))
   seg = jnp.asarray([[1, 1, 1, 1, 1, 0, 0, 0]])
-  for impl in ("chunked", "pallas_gpu"):
+  for impl in ("chunked", "pallas_gpu") + (("tokamax",) if HAVE_TOKAMAX else ()):
     g = jax.grad(lambda q: attention(q, k, v, scale=1.0, segment_ids=seg, impl=impl,
                                      interpret=True)[1].sum())(q)
     assert float(jnp.abs(g).max()) == 0.0
@@ -119,6 +126,22 @@ def test_auto_picks_the_chunked_flash_path_on_cpu():
   assert (flash.auto_impl("gpu"), flash.auto_impl("tpu")) == ("pallas_gpu", "pallas_tpu")
   with pytest.raises(ValueError, match="attention impl = 'cudnn'"):
     attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, impl="cudnn")
+
+
+@needs_tokamax
+def test_tokamax_residual_max_is_the_scaled_natural_logit_and_unchecked_kernels_are_refused():
+  """S_max from tokamax's softmax residuals: the xla implementation's row max measured
+  against float64 (factor 1: scaled, natural units, masked to the row's document), and a
+  kernel whose factor nobody measured is refused, naming the fix."""
+  from k2jax.kernels import flash_tokamax as ft
+  r = ft.residual_check("xla")
+  assert r["natural"] and not r["base2"] and r["rel"] < 1e-5, r
+  seg = jnp.asarray([[3, 3, 5, 5, 5, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+  start, end = ft._run_bounds(seg)
+  assert start.tolist() == [[0, 0, 2, 2, 2, 5, 5], [0] * 7]
+  assert end.tolist() == [[2, 2, 5, 5, 5, 7, 7], [7] * 7]
+  with pytest.raises(ValueError, match="gpu_check.py --only tokamax"):
+    ft.attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, name="triton")
 
 
 @pytest.mark.parametrize("impl,platform", [("pallas_gpu", "cuda"), ("pallas_tpu", "tpu")])

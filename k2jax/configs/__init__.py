@@ -105,7 +105,8 @@ def validate_model(m: config_dict.ConfigDict, group: str = "model") -> None:
                        ("moe_impl", ("auto", "blocked", "ragged", "capacity", "pallas_gpu", "gather", "dense")), ("remat", ("none", "selective", "full")),
                        ("activation_storage", ("model", "fp8")),
                        ("ep_transport", ("auto", "ragged", "bucketed", "padded")),
-                       ("attention_impl", ("auto", "xla", "chunked", "pallas_gpu", "pallas_tpu"))):
+                       ("attention_impl", ("auto", "xla", "chunked", "pallas_gpu", "pallas_tpu",
+                                           "tokamax"))):
     if m[key] not in allowed:
       _fail(f"{group}.{key}", m[key], f"must be one of {', '.join(allowed)}")
 

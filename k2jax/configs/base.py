@@ -66,7 +66,7 @@ def model_config():
       remat="none",                   # none | selective (report 2.4.3) | full
       activation_storage="model",     # model | fp8: MoE up-projection / SwiGLU inputs kept in E4M3 (2.4.3)
       offload=False,                  # saved activations the remat policy keeps go to host memory (2.4.3)
-      attention_impl="auto",          # k2jax.kernels.attention: auto | xla | chunked | pallas_gpu | pallas_tpu
+      attention_impl="auto",          # k2jax.kernels.attention: auto | xla | chunked | pallas_gpu | pallas_tpu | tokamax
       bias_update_speed=0.001,        # gamma of the aux-loss-free balancing rule
   ))
 

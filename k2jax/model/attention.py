@@ -107,15 +107,15 @@ def mla(cfg, p, x, positions, segment_ids=None, *, return_latents=False):
 
 def attend(cfg, q, k, v, segment_ids):
   """k2jax.kernels.attention with `model.attention_impl`. Under a mesh that splits the batch,
-  a Pallas kernel runs per batch shard in `shard_map` (XLA cannot partition a Mosaic kernel,
-  and would gather a Triton one's operands) and the shards' S_max are combined by pmax; the
-  XLA implementations are partitioned by XLA as they are."""
+  a Pallas kernel (ours or tokamax's) runs per batch shard in `shard_map` (XLA cannot
+  partition a Mosaic kernel, and would gather a Triton one's operands) and the shards' S_max
+  are combined by pmax; the XLA implementations are partitioned by XLA as they are."""
   impl = flash.auto_impl() if cfg.attention_impl == "auto" else cfg.attention_impl
   run = lambda q, k, v, seg: attention(q, k, v, scale=rope.softmax_scale(cfg),
                                        segment_ids=seg, impl=impl)
   mesh = jax.sharding.get_abstract_mesh()
   axes = rules.active_mesh_axes("batch", mesh)
-  if not axes or not impl.startswith("pallas"):
+  if not axes or not (impl.startswith("pallas") or impl == "tokamax"):
     return run(q, k, v, segment_ids)
 
   def shard(q, k, v, seg=None):
