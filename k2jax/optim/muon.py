@@ -45,6 +45,30 @@ def dimension_numbers(cfg):
   return jax.tree.map(spec.muon_dims, param_specs(cfg), is_leaf=spec.is_spec)
 
 
+def newton_schulz_flops(cfg, ns_steps: int = 5) -> float:
+  """FLOPs of one Newton-Schulz orthogonalization of every Muon matrix of `cfg` (a model
+  config), from the parameter table: each matrix is an m x n X (m <= n; stacked `layers` /
+  `experts` axes are a batch), and each of the `ns_steps` quintic iterations computes
+  A = X X^T (2 m^2 n), B = b A + c A A (2 m^3) and X' = a X + B X (2 m^2 n):
+
+      flops = ns_steps * sum over matrices of (4 m^2 n + 2 m^3)
+
+  With ZeRO-1 each data-parallel rank orthogonalizes its own share of the matrices, so this
+  is the step's total, not any one device's (experiments/bench_train.py compares it with
+  the step's model FLOPs)."""
+  total = 0.0
+  for s in jax.tree.leaves(param_specs(cfg), is_leaf=spec.is_spec):
+    dims = spec.muon_dims(s)
+    if dims is None:
+      continue
+    a = math.prod(s.shape[i] for i in dims.reduction_axis)
+    b = math.prod(s.shape[i] for i in dims.output_axis)
+    batch = math.prod(s.shape) // (a * b)
+    m, n = min(a, b), max(a, b)
+    total += batch * ns_steps * (4.0 * m * m * n + 2.0 * m ** 3)
+  return total
+
+
 def _align(full_tree):
   """A callable giving `full_tree` restricted to the leaves an optax.partition keeps.
 
