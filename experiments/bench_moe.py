@@ -361,6 +361,164 @@ def gpu(args):
           f"  {r.get('note', '')}")
 
 
+# tokamax Mosaic GPU tile candidates for the role sweep (Config kwargs; block_n 64 = one
+# 128-byte swizzle of bf16 output, as tokamax's own sm90 search space): its H100 cache's
+# winners at DeepSeek-V3 / K2 expert shapes, and its sm90 heuristic for comparison.
+TOKAMAX_CANDIDATES = [
+    dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=True,
+         grid_minor_dim="N", grid_tile_width=4),
+    dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=True,
+         grid_minor_dim="N", grid_tile_width=8),
+    dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=True,
+         grid_minor_dim="M", grid_tile_width=1),
+    dict(block_m=128, block_n=64, block_k=128, num_stages=2, split_k=1, persistent=False,
+         grid_minor_dim="M", grid_tile_width=1),
+]
+
+
+def gpu_roles(args):
+  """Each grouped matmul of an MoE layer's training step timed alone at K2's expert shapes
+  (d 7168, f 2048, 384 experts, top-8 of args.tokens tokens, bf16), per implementation:
+
+    up    y = x w_g        [M, d] x [E, d, f]      (gate / up projections)
+    down  y = h w_g        [M, f] x [E, f, d]
+    dlhs  dx = dy w_g^T    [M, f] x [E, d, f]^T    (input gradient of up)
+    drhs  dw_g = x_g^T dy  [M, d]^T x [M, f]       (weight gradient of up)
+
+  ours (Pallas Triton kernels, kernels/moe_gpu.py), XLA's ragged_dot, tokamax with its own
+  tile choice and with each TOKAMAX_CANDIDATES entry; each checked against float32 math on
+  a slice first. Writes gpu_gmm_roles.csv and the best tokamax tiles per role
+  (tokamax_tiles.json: what kernels/gmm.TOKAMAX_TILES takes)."""
+  import json
+  from k2jax.kernels import moe_gpu, platform
+  out = args.out or os.path.join(HERE, "results", "moe")
+  d, f, E, k = getattr(args, "shape", None) or (7168, 2048, 384, 8)
+  M = args.tokens * k
+  dt = jnp.bfloat16
+  ks = jax.random.split(jax.random.key(7), 5)
+  x = jax.random.normal(ks[0], (M, d), dt)
+  h = jax.random.normal(ks[1], (M, f), dt)
+  w_up = (jax.random.normal(ks[2], (E, d, f), jnp.float32) * d ** -0.5).astype(dt)
+  w_dn = (jax.random.normal(ks[3], (E, f, d), jnp.float32) * f ** -0.5).astype(dt)
+  sizes = np.random.default_rng(0).multinomial(M, np.random.default_rng(1).dirichlet(
+      np.ones(E) * 4))
+  gs = jnp.asarray(sizes, jnp.int32)
+  flops = 2 * M * d * f
+  a, b = jax.random.normal(ks[2], (M, d), dt), jax.random.normal(ks[3], (d, f), dt)
+  dense_t = timeit(jax.jit(lambda a, b: a @ b), a, b, reps=20)
+  del a, b
+  rows = [dict(role="all", impl="dense matmul (same FLOPs)", ms=1e3 * dense_t,
+               TFLOPs=flops / dense_t / 1e12)]
+  print(rows[-1], flush=True)
+
+  # Arrays go in as arguments: closed over, jit would embed 12 GB of constants.
+  operands = {"up": (x, w_up), "down": (h, w_dn), "dlhs": (h, w_up), "drhs": (x, h)}
+
+  def ours(role):
+    tiles = lambda: moe_gpu.Tiles(gs, M, moe_gpu._bm())
+    if role in ("up", "down"):
+      return lambda a, w: gm.grouped_matmul(a, w, gs, impl="pallas_gpu")
+    if role == "dlhs":
+      def dl(a, w):
+        t = tiles()
+        return moe_gpu.gmm(a, w, t, t.row, t.row, M, transpose_w=True)
+      return dl
+
+    def dr(a, b):
+      t = tiles()
+      return moe_gpu.tgmm(a, b, t, t.row, t.row, E, out_dtype=dt)
+    return dr
+
+  def lax_or_tokamax(role, impl, op=None):
+    """ragged_dot_general in the role's dimension numbers: lax's or tokamax's."""
+    dn = {"up": ((([1], [1]), ([], [])), [0], [0]), "down": ((([1], [1]), ([], [])), [0], [0]),
+          "dlhs": ((([1], [2]), ([], [])), [0], [0]), "drhs": ((([0], [0]), ([], [])), [0], [])}
+    (dims, lr, rg) = dn[role]
+    rdn = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=dims,
+                                            lhs_ragged_dimensions=lr, rhs_group_dimensions=rg)
+    if impl == "ragged_dot":
+      return lambda a, b: jax.lax.ragged_dot_general(a, b, gs, rdn)
+    tk = platform.tokamax()
+    return lambda a, b: tk.ragged_dot_general(a, b, gs, rdn,
+                                              implementation=None if op is None else [op])
+
+  def reference(role):
+    """float32 host math on the first 4096 rows (groups cut there)."""
+    n = 4096
+    gsl = np.minimum(np.cumsum(sizes), n)
+    bounds = np.concatenate([[0], gsl])
+    xs, hs = np.asarray(x[:n], np.float32), np.asarray(h[:n], np.float32)
+    out_ = []
+    for g in range(E):
+      lo, hi = bounds[g], bounds[g + 1]
+      if role == "up":
+        out_.append(xs[lo:hi] @ np.asarray(w_up[g], np.float32))
+      elif role == "down":
+        out_.append(hs[lo:hi] @ np.asarray(w_dn[g], np.float32))
+      elif role == "dlhs":
+        out_.append(hs[lo:hi] @ np.asarray(w_up[g], np.float32).T)
+      if hi >= n:
+        break
+    if role == "drhs":
+      g0 = int(np.argmax(sizes > 0))
+      return g0, xs[:sizes[g0]].T @ hs[:sizes[g0]]
+    return None, np.concatenate(out_)
+
+  refs = {}
+
+  def check(role, fn):
+    if role not in refs:
+      refs[role] = reference(role)
+    g0, want = refs[role]
+    got = np.asarray(jax.jit(fn)(*operands[role]), np.float32)
+    got = got[g0] if role == "drhs" else got[:want.shape[0]]
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu  # noqa (needs tokamax)
+  best = {}
+  for role in ("up", "down", "dlhs", "drhs"):
+    cands = [("ours (pallas_gpu)", ours(role)), ("ragged_dot", lax_or_tokamax(role, "ragged_dot")),
+             ("tokamax (its choice)", lax_or_tokamax(role, "tokamax"))]
+    for i, tiles in enumerate(TOKAMAX_CANDIDATES):
+      kw = dict(tiles)
+      from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu_common import Config, MatmulDimension
+      kw["grid_minor_dim"] = MatmulDimension[kw["grid_minor_dim"]]
+      cands.append((f"tokamax tiles {i}", lax_or_tokamax(
+          role, "tokamax", mgpu.PallasMosaicGpuRaggedDot(config=Config(**kw)))))
+    for name, fn in cands:
+      row = dict(role=role, impl=name)
+      try:
+        t0 = time.perf_counter()
+        row["rel_err"] = check(role, fn)
+        row["check_s"] = time.perf_counter() - t0
+        t = timeit(jax.jit(fn), *operands[role], reps=10)
+        row.update(ms=1e3 * t, TFLOPs=flops / t / 1e12, vs_dense=dense_t / t,
+                   ok=bool(row["rel_err"] < 2e-2))
+      except Exception as e:
+        row["note"] = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+      rows.append(row)
+      print(row, flush=True)
+    tk_rows = [r for r in rows if r["role"] == role and r["impl"].startswith("tokamax tiles")
+               and r.get("ok")]
+    if tk_rows:
+      win = min(tk_rows, key=lambda r: r["ms"])
+      best[{"up": "fwd", "down": "fwd_down"}.get(role, role)] = dict(
+          TOKAMAX_CANDIDATES[int(win["impl"].split()[-1])], TFLOPs=round(win["TFLOPs"], 1))
+  write(os.path.join(out, "gpu_gmm_roles.csv"), rows)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "tokamax_tiles.json"), "w") as fh:
+    json.dump({jax.devices()[0].device_kind: best}, fh, indent=1)
+  print(f"\n{jax.devices()[0].device_kind}: grouped matmuls at K2 expert shapes ({M} rows, "
+        f"{E} experts, d {d}, f {f}, bf16); dense matmul of the same FLOPs "
+        f"{flops / dense_t / 1e12:.0f} TFLOP/s")
+  print(f"{'role':<6}{'impl':<24}{'ms':>8}{'TFLOP/s':>9}{'vs dense':>9}{'rel err':>9}")
+  for r in rows[1:]:
+    print(f"{r['role']:<6}{r['impl']:<24}{r.get('ms', float('nan')):>8.2f}"
+          f"{r.get('TFLOPs', float('nan')):>9.0f}{r.get('vs_dense', float('nan')):>9.0%}"
+          f"{r.get('rel_err', float('nan')):>9.1e}  {r.get('note', '')}")
+  print("best tokamax tiles per role:", json.dumps(best))
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--gpu", action="store_true")

@@ -197,9 +197,82 @@ def _megablox_bwd(interpret, res, dy):
 grouped_matmul_megablox.defvjp(_megablox_fwd, _megablox_bwd)
 
 
+# tokamax's Mosaic GPU ragged dot takes its tiles from an autotuning cache keyed by exact
+# shapes (group count and total rows included) and otherwise from heuristics (64 x 64 x 128,
+# 2 stages on Hopper). TOKAMAX_TILES holds tiles measured per device kind for the forward
+# y = x w_g and the input gradient dx = dy w_g^T (experiments/bench_moe.py gpu_roles, K2's
+# expert shapes: d 7168, f 2048, 384 experts, 65,536 rows, bf16; results/moe/gpu_gmm_roles.csv,
+# 2026-11-24, tokamax 0.0.17): on the H100 these tiles give 286 / 281 TFLOP/s for the up /
+# down projections (its own choice 217 / 228; ours 246 / 216) but 128 for dx (ours 217).
+# The weight gradient dw_g = x_g^T dy_g is ours on GPUs (moe_gpu.tgmm): tokamax's
+# ragged-contracting Mosaic kernel returned wrong values there (relative error 0.31-0.91
+# against float32 on the first expert, for its own tiles and every tile set tried).
+_H100_TILES = dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1,
+                   persistent=True, grid_minor_dim="N", grid_tile_width=8)
+TOKAMAX_TILES: dict = {"NVIDIA H100 80GB HBM3": {"fwd": _H100_TILES, "dlhs": _H100_TILES}}
+
+_DIMS = {  # ragged_dot_general dimension numbers: (contracting, batch), lhs ragged, rhs group
+    "fwd": ((([1], [1]), ([], [])), [0], [0]),
+    "dlhs": ((([1], [2]), ([], [])), [0], [0]),
+}
+
+
+def _tokamax_role(a, b, group_sizes, role: str):
+  """tokamax's ragged dot in `role`'s dimension numbers, with this device kind's tiles."""
+  tk = platform.tokamax()
+  dims, lhs_ragged, rhs_group = _DIMS[role]
+  impl = None
+  tiles = TOKAMAX_TILES.get(_gpu_kind() or "", {}).get(role)
+  if tiles is not None:
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu  # pinned (pyproject)
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu_common import Config, MatmulDimension
+    kw = dict(tiles, grid_minor_dim=MatmulDimension[tiles["grid_minor_dim"]])
+    impl = [mgpu.PallasMosaicGpuRaggedDot(config=Config(**kw))]
+  return tk.ragged_dot_general(a, b, group_sizes, jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=dims, lhs_ragged_dimensions=lhs_ragged,
+      rhs_group_dimensions=rhs_group), implementation=impl)
+
+
+def _gpu_kind() -> str | None:
+  if platform.backend() != "gpu":
+    return None
+  try:
+    return jax.devices("gpu")[0].device_kind
+  except RuntimeError:           # lowering for CUDA on a machine without a GPU
+    return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tokamax_ours_dw(x, w, group_sizes, interpret: bool = False):
+  """tokamax for y and dx, our Triton tgmm for dw (the GPU path of impl="tokamax")."""
+  return _tokamax_role(x, w, group_sizes, "fwd")
+
+
+def _tokamax_ours_dw_fwd(x, w, group_sizes, interpret):
+  return _tokamax_role(x, w, group_sizes, "fwd"), (x, w, group_sizes)
+
+
+def _tokamax_ours_dw_bwd(interpret, res, dy):
+  from k2jax.kernels import moe_gpu
+  x, w, group_sizes = res
+  M, (G, K, N) = x.shape[0], w.shape
+  dx = _tokamax_role(dy.astype(x.dtype), w, group_sizes, "dlhs")
+  dx = jnp.where((jnp.arange(M) < jnp.sum(group_sizes))[:, None], dx, jnp.zeros((), dx.dtype))
+  tiles = moe_gpu.Tiles(group_sizes, M, moe_gpu._bm())
+  dw = moe_gpu.tgmm(moe_gpu._pad16(x, 1), moe_gpu._pad16(dy.astype(x.dtype), 1), tiles,
+                    tiles.row, tiles.row, G, interpret=interpret, out_dtype=w.dtype)
+  return (cotangent_for(dx.astype(x.dtype), x), cotangent_for(dw[:, :K, :N], w), None)
+
+
+tokamax_ours_dw.defvjp(_tokamax_ours_dw_fwd, _tokamax_ours_dw_bwd)
+
+
 def grouped_matmul_tokamax(x, w, group_sizes, interpret: bool = False):
-  del interpret
-  return platform.tokamax().ragged_dot(x, w, group_sizes.astype(jnp.int32))
+  """tokamax's ragged dot (its own VJP), on GPUs with our weight gradient (see above)."""
+  gs = group_sizes.astype(jnp.int32)
+  if platform.backend() == "gpu":
+    return tokamax_ours_dw(x, w, gs, interpret)
+  return platform.tokamax().ragged_dot(x, w, gs)
 
 
 IMPLS = {"ragged_dot": grouped_matmul_ragged_dot, "blocked": grouped_matmul_blocked,

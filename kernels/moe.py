@@ -24,6 +24,8 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
             CPU default: a fresh router sends up to 6x the mean load to one expert, so the
             overflow runs every step, and with 64+ experts the [E, C] buffers are mostly
             padding (experiments/bench_moe.py has both in the train step).
+  tokamax   the ragged path on tokamax's grouped matmul (optional package; Mosaic GPU
+            kernels with wgmma + TMA on Hopper, kernels/gmm.py TOKAMAX_TILES).
   pallas_gpu  the ragged path on Triton kernels that read x through the sort permutation and
             write the down projection back in token order scaled by the combine weights
             (kernels/moe_gpu.py), so x[order] and the unsort are never materialized.
@@ -44,7 +46,7 @@ from k2jax.kernels.fp8 import fp8_saved
 from k2jax.kernels.gmm import (_count_at_or_below, block_matmul, blocked_block_size,
                               grouped_matmul)
 
-IMPLS = ("blocked", "ragged", "capacity", "pallas_gpu", "gather", "dense")
+IMPLS = ("blocked", "ragged", "capacity", "pallas_gpu", "tokamax", "gather", "dense")
 # Rows per expert kept in the capacity buffer, as a multiple of the balanced load.
 CAPACITY_FACTOR = 1.5
 
@@ -219,6 +221,8 @@ def routed_experts(x, expert_ids, combine, gate, up, down, *, impl: str = "auto"
     return _blocked(x, expert_ids, combine, gate, up, down, fp8=fp8_storage)
   if impl == "ragged":
     return _ragged(x, expert_ids, combine, gate, up, down, fp8=fp8_storage)
+  if impl == "tokamax":
+    return _ragged(x, expert_ids, combine, gate, up, down, gmm_impl="tokamax", fp8=fp8_storage)
   if impl == "capacity":
     return _capacity(x, expert_ids, combine, gate, up, down, fp8=fp8_storage)
   if impl == "pallas_gpu":

@@ -102,7 +102,7 @@ def validate_model(m: config_dict.ConfigDict, group: str = "model") -> None:
     _fail(f"{group}.tie_word_embeddings", True, "K2 / DeepSeek-V3 use an untied lm_head; "
           "tied embeddings are not implemented")
   for key, allowed in (("dtype", ("float32", "bfloat16")), ("param_dtype", ("float32", "bfloat16")),
-                       ("moe_impl", ("auto", "blocked", "ragged", "capacity", "pallas_gpu", "gather", "dense")), ("remat", ("none", "selective", "full")),
+                       ("moe_impl", ("auto", "blocked", "ragged", "capacity", "pallas_gpu", "tokamax", "gather", "dense")), ("remat", ("none", "selective", "full")),
                        ("activation_storage", ("model", "fp8")),
                        ("ep_transport", ("auto", "ragged", "bucketed", "padded")),
                        ("attention_impl", ("auto", "xla", "chunked", "pallas_gpu", "pallas_tpu",

@@ -61,7 +61,7 @@ def model_config():
       # --- ours -------------------------------------------------------------------
       dtype="float32",                # compute dtype: float32 | bfloat16 (softmax, norms, router stay f32)
       param_dtype="float32",
-      moe_impl="auto",                # k2jax.kernels.routed_experts: auto | blocked | ragged | capacity | pallas_gpu | dense
+      moe_impl="auto",                # k2jax.kernels.routed_experts: auto | blocked | ragged | capacity | pallas_gpu | tokamax | dense
       ep_transport="auto",            # expert-parallel all-to-all: auto | ragged | bucketed | padded
       remat="none",                   # none | selective (report 2.4.3) | full
       activation_storage="model",     # model | fp8: MoE up-projection / SwiGLU inputs kept in E4M3 (2.4.3)
