@@ -49,11 +49,11 @@ def temp_bytes(fn, *args):
 def fwd_and_grad(impl, scale, tuning=None, **kw):
   if tuning:
     kw["tuning"] = tuning
-  def fwd(q, k, v):
-    return flash.attention(q, k, v, scale=scale, impl=impl, **kw)[0]
+  def fwd(q, k, v):   # output and S_max, so neither can be dropped as dead code
+    return flash.attention(q, k, v, scale=scale, impl=impl, **kw)
 
   def loss(q, k, v):
-    return jnp.sum(fwd(q, k, v).astype(jnp.float32))
+    return jnp.sum(fwd(q, k, v)[0].astype(jnp.float32))
 
   return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
@@ -137,22 +137,54 @@ def gpu_check():
       if seg:
         segment_ids = jnp.asarray(np.repeat([[1, 2, 3, 0]], B, 0).repeat(-(-T // 4), 1)[:, :T])
       res = {}
-      for impl in ("xla", "pallas_gpu"):
+      for impl in ("xla", "pallas_gpu", *tokamax_checked()):
         # The reference in full f32 (XLA's GPU default for f32 matmuls is TF32).
         with jax.default_matmul_precision("highest" if impl == "xla" else "default"):
-          out, smax = flash.attention(q, k, v, scale=D ** -0.5, segment_ids=segment_ids,
-                                      impl=impl)
-          grads = jax.grad(lambda q, k, v: jnp.sum(flash.attention(
-              q, k, v, scale=D ** -0.5, segment_ids=segment_ids, impl=impl)[0].astype(
-                  jnp.float32) * jnp.cos(jnp.arange(Dv))), argnums=(0, 1, 2))(q, k, v)
+          try:
+            run = _attention_fn(impl, D ** -0.5, segment_ids)
+            out, smax = run(q, k, v)
+            grads = jax.grad(lambda q, k, v: jnp.sum(run(q, k, v)[0].astype(
+                jnp.float32) * jnp.cos(jnp.arange(Dv))), argnums=(0, 1, 2))(q, k, v)
+          except Exception as e:   # one kernel failing must not hide the others
+            rows.append(dict(impl=impl, dtype=jnp.dtype(dtype).name, T=T, segments=seg,
+                             ok=False, note=f"FAILED {type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160]}"))
+            print(rows[-1], flush=True)
+            continue
         res[impl] = [out, *grads, smax]
-      errs = {name: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
-                          / (float(jnp.abs(b.astype(jnp.float32)).max()) + 1e-30))
-              for name, a, b in zip(("out", "dq", "dk", "dv", "smax"), res["pallas_gpu"], res["xla"])}
-      ok = all(np.isfinite(list(errs.values()))) and max(errs.values()) < tol
-      rows.append(dict(dtype=jnp.dtype(dtype).name, T=T, segments=seg, ok=ok, **errs))
-      print(rows[-1], flush=True)
+      for impl in res:
+        if impl == "xla":
+          continue
+        errs = {name: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()
+                            / (float(jnp.abs(b.astype(jnp.float32)).max()) + 1e-30))
+                for name, a, b in zip(("out", "dq", "dk", "dv", "smax"), res[impl], res["xla"])}
+        ok = all(np.isfinite(list(errs.values()))) and max(errs.values()) < tol
+        rows.append(dict(impl=impl, dtype=jnp.dtype(dtype).name, T=T, segments=seg, ok=ok,
+                         **errs))
+        print(rows[-1], flush=True)
   return rows
+
+
+def tokamax_checked():
+  """tokamax attention kernels whose residual row max has a checked factor (kernels/
+  flash_tokamax.RESIDUAL_MAX), as impl names "tokamax:<name>"; none without tokamax."""
+  try:
+    from k2jax.kernels import flash_tokamax
+    ops, _ = flash_tokamax._ops()
+  except ImportError:
+    return ()
+  return tuple(f"tokamax:{n}" for n in flash_tokamax.RESIDUAL_MAX if n in ops and n != "xla")
+
+
+def _attention_fn(impl, scale, segment_ids=None):
+  """(q, k, v) -> (out, S_max) for an impl name or "tokamax:<implementation>"."""
+  if impl.startswith("tokamax:"):
+    from k2jax.kernels import flash_tokamax
+    name = impl.split(":", 1)[1]
+    return lambda q, k, v: flash_tokamax.attention(q, k, v, scale=scale,
+                                                   segment_ids=segment_ids, name=name)
+  return lambda q, k, v: flash.attention(q, k, v, scale=scale, segment_ids=segment_ids,
+                                         impl=impl)
 
 
 TUNINGS = [(64, 128, 4, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)]
@@ -184,7 +216,7 @@ def gpu_tune(T=4096, heads=16):
   return rows, best
 
 
-def gpu_bench(lengths, heads, tuning=None):
+def gpu_bench(lengths, heads, tuning=None, only=None):
   peak = matmul_tflops()
   rows = []
   D, Dv = 192, 128
@@ -243,8 +275,19 @@ def gpu_bench(lengths, heads, tuning=None):
           return jnp.sum(f(q, k, v).astype(jnp.float32))
         return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2))), "no S_max"
       return make
-    tk = [(f"tokamax_{i}", tokamax_impl(i)) for i in ("mosaic", "triton")]
-    for name, make in [*cands.items(), ("cudnn", cudnn), ("pallas_gpu_no_smax", no_max), *tk]:
+    tk = [(f"tokamax_{i} (no S_max)", tokamax_impl(i)) for i in ("mosaic", "triton")]
+
+    def with_smax(impl):
+      def make():
+        f = _attention_fn(impl, D ** -0.5)
+        return (jax.jit(f), jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[0].astype(
+            jnp.float32)), argnums=(0, 1, 2))), "S_max from its residuals")
+      return make
+    tk += [(f"{i} + S_max", with_smax(i)) for i in tokamax_checked()]
+    runs = [*cands.items(), ("cudnn", cudnn), ("pallas_gpu_no_smax", no_max), *tk]
+    if only:
+      runs = [(n, m) for n, m in runs if n in only]
+    for name, make in runs:
       try:
         made = make()
         f, g = made[0], made[1]
@@ -263,17 +306,22 @@ def gpu_bench(lengths, heads, tuning=None):
 
 def gpu(args):
   out = args.out or os.path.join(HERE, "results", "attention")
-  check = gpu_check()
-  write(os.path.join(out, "gpu_check.csv"), check)
-  tune_rows, best = gpu_tune(heads=args.heads)
-  write(os.path.join(out, "gpu_tuning.csv"), tune_rows)
-  print(f"best tuning (block_q, block_k, warps, stages): {best}", flush=True)
-  rows = gpu_bench(args.gpu_lengths, args.heads, tuning=best)
+  check = gpu_check() if getattr(args, "check", True) else []
+  if check:
+    write(os.path.join(out, "gpu_check.csv"), check)
+  best = None
+  if getattr(args, "tune", True):
+    tune_rows, best = gpu_tune(heads=args.heads)
+    write(os.path.join(out, "gpu_tuning.csv"), tune_rows)
+    print(f"best tuning (block_q, block_k, warps, stages): {best}", flush=True)
+  rows = gpu_bench(args.gpu_lengths, args.heads, tuning=best, only=getattr(args, "only", None))
   write(os.path.join(out, "gpu_attention.csv"), rows)
   print(f"\ncorrectness on {jax.devices()[0].device_kind}: pallas_gpu vs xla (max rel error)")
   for r in check:
-    print(f"  {r['dtype']:<9} T={r['T']:<5} segments={r['segments']!s:<6} ok={r['ok']!s:<6} "
-          + " ".join(f"{k}={r[k]:.1e}" for k in ("out", "dq", "dk", "dv", "smax")))
+    print(f"  {r['impl']:<20} {r['dtype']:<9} T={r['T']:<5} segments={r['segments']!s:<6} "
+          f"ok={r['ok']!s:<6} " + (" ".join(f"{k}={r[k]:.1e}" for k in ("out", "dq", "dk", "dv",
+                                                                        "smax"))
+                                   if "out" in r else r.get("note", "")))
   print(f"\nMLA attention 192/128, bf16, causal, {args.heads} heads, 16K tokens per call; "
         f"bf16 matmul ceiling {rows[0].get('matmul_peak_TFLOPs', float('nan')):.0f} TFLOP/s")
   print(f"{'impl':<20}{'T':>6}{'fwd ms':>9}{'fwd TF/s':>10}{'f+b ms':>9}{'f+b TF/s':>10}  note")

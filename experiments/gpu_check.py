@@ -1,23 +1,31 @@
-"""Everything that needs a GPU, in one call: kernel checks and timings.
+"""Everything that needs a GPU, in one call: kernel checks and timings, and end-to-end MFU.
 
-    python experiments/gpu_check.py [--out DIR] [--only attention,moe,decode]
+    python experiments/gpu_check.py [--out DIR] [--only tokamax,gmm_roles,attention,train]
 
-Runs on a machine with one NVIDIA GPU and jax[cuda] (no grain / ml-collections needed: only
-k2jax.kernels and what the benchmarks import). In order:
-  1. attention: pallas_gpu vs xla correctness (values, S_max, gradients; f32 and bf16),
-     then TFLOP/s at MLA dims vs cuDNN (experiments/bench_attention.py --gpu);
-  2. moe: grouped-matmul correctness and TFLOP/s at K2 expert shapes vs a dense matmul of the
-     same FLOPs and ragged_dot, and the fused routed-experts layer (bench_moe.py --gpu);
-  3. decode: tokens/s of a ~1B-activated K2-shaped model (bench_decode.py --gpu), if present;
-  4. tokamax: the units of each tokamax attention kernel's softmax-residual row max against
-     float64 (kernels/flash_tokamax.residual_check): the factor that goes into
-     flash_tokamax.RESIDUAL_MAX before attention_impl=tokamax may read QK-Clip's S_max from
-     it (tokamax's timings are rows of part 1's table).
-Each part catches its own failures; CSVs go to --out (default $OUT or experiments/results).
+Runs on a machine with one NVIDIA GPU and jax[cuda] (plus tokamax for its rows). Parts, in
+the order given, each catching its own failures:
+  tokamax    the units of each tokamax attention kernel's softmax-residual row max against
+             float64 (kernels/flash_tokamax.residual_check); a kernel found in natural or
+             base-2 units gets its factor for the rest of this run, so the attention part
+             can time it with QK-Clip's S_max (the factor goes into flash_tokamax.RESIDUAL_MAX
+             once recorded in experiments/results/attention/tokamax_residuals.csv);
+  gmm_roles  every grouped matmul of an MoE training step at K2's expert shapes (forward,
+             input gradient, weight gradient): ours vs XLA's ragged_dot vs tokamax's Mosaic
+             GPU kernel (its own tiles and a sweep), against a dense matmul of the same FLOPs
+             (bench_moe.gpu_roles); writes the best tokamax tiles per role;
+  attention  correctness of pallas_gpu and checked tokamax kernels against XLA in f32 /
+             bf16 (values, S_max, gradients), then TFLOP/s at MLA's 192 / 128 against
+             cuDNN (bench_attention.gpu, --tune to sweep pallas_gpu's tiles again);
+  train      the ~1B-activated K2-shaped model's train step: tokens/s, MFU and a per-part
+             breakdown per kernel choice (bench_train.py);
+  moe        the older grouped-matmul / fused-layer table and our Triton tile sweeps;
+  decode     tokens/s of decoding (bench_decode.py --gpu).
+CSVs go to --out (default $OUT or experiments/results).
 """
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -45,8 +53,14 @@ def _map_kernels():
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
-  p.add_argument("--only", default="attention,moe,decode,tokamax")
+  p.add_argument("--only", default="tokamax,gmm_roles,attention,train")
   p.add_argument("--tokens", type=int, default=8192)
+  p.add_argument("--tune", action="store_true", help="attention: sweep pallas_gpu's tiles")
+  p.add_argument("--no-check", action="store_true", help="attention: timings only")
+  p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="attention")
+  p.add_argument("--attention-impls", default="", help="attention: rows to time (default all)")
+  p.add_argument("--kernels", default="auto,tokamax", help="train: kernel choices")
+  p.add_argument("--train-args", default="", help="train: extra bench_train.py arguments")
   args = p.parse_args()
   _map_kernels()
   import jax
@@ -58,8 +72,19 @@ def main():
     try:
       if part == "attention":
         import bench_attention
-        bench_attention.gpu(argparse.Namespace(out=os.path.join(args.out, "attention"),
-                                               gpu_lengths=[4096, 8192], heads=16))
+        bench_attention.gpu(argparse.Namespace(
+            out=os.path.join(args.out, "attention"), gpu_lengths=args.lengths, heads=16,
+            tune=args.tune, check=not args.no_check,
+            only=args.attention_impls.split(",") if args.attention_impls else None))
+      elif part == "gmm_roles":
+        import bench_moe
+        bench_moe.gpu_roles(argparse.Namespace(out=os.path.join(args.out, "moe"),
+                                               tokens=args.tokens))
+      elif part == "train":
+        import bench_train
+        sys.argv = ["bench_train.py", "--kernels", args.kernels, "--out", args.out,
+                    *args.train_args.split()]
+        bench_train.main()
       elif part == "moe":
         import bench_moe
         bench_moe.gpu(argparse.Namespace(out=os.path.join(args.out, "moe"), tokens=args.tokens,
@@ -81,6 +106,14 @@ def main():
               continue
             try:
               rows.append(dict(flash_tokamax.residual_check(name, dtype=dtype), note=""))
+              r = rows[-1]
+              if dtype == "float32" and name not in flash_tokamax.RESIDUAL_MAX and (
+                  r["natural"] or r["base2"] or r["rel"] < 1e-3):
+                # for this run only: the factor the residuals were measured in (natural,
+                # base 2, or another constant that fits every row to f32 rounding)
+                flash_tokamax.RESIDUAL_MAX[name] = (
+                    1.0 if r["natural"] else 1.0 / math.log2(math.e) if r["base2"]
+                    else 1.0 / r["factor"])
             except Exception as e:  # one kernel failing must not hide the others
               rows.append(dict(name=name, dtype=dtype, factor=float("nan"), rel=float("nan"),
                                natural=False, base2=False, note=f"FAILED {type(e).__name__}: "

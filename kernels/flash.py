@@ -18,11 +18,12 @@ Implementations (one signature):
   chunked     the flash algorithm in plain JAX: blockwise online softmax with a custom VJP
               that recomputes blocks from (out, log-sum-exp); O(B H T block) memory, every
               backend. `auto` on CPU.
-  pallas_gpu  Triton-lowered Pallas kernels (kernels/flash_gpu.py). `auto` on GPU.
+  pallas_gpu  Triton-lowered Pallas kernels (kernels/flash_gpu.py). `auto` on GPUs not in
+              AUTO_GPU, or without tokamax.
   pallas_tpu  Mosaic Pallas kernels (kernels/flash_tpu.py). `auto` on TPU.
   tokamax     tokamax's kernels (optional package; kernels/flash_tokamax.py), S_max from
-              their softmax residuals where the residuals' units are checked. Not `auto`'s
-              pick anywhere yet: no GPU / TPU measurement of it against ours exists.
+              their softmax residuals where the residuals' units are checked. `auto` on the
+              GPUs AUTO_GPU lists, when tokamax is installed.
 Both Pallas versions run on CPU with interpret=True (that is how they are tested).
 """
 
@@ -75,10 +76,38 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
   raise ValueError(f"attention impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")
 
 
-def auto_impl(backend: str | None = None) -> str:
-  """The implementation `auto` picks on a backend (see experiments/bench_attention.py)."""
+# GPU device kinds where `auto` takes tokamax over pallas_gpu, from measurements
+# (experiments/results/attention/gpu_attention.csv, 2026-11-24, tokamax 0.0.17, jax 0.11.2;
+# MLA 192 / 128, bf16, causal, 16 heads, T 4096, 16K tokens per call, S_max emitted):
+#   NVIDIA H100 80GB HBM3  tokamax mosaic_gpu 464 TFLOP/s fwd, 368 fwd+bwd; pallas_gpu 247 /
+#                          243; cuDNN (no S_max, v padded to 192) 309 / 272
+# A kind not listed (the H200 is the same chip but unmeasured) keeps ours, and so does
+# lowering for CUDA on a machine without a GPU (the choice needs the device kind).
+AUTO_GPU = {"NVIDIA H100 80GB HBM3": "tokamax"}
+
+
+def _gpu_kind() -> str | None:
+  try:
+    return jax.devices("gpu")[0].device_kind
+  except RuntimeError:          # no GPU here: lowering for CUDA from a CPU machine
+    return None
+
+
+def _have_tokamax() -> bool:
+  try:
+    platform.tokamax()
+    return True
+  except ImportError:
+    return False
+
+
+def auto_impl(backend: str | None = None, device_kind: str | None = None) -> str:
+  """The implementation `auto` picks on a backend (and, on GPUs, device kind: AUTO_GPU)."""
   backend = backend or platform.backend()
-  return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "chunked")
+  if backend == "gpu":
+    pick = AUTO_GPU.get(device_kind or _gpu_kind() or "", "pallas_gpu")
+    return pick if pick != "tokamax" or _have_tokamax() else "pallas_gpu"
+  return {"tpu": "pallas_tpu"}.get(backend, "chunked")
 
 
 def masks(T: int, segment_ids, causal: bool, q_pos=None, k_pos=None):

@@ -38,8 +38,12 @@ from k2jax.kernels import platform
 PREFERENCE = {"gpu": ("mosaic_gpu", "triton"), "tpu": ("mosaic_tpu",), "cpu": ("xla",)}
 
 # residual row max x factor = scaled natural-unit logit; entries measured by residual_check:
-#   xla  1.0 (tests/test_attention.py, CPU, float64 reference)
-RESIDUAL_MAX = {"xla": 1.0}
+#   xla         1.0 (tests/test_attention.py, CPU, float64 reference)
+#   mosaic_gpu  1.0 (H100, tokamax 0.0.17, bf16: factor 0.9999999, rel 2e-7; it has no f32
+#               kernel: "Unsupported precision TF32")
+#   triton      1.0 (H100, tokamax 0.0.17: f32 factor 1.000005, rel 2e-4; bf16 1.0013, 1.3e-3)
+# experiments/results/attention/tokamax_residuals.csv; gpu_check.py --only tokamax re-measures.
+RESIDUAL_MAX = {"xla": 1.0, "mosaic_gpu": 1.0, "triton": 1.0}
 
 
 def _ops():
@@ -48,12 +52,19 @@ def _ops():
   return api.IMPLEMENTATIONS, base.Mask
 
 
-def implementation(backend: str | None = None) -> str:
-  """The tokamax implementation used on `backend` (default: the one kernels target)."""
+# Implementations without a kernel for some input dtypes (measured: the Mosaic GPU flash
+# attention refuses float32 with "Unsupported precision: TF32_TF32_F32").
+UNSUPPORTED = {"mosaic_gpu": ("float32", "float64")}
+
+
+def implementation(backend: str | None = None, dtype=None) -> str:
+  """The tokamax implementation used on `backend` (default: the one kernels target) for
+  inputs of `dtype` (None: any)."""
   available, _ = _ops()
   names = PREFERENCE.get(backend or platform.backend(), ("xla",))
   for name in names:
-    if name in available:
+    if name in available and (dtype is None or
+                              jnp.dtype(dtype).name not in UNSUPPORTED.get(name, ())):
       return name
   raise ValueError(f"attention impl = 'tokamax': none of tokamax's {', '.join(names)} "
                    "attention is available here; use attention_impl=auto")
@@ -77,7 +88,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
 
   name: a tokamax implementation ("xla", "triton", "mosaic_gpu", "mosaic_tpu"); default
   `implementation()`. Only names in RESIDUAL_MAX are accepted (module docstring)."""
-  name = name or implementation()
+  name = name or implementation(dtype=q.dtype)
   if name not in RESIDUAL_MAX:
     raise ValueError(
         f"attention impl = 'tokamax' ({name}): the units of its softmax-residual row max are "

@@ -124,6 +124,10 @@ def test_auto_picks_the_chunked_flash_path_on_cpu():
   from k2jax.kernels import flash
   assert flash.auto_impl("cpu") == "chunked"
   assert (flash.auto_impl("gpu"), flash.auto_impl("tpu")) == ("pallas_gpu", "pallas_tpu")
+  # measured device kinds take their table entry when tokamax is there, ours otherwise
+  assert flash.auto_impl("gpu", "NVIDIA H100 80GB HBM3") == (
+      "tokamax" if HAVE_TOKAMAX else "pallas_gpu")
+  assert flash.auto_impl("gpu", "some unmeasured GPU") == "pallas_gpu"
   with pytest.raises(ValueError, match="attention impl = 'cudnn'"):
     attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, impl="cudnn")
 
@@ -141,7 +145,7 @@ def test_tokamax_residual_max_is_the_scaled_natural_logit_and_unchecked_kernels_
   assert start.tolist() == [[0, 0, 2, 2, 2, 5, 5], [0] * 7]
   assert end.tolist() == [[2, 2, 5, 5, 5, 7, 7], [7] * 7]
   with pytest.raises(ValueError, match="gpu_check.py --only tokamax"):
-    ft.attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, name="triton")
+    ft.attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, name="mosaic_tpu")
 
 
 @pytest.mark.parametrize("impl,platform", [("pallas_gpu", "cuda"), ("pallas_tpu", "tpu")])
