@@ -106,6 +106,9 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
   out, loop, rows = 0, 0, []
   for c, lines in comps.items():
     for line in lines:
+      # Tuple shapes carry /*index=N*/ comments, whose "=" the shape pattern stops at:
+      # unstripped, every collective of a tuple of 6+ arrays went uncounted.
+      line = re.sub(r"/\*.*?\*/", "", line)
       m = COLLECTIVE.search(line)
       if not m or "-done" in line.split("=")[1][:40]:
         continue

@@ -12,9 +12,10 @@ even). Per device:
   grads         the float32 gradient buffer of that parameter shard (--grad_bytes)
   optimizer     ZeRO-1 (split over `data` too): Muon momentum / Adam moments, the float32
                 master weights when params are lower precision, QK-Clip's record
-  activations   an estimate of what the configured implementation keeps (remat policy,
-                attention implementation, activation storage) times what the pipeline
-                schedule's table keeps in flight, see `activation_bytes`
+  activations   what each layer keeps for its backward pass, measured by tracing it with the
+                configured remat policy, kernels (those `auto` picks on --platform) and
+                activation storage, times what the pipeline schedule's table keeps in
+                flight, see `activation_bytes`
 """
 
 import argparse
@@ -27,7 +28,8 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from k2jax import configs, model, optim
-from k2jax.model import remat as remat_lib
+from k2jax.kernels import platform as kernel_platform
+from k2jax.model import transformer
 from k2jax.configs.sharding_rules import mesh_axes
 from k2jax.parallel import MESH_AXES, layout, schedules, state_shardings
 from k2jax.parallel.mesh import entry_axes
@@ -94,37 +96,42 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
 
 def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
                      attention_impl=None, storage=None, virtual_stages=1, microbatches=None,
-                     schedule="1f1b"):
+                     schedule="1f1b", platform="gpu"):
   """Activation memory of the device holding the most.
 
-  Per layer and token, what the configured implementation keeps for the backward pass
-  (k2jax.model.remat.saved_bytes_per_token: the remat policy, the attention implementation
-  and the activation storage); plus the working set of the layer being differentiated (all
-  its activations, recomputed ones included) and of the head (f32 logits and their
-  gradient). Per device, micro_batch sequences of seq_len tokens (tokens are split over
-  data x expert). With pipeline > 1, the schedule's table (k2jax.parallel.schedules) says how
-  many stage activations a device keeps at once (`in_flight`: each what a stage's layers save
-  under the remat policy) and how many stage inputs / cotangents wait in its buffers.
-  Settings default to the config's. Returns (bytes, the settings used).
+  Per layer, what it keeps for its backward pass, measured by tracing the layer at abstract
+  shapes (k2jax.model.transformer.layer_residual_bytes: the remat policy, the attention and
+  MoE implementations `auto` picks on `platform`, the activation storage); plus the working
+  set of the layer being differentiated (what it keeps with no recomputation) and of the
+  head (f32 logits and their gradient). Per device, micro_batch sequences of seq_len tokens
+  (tokens are split over data x expert). With pipeline > 1, the schedule's table
+  (k2jax.parallel.schedules) says how many stage activations a device keeps at once
+  (`in_flight`: each what a stage's layers save) and how many stage inputs / cotangents wait
+  in its buffers. Settings default to the config's. Returns (bytes, the settings used).
   """
-  m = mcfg
-  settings = dict(remat=remat or m.remat,
-                  attention_impl=attention_impl or m.attention_impl,
-                  storage=storage or m.get("activation_storage", "model"))
+  m = mcfg.copy_and_resolve_references()
+  settings = dict(remat=remat or m.remat, attention_impl=attention_impl or m.attention_impl,
+                  storage=storage or m.get("activation_storage", "model"), platform=platform)
+  m.update(dict(remat=settings["remat"], attention_impl=settings["attention_impl"],
+                activation_storage=settings["storage"]))
   stages = mesh_shape["pipeline"]
-  layer = lambda ffn, **kw: sum(remat_lib.saved_bytes_per_token(m, ffn, seq_len, **{
-      **settings, **kw}).values())
-  working = max(layer(ffn, remat="none") for ffn in ("mlp", "moe")) + 8 * m.vocab_size
+
+  @functools.cache
+  def layer(ffn, remat):     # bytes per token
+    c = m.copy_and_resolve_references()
+    c.remat = remat
+    with kernel_platform.target(platform):
+      return transformer.layer_residual_bytes(c, ffn, seq_len) / seq_len
+  kinds = {st.ffn: st.size for st in model.stacks(m)}
+  working = max(layer(ffn, "none") for ffn in kinds) + 8 * m.vocab_size
   if stages == 1:
-    saved = sum(layer(ffn) * n for ffn, n in (("mlp", m.first_k_dense_replace),
-                                              ("moe", m.num_hidden_layers
-                                               - m.first_k_dense_replace)))
+    saved = sum(layer(ffn, m.remat) * n for ffn, n in kinds.items())
     return (saved + working) * seq_len * micro_batch, settings
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2
   sp = layout.split(m, stages, virtual_stages)
   tab = schedules.build(schedule, stages, virtual_stages, M)
-  stage = layer(sp.stack.ffn) * sp.per_stage
+  stage = layer(sp.stack.ffn, m.remat) * sp.per_stage
   buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
   return (tab.in_flight * stage + buffers + working) * seq_len * micro_batch, settings
 
@@ -157,7 +164,8 @@ def parse_mesh(text: str, devices: int | None) -> dict:
 
 
 def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_stages=None,
-           microbatches=None, remat=None, storage=None, param_dtype=None, name=None) -> str:
+           microbatches=None, remat=None, storage=None, param_dtype=None, name=None,
+           platform="gpu") -> str:
   """The per-device table of a preset name or a full config on `mesh` ({axis: size})."""
   name = name or (config if isinstance(config, str) else "config")
   config = configs.get_config(config) if isinstance(config, str) else config
@@ -177,7 +185,7 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
     cfg.train.grad_accum = M
   act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
                                storage=storage, virtual_stages=V, microbatches=M,
-                               schedule=schedule)
+                               schedule=schedule, platform=platform)
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
            f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
@@ -198,8 +206,9 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
   states = st["params"] + st["grads"] + st["optimizer"]
   lines.append(f"  {'all states on device':<24}{states / GB:>10.2f}   "
                f"(from parallel.state_shardings)")
-  lines.append(f"  {'activations (estimate)':<24}{act / GB:>10.2f}   remat={used['remat']}, "
-               f"attention={used['attention_impl']}, storage={used['storage']}")
+  lines.append(f"  {'activations':<24}{act / GB:>10.2f}   remat={used['remat']}, "
+               f"attention={used['attention_impl']}, storage={used['storage']}, "
+               f"{used['platform']} kernels (traced)")
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
   if st["optimizer_host"]:
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
@@ -207,11 +216,13 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
   if P > 1:
     tab = schedules.build(schedule, P, V, M)
     sp = layout.split(cfg.model, P, V)
+    costs = schedules.stage_costs(cfg.model, sp, seq_len)
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
                  f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
-                 f"{tab.idle_fraction():.1%} of device time, {tab.in_flight} stage "
-                 f"activations in flight per device"
-                 f"{f', {sp.padded} padding row(s) stored' if sp.padded else ''}")
+                 f"{tab.idle_fraction(costs):.1%} of device time by stage FLOPs "
+                 f"({tab.idle_fraction():.1%} if stages did equal work), {tab.in_flight} "
+                 f"stage activations in flight per device"
+                 f"{f', {sp.padded} padding row(s) stored on the stages with the embedding / head' if sp.padded else ''}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "
@@ -241,6 +252,8 @@ def main(argv=None):
   p.add_argument("--microbatches", type=int, default=None,
                  help="pipeline microbatches (train.grad_accum; default the config's)")
   p.add_argument("--remat", choices=("none", "selective", "full"), default=None)
+  p.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default="gpu",
+                 help="whose `auto` kernels the activation figure traces (default gpu)")
   p.add_argument("--storage", choices=("model", "fp8"), default=None,
                  help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
   try:
@@ -258,6 +271,7 @@ def main(argv=None):
     print(report(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
                  virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                  remat=args.remat, storage=args.storage, param_dtype=args.param_dtype,
+                 platform=args.platform,
                  name=args.config))
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)

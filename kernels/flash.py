@@ -297,15 +297,3 @@ def attention_chunked(q, k, v, scale, segment_ids=None, causal=True, block=None)
 def flops(B: int, T: int, H: int, dqk: int, dv: int, causal: bool = True) -> float:
   """Matmul FLOPs of the forward pass (QK^T and PV), halved for causal masking."""
   return 2.0 * B * H * T * T * (dqk + dv) * (0.5 if causal else 1.0)
-
-
-def activation_bytes_per_token(impl: str, heads: int, seq_len: int, dqk: int, dv: int,
-                               act_bytes: int) -> float:
-  """What one layer's backward keeps for attention per token: the materialized f32 logits,
-  f32 probabilities and their cast (xla: O(T)), or the kernel's residuals, its head-major
-  q, k, v, the output, log-sum-exp and row max (the flash implementations: O(1)). tokamax
-  on CPU is its xla implementation."""
-  impl = auto_impl() if impl == "auto" else impl
-  if impl == "xla" or (impl == "tokamax" and platform.backend() == "cpu"):
-    return heads * seq_len * (4 + 4 + act_bytes)
-  return act_bytes * heads * (2 * dqk + 2 * dv) + 8 * heads

@@ -192,11 +192,13 @@ def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_run
 
 def test_no_weight_moves_between_pipeline_devices():
   """The compiled step of pipeline 4 x 2 virtual x expert 2 (stack stored in schedule order):
-  outside the tick loop, what crosses pipeline devices is statistics (the stored layout
-  needs no re-layout of the stack: 0.80x its bytes per step before it); inside, the ring
+  outside the tick loop, what crosses pipeline devices is the gradient reduction of the
+  parameters every pipeline device holds (embedding, head, dense layer) and statistics,
+  never the stack (0.80x its bytes per step before the stored layout); inside, the ring
   transfers of stage activations and their cotangents."""
   r = worker(8, "pipeline_collectives")
-  assert r["outside"] < 1e-3 * r["stack"], r
+  assert r["outside"] <= 1.02 * r["rest"], r
+  assert r["outside"] < 0.1 * r["stack"], r
   assert r["loop_ops"] == ["collective-permute"], r
   assert 0 < r["loop"] < 0.1 * r["stack"] * r["ticks"], r
 

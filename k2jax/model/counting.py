@@ -53,3 +53,26 @@ def flops_per_token(cfg, seq_len: int, training: bool = True) -> float:
           * cfg.num_hidden_layers)
   forward = 2 * matmul + attn
   return 3 * forward if training else forward
+
+
+def layer_flops(cfg, ffn: str, seq_len: int) -> float:
+  """Forward FLOPs per token of one layer ("mlp" dense or "moe"): 2 per activated weight
+  (the k routed experts of an MoE layer, its shared experts and router) plus causal
+  attention, as in flops_per_token."""
+  d = cfg.hidden_size
+  s = param_specs(cfg)
+  st = {"mlp": "dense_layers", "moe": "moe_layers"}[ffn]
+  layer = jax.tree.map(lambda p: spec.size(p) // p.shape[0], s[st], is_leaf=spec.is_spec)
+  total = sum(jax.tree.leaves(layer))
+  if ffn == "moe":
+    routed = sum(jax.tree.leaves(layer["moe"]["experts"]))
+    total -= routed - routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+  del d
+  qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+  attn = 2 * cfg.num_attention_heads * (qk + cfg.v_head_dim) * (seq_len + 1) / 2
+  return 2.0 * total + attn
+
+
+def head_flops(cfg) -> float:
+  """Forward FLOPs per token of the output head (hidden x vocabulary)."""
+  return 2.0 * cfg.hidden_size * cfg.vocab_size

@@ -113,6 +113,38 @@ def _run_stack(cfg, ffn, stacked, x, positions, segment_ids, return_latents=Fals
   return jax.lax.scan(body, x, stacked)
 
 
+def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1) -> int:
+  """Bytes one `ffn` layer ("mlp" | "moe") keeps for its backward pass, for `batch`
+  sequences of `seq_len` tokens: what jax.vjp of the layer under the `model.remat` policy
+  closes over besides its weights (what a scan of layers, or a pipeline stage, holds per
+  layer until the backward pass).
+
+  Measured, not modelled: the layer is traced at abstract shapes (jax.eval_shape; nothing is
+  computed or allocated) with the kernels `impl="auto"` picks for the backend kernels target
+  (`k2jax.kernels.platform.target`), so it follows the policy, the attention and MoE
+  implementations and FP8 activation storage exactly. Activations that `model.offload`
+  would move to host memory are counted here (plan reports device memory without offload).
+  """
+  st = next(s for s in stacks(cfg) if s.ffn == ffn)
+  specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], jnp.dtype(cfg.param_dtype)),
+                       param_specs(cfg)[st.name], is_leaf=spec.is_spec)
+  x = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
+  positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+  segments = jnp.ones((batch, seq_len), jnp.int32)
+
+  def body(p, x):
+    return _block(cfg, ffn, x, p, positions, segments)
+  policy = remat_policy(cfg.remat, False)
+  if policy is not None:
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+
+  def residuals(p, x):
+    _, vjp = jax.vjp(body, p, x)
+    weights = {id(a) for a in jax.tree.leaves(p)}
+    return [a for a in jax.tree.leaves(vjp) if id(a) not in weights and hasattr(a, "dtype")]
+  return sum(a.size * a.dtype.itemsize for a in jax.eval_shape(residuals, specs, x))
+
+
 def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_latents=False):
   """tokens [B, T] int -> (logits [B, T, vocab] float32, ForwardStats).
 

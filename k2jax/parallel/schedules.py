@@ -56,20 +56,63 @@ class Table(NamedTuple):
   def busy(self, kind: str) -> np.ndarray:
     return self.task[kind][..., 0] >= 0
 
-  def time(self) -> float:
-    """Lockstep time of the schedule in forward-stage units."""
-    per = sum(self.busy(k) * COST[k] for k in self.task)
+  def _phase_costs(self, costs):
+    """{kind: [ticks, P] cost of each device's phase-k task}; costs None = COST per task,
+    else {kind: [S] cost of that task on stage s}."""
+    out = {}
+    for k in self.task:
+      v = self.task[k][..., 0]
+      if costs is None:
+        out[k] = (v >= 0) * COST[k]
+      else:
+        s = np.maximum(v, 0) * self.P + np.arange(self.P)[None, :]
+        out[k] = np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
+    return out
+
+  def time(self, costs=None) -> float:
+    """Lockstep time of the schedule: per tick, the largest device's sum of its phases'
+    costs (forward-stage units by default; `costs` as in idle_fraction)."""
+    per = sum(self._phase_costs(costs).values())
     return float(per.max(axis=1).sum())
 
-  def idle_fraction(self) -> float:
-    """1 - (work of every device) / (devices x lockstep time)."""
-    work = self.M * self.V * (COST["F"] + COST["B"])
-    return 1.0 - work / self.time()
+  def idle_fraction(self, costs=None) -> float:
+    """1 - (work of every device) / (devices x lockstep time).
+
+    costs: None (every forward 1, every backward 2: stages of equal work) or
+    {"F": [S], "B": [S]}, the work of each stage's tasks (`stage_costs`: padding layers cost
+    nothing, the first stage also runs the embedding and dense layers, the last the head)."""
+    work = sum(float(c.sum()) for c in self._phase_costs(costs).values())
+    return 1.0 - work / (self.P * self.time(costs))
 
   @property
   def in_flight(self) -> int:
     """Most stage activations a device keeps for backward at once (= residual slots)."""
     return self.sizes["res"]
+
+
+def stage_costs(cfg, split, seq_len: int) -> dict:
+  """{"F": [S], "B": [S]}: the matmul work of each stage's forward and backward tasks as
+  the pipeline runs them (k2jax.parallel.pipeline), in units of one pipelined layer's
+  forward, from the model's FLOPs per token (k2jax.model.layer_flops):
+
+    F[s] = real layers of s   (+ the layers before the stack, on stage 0)
+                              (+ the head's forward and backward, on the last stage: its
+                                 gradient is taken in the F phase)
+    B[s] = 2 x real layers    (+ the stage-0 prefix recomputed, then its backward: 3x)
+
+  cfg: the model config; split: k2jax.parallel.layout.Split."""
+  from k2jax.model import counting, transformer
+  S = split.stages * split.virtual
+  unit = counting.layer_flops(cfg, split.stack.ffn, seq_len)
+  pre = sum(counting.layer_flops(cfg, st.ffn, seq_len) * st.size
+            for st in transformer.stacks(cfg) if st != split.stack) / unit
+  head = counting.head_flops(cfg) / unit
+  real = split.real().transpose(1, 0, 2).reshape(S, split.per_stage).sum(1)   # stage v P + p
+  F, B = real.astype(float), 2.0 * real
+  F[0] += pre
+  B[0] += 3 * pre
+  F[S - 1] += 3 * head
+  return {"F": F, "B": B}
 
 
 def _orders(name, P, V, M):
