@@ -522,6 +522,13 @@ def test_rl_cli_bad_input(tmp_path):
   other.model.hidden_size = 96
   (rl_dir / "config.json").write_text(other.to_json_best_effort())
   runs[rl_dir] = (["--config", "tiny_rl"], "model.hidden_size: 96 -> 128")
+  # A directory of something else (no config.json): taken for a new run, it got our files
+  # and then a KeyError from reading its checkpoints/8 as an RL checkpoint.
+  other_dir = tmp_path / "not_a_run"
+  (other_dir / "checkpoints" / "8").mkdir(parents=True)
+  (other_dir / "notes.txt").write_text("mine")
+  runs[other_dir] = (["--config", "tiny_rl"], "is not a k2jax run: it holds checkpoints, "
+                     "notes.txt but no config.json")
   before = {d: {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} for d in runs}
   dirs = [tmp_path / f"w{i}" for i in range(len(cases))] + list(runs)
   cases += list(runs.values())
@@ -534,7 +541,7 @@ def test_rl_cli_bad_input(tmp_path):
     assert p.returncode == 2 and len(lines) == 1 and fragment in lines[0], (argv, err[-2000:])
     assert "Traceback" not in err
     if d in runs:    # byte for byte as it was, nothing added (no lock, no log)
-      assert {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} == before[d]
+      assert {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} == before[d], argv
     else:
       assert not (d / "config.json").exists()
   p = subprocess.run([sys.executable, "-m", "k2jax.rl", "--config", "tiny_rl",
