@@ -120,9 +120,6 @@ def rl_config(variant, seed, iterations, model_cfg):
   if "learning_rate" in v:
     r.optimizer.update(dict(learning_rate=v["learning_rate"],
                             end_learning_rate=v["learning_rate"] / 10))
-  # greedy SFT output is well formed; sampling at 1.0 from a tiny model mostly runs past the
-  # 32-token budget, leaving no reward signal to learn from
-  r.rl.temperature_start = 0.8
   return r
 
 

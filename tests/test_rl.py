@@ -604,3 +604,18 @@ def test_policy_judge_scores_equal_the_unpadded_forward():
     logits = np.asarray(forward(cfg, judge.params, jnp.asarray([ids]))[0][0, -1], np.float64)
     logp = logits - np.logaddexp.reduce(logits)
     assert s == pytest.approx(logp[yes] - logp[no], abs=1e-4)
+
+
+def test_the_measured_rl_setting_is_the_tiny_rl_preset():
+  """README's RL claim names the tiny_rl preset: the experiment's setting that learns must be
+  the preset itself (it once overrode temperature_start to 0.8), seed 0 being the preset's."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "experiments"))
+  import rl_arithmetic
+  from k2jax import resume
+  measured = resume.flatten(rl_arithmetic.rl_config(
+      rl_arithmetic.FIXED, 0, None, configs.get_config("tiny_sft").model))
+  preset = resume.flatten(configs.get_config("tiny_rl"))
+  diff = {k: (preset.get(k), measured.get(k)) for k in set(preset) | set(measured)
+          if preset.get(k) != measured.get(k)}
+  assert diff == {}
