@@ -132,6 +132,64 @@ def test_arithmetic_scores_the_last_integer():
     assert env.score(t, "no idea") == 0.0
 
 
+def test_arithmetic_held_out_problems_are_never_drawn_for_training():
+  """The one-digit space holds only 300 problems, so evaluation draws were seen in training:
+  the held-out part (a fixed partition) is drawn by no training source - RL's tasks, SFT's
+  dialogs (and the PTX data, which are SFT dialogs) - and evaluation takes only it."""
+  from k2jax import sft
+  train_env, held = envs.Arithmetic(max_operand=9), envs.Arithmetic(max_operand=9,
+                                                                    split="heldout")
+  question = lambda t: t.messages[0]["content"]   # noqa: E731
+  held_out = {question(t) for t in held.all_tasks()}
+  train_part = {question(t) for t in train_env.all_tasks()}
+  everything = {question(t) for t in envs.Arithmetic(max_operand=9, split="all").all_tasks()}
+  assert len(everything) == 300 and held_out | train_part == everything
+  assert not held_out & train_part and 60 <= len(held_out) <= 90
+  assert {question(t) for t in train_env.tasks(random.Random(0), 2000)} == train_part
+  assert {question(t) for t in held.tasks(random.Random(0), 500)} == held_out
+  # the same partition in a fresh process (a stable hash, not Python's salted one)
+  code = ("from k2jax.rl import envs; print(sorted(t.messages[0]['content'] for t in "
+          "envs.Arithmetic(max_operand=9, split='heldout').all_tasks()))")
+  env = dict(os.environ, PYTHONHASHSEED="12345")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+  assert out.stdout.strip() == repr(sorted(held_out)), out.stderr[-2000:]
+  for dialogs in (sft.default_dialogs(max_operand=9, tool_fraction=0.0),
+                  sft.default_dialogs(n=512, seed=1)):   # SFT's, and RL's default PTX data
+    asked = {m["content"] for d in dialogs for m in d["messages"] if m["role"] == "user"}
+    assert asked & train_part and not asked & held_out
+  with pytest.raises(ValueError, match="arithmetic split 'test'"):
+    envs.Arithmetic(split="test")
+
+
+def test_rollout_seed_depends_on_the_run_seed_and_is_a_pure_function():
+  """Seeded by the iteration alone, runs of every seed drew the same samples; a pure function
+  of (train.seed, iteration) keeps a resumed run's samples the uninterrupted run's."""
+  from k2jax.rl.train import decode_seed
+  seeds = {(s, it): decode_seed(s, it) for s in range(3) for it in range(50)}
+  assert len(set(seeds.values())) == len(seeds)
+  assert all(decode_seed(s, it) == v and 0 <= v < 2 ** 32 for (s, it), v in seeds.items())
+
+
+def test_the_trainer_samples_with_the_run_seed(tmp_path, monkeypatch):
+  from k2jax.rl import train as rl_train
+  got = []
+
+  class Stop(Exception):
+    pass
+
+  def decode(self, cfg, params, temperature, seed):
+    got.append(seed)
+    raise Stop   # the seed is all this test needs
+
+  monkeypatch.setattr(rl_train.Rollouts, "decode", decode)
+  for s in (0, 1):
+    c = rl_config(ptx_weight=0.0)
+    c.train.seed = s
+    with pytest.raises(Stop):
+      rl_train.run(c, str(tmp_path / f"seed{s}"))
+  assert got == [rl_train.decode_seed(0, 0), rl_train.decode_seed(1, 0)]
+
+
 def test_expression_parser_is_exact_and_refuses_code():
   assert envs.evaluate("8 / (3 - 8 / 3)", [8, 3, 8, 3]) == 24      # needs exact rationals
   for bad in ("__import__('os').system('true')", "2 ** 3", "x + 1", "1.5 * 16", "[1]",
