@@ -422,6 +422,51 @@ def test_sandbox_limits_only_is_an_explicit_opt_in():
   assert not r.ok and r.reason.startswith("error:") and "namespaces, limits" in r.reason
 
 
+@pytest.fixture
+def namespaces_cannot_start(monkeypatch):
+  """sandbox's namespaces probe fails as it does where unprivileged user namespaces are off
+  (bwrap exits before the program starts); "limits" runs for real."""
+  real = sandbox._run
+
+  def probe_fails(*args):
+    if args[-1] == "namespaces":
+      return sandbox.SandboxResult(False, "", "bwrap: setting up uid map: Permission denied\n",
+                                   "exit code 1", 1, 0.01, False)
+    return real(*args)
+
+  monkeypatch.setattr(sandbox, "_run", probe_fails)
+  sandbox._check.cache_clear()
+  yield
+  sandbox._check.cache_clear()    # later tests get this machine's own answer
+
+
+def test_code_environment_is_refused_without_namespaces_unless_limits_opted_in(
+    tmp_path, capsys, namespaces_cannot_start):
+  from k2jax.rl import train as rl_train
+  workdir = tmp_path / "run"
+  with pytest.raises(SystemExit) as e:
+    rl_train.main(["k2jax.rl", "--config", "tiny_rl", "--config.rl.envs=arithmetic,code",
+                   f"--workdir={workdir}"])
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if l.startswith("k2jax.rl: error:")]
+  assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+  assert ("rl.envs=code: bubblewrap could not start its namespaces here (bwrap: setting up "
+          "uid map: Permission denied)" in lines[0] and "--config.rl.sandbox=limits" in lines[0])
+  assert not workdir.exists()
+  with pytest.raises(sandbox.SandboxUnavailable, match="--config.rl.sandbox=limits"):
+    envs.Code()
+  # the opt-in: the config passes and the environment scores under limits
+  c = configs.get_config("tiny_rl")
+  c.rl.update(dict(envs="code", sandbox="limits"))
+  rl_train.configs_validate(c)
+  (env,) = rl_train.make_environments(c, None)
+  assert env.isolation == "limits"
+  t = env.tasks(random.Random(0), 1)[0]
+  tests = t.data["tests"]
+  answers = "\n".join(f"if s == {i!r}: print({o!r})" for i, o in tests)
+  assert env.score(t, f"```python\nimport sys\ns = sys.stdin.read()\n{answers}\n```") == 1.0
+
+
 # ------------------------------------------------------------------- rollouts and trainer
 
 def rl_config(**rl):
