@@ -191,8 +191,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
   m = _SECTION_BEGIN.search(text)
   if not m:
     return _strip_think(text).strip(), []
-  content = _strip_think(text[:m.start()]).strip()
-  calls, pos, n, trailing = [], m.end(), 0, ""
+  before = text[:m.start()]
+  in_think = before.rfind("<think>") > before.rfind("</think>")
+  content = _strip_think(before).strip()
+  calls, pos, n, trailing, closed = [], m.end(), 0, "", False
   # strict=False: a model writes code arguments with raw newlines / tabs inside JSON strings;
   # rejecting them would drop every call of the turn.
   decoder = json.JSONDecoder(strict=False)
@@ -205,8 +207,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
       break
     end_match = _SECTION_END.match(rest)
     if end_match:
-      trailing = rest[end_match.end():]
+      trailing, closed = rest[end_match.end():], True
       break
+    if in_think and rest.startswith("</think>"):
+      break     # the thinking block ended, and with it the section opened inside it
     if not rest.startswith(begin):
       if begin in rest or _SECTION_END.search(rest):
         raise ToolCallParseError(f"tool call {n}: expected {begin}, found {rest[:40]!r}")
@@ -237,9 +241,12 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     pos = len(text) - len(tail) + len(end)
     n += 1
   # Text after the section is content too; if the section opened inside a <think> block,
-  # the block goes on until its </think>.
-  before = text[:m.start()]
-  if before.rfind("<think>") > before.rfind("</think>"):
+  # the block goes on until its </think>. A section never closed is what was left after the
+  # complete calls: a cut call (dropped), unless the thinking block ends in it - then the
+  # text after that </think> is the answer.
+  if not closed:
+    trailing = text[pos:] if in_think else ""
+  if in_think:
     close = trailing.find("</think>")
     trailing = "" if close < 0 else trailing[close + len("</think>"):]
   content = "\n".join(t for t in (content, _strip_think(trailing).strip()) if t)

@@ -18,6 +18,8 @@ import os
 
 from ml_collections import config_dict
 
+from k2jax import runlock
+
 # (group.key prefix, reason it can change). Everything not matched cannot change.
 RESUMABLE = (
     ("train.steps", "run length"),
@@ -96,6 +98,23 @@ def saved_config(workdir: str) -> dict | None:
                      "or use a new --workdir") from None
 
 
+# What our runs write before config.json (train, sft and rl take the lock and open the log
+# first), and train._writable_workdir's probe if a kill left it: a workdir holding only
+# these is a run that stopped before it began, and starts afresh.
+_OWN_BEFORE_CONFIG = (runlock.NAME, "train.log")
+_PROBE = ".k2jax-write-test-"
+
+
+def foreign_entries(workdir: str) -> list[str]:
+  """The names in `workdir` that no run of ours writes before its config.json (sorted);
+  empty for a missing or empty workdir."""
+  try:
+    names = os.listdir(workdir)
+  except FileNotFoundError:
+    return []
+  return sorted(n for n in names if n not in _OWN_BEFORE_CONFIG and not n.startswith(_PROBE))
+
+
 def compare(saved: dict | None, config) -> tuple[list[str], list[str]]:
   """-> (resumable changes, blocking changes), each as "key: old -> new" strings."""
   if saved is None:
@@ -121,13 +140,24 @@ _KINDS = {"rl": "an RL run (k2jax.rl)", "train": "a training run (k2jax.train / 
 
 
 def check(workdir: str, config) -> list[str]:
-  """The resumable changes of `config` against the run in `workdir` (empty for a new run).
+  """The resumable changes of `config` against the run in `workdir` (empty for a new run:
+  a missing or empty workdir, or one holding only what a run writes before config.json).
 
-  Raises ValueError (one line) naming every change that cannot resume, or saying the workdir
-  holds another kind of run (an RL run's checkpoints hold trajectories a trainer cannot
-  read, and the other way round): a run is never written into by another kind.
+  Raises ValueError (one line) naming every change that cannot resume, saying the workdir
+  holds files but no config.json (not a run of ours), or saying it holds another kind of
+  run (an RL run's checkpoints hold trajectories a trainer cannot read, and the other way
+  round): a run is never written into by another kind.
   """
   saved = saved_config(workdir)
+  if saved is None:
+    # Files but no config.json: not ours (or its config.json was lost). Treated as a new run
+    # it got our config.json, log and lock, then failed reading its checkpoints/ as ours.
+    others = foreign_entries(workdir)
+    if others:
+      shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+      raise ValueError(f"{workdir} is not a k2jax run: it holds {shown} but no config.json; "
+                       "nothing was written to it: choose an empty directory, or the run's "
+                       "own --workdir")
   if saved is not None and kind(saved) != kind(flatten(config)):
     raise ValueError(f"{workdir} holds {_KINDS[kind(saved)]}, not {_KINDS[kind(flatten(config))]}"
                      "; nothing was written to it: choose a new --workdir (its checkpoints can "

@@ -75,6 +75,13 @@ def test_call_ids_count_over_the_dialog_and_parse_back():
     # ... and the text after the block's </think> is content
     ("<think>plan " + CALL + " still thinking</think>The answer follows.", "The answer follows.",
      ["get_weather"]),
+    # a section opened inside a think block and never closed ends with the block: the text
+    # after </think> is the answer (it was dropped as part of a cut section)
+    ("<think>plan " + CALL[:-len("<|tool_calls_section_end|>")] + "</think>Final answer 42.",
+     "Final answer 42.", ["get_weather"]),
+    # ... also when the block ends inside a call's arguments (the cut call is dropped)
+    ("<think>plan <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+     "<|tool_call_argument_begin|>{\"a\": </think>Final answer 42.", "Final answer 42.", []),
     # text after a section outside any think block is content
     ("Checking. " + CALL + " Done.", "Checking.\nDone.", ["get_weather"]),
     # cut off by the token limit inside the second call's arguments: the first call survives

@@ -132,6 +132,64 @@ def test_arithmetic_scores_the_last_integer():
     assert env.score(t, "no idea") == 0.0
 
 
+def test_arithmetic_held_out_problems_are_never_drawn_for_training():
+  """The one-digit space holds only 300 problems, so evaluation draws were seen in training:
+  the held-out part (a fixed partition) is drawn by no training source - RL's tasks, SFT's
+  dialogs (and the PTX data, which are SFT dialogs) - and evaluation takes only it."""
+  from k2jax import sft
+  train_env, held = envs.Arithmetic(max_operand=9), envs.Arithmetic(max_operand=9,
+                                                                    split="heldout")
+  question = lambda t: t.messages[0]["content"]   # noqa: E731
+  held_out = {question(t) for t in held.all_tasks()}
+  train_part = {question(t) for t in train_env.all_tasks()}
+  everything = {question(t) for t in envs.Arithmetic(max_operand=9, split="all").all_tasks()}
+  assert len(everything) == 300 and held_out | train_part == everything
+  assert not held_out & train_part and 60 <= len(held_out) <= 90
+  assert {question(t) for t in train_env.tasks(random.Random(0), 2000)} == train_part
+  assert {question(t) for t in held.tasks(random.Random(0), 500)} == held_out
+  # the same partition in a fresh process (a stable hash, not Python's salted one)
+  code = ("from k2jax.rl import envs; print(sorted(t.messages[0]['content'] for t in "
+          "envs.Arithmetic(max_operand=9, split='heldout').all_tasks()))")
+  env = dict(os.environ, PYTHONHASHSEED="12345")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+  assert out.stdout.strip() == repr(sorted(held_out)), out.stderr[-2000:]
+  for dialogs in (sft.default_dialogs(max_operand=9, tool_fraction=0.0),
+                  sft.default_dialogs(n=512, seed=1)):   # SFT's, and RL's default PTX data
+    asked = {m["content"] for d in dialogs for m in d["messages"] if m["role"] == "user"}
+    assert asked & train_part and not asked & held_out
+  with pytest.raises(ValueError, match="arithmetic split 'test'"):
+    envs.Arithmetic(split="test")
+
+
+def test_rollout_seed_depends_on_the_run_seed_and_is_a_pure_function():
+  """Seeded by the iteration alone, runs of every seed drew the same samples; a pure function
+  of (train.seed, iteration) keeps a resumed run's samples the uninterrupted run's."""
+  from k2jax.rl.train import decode_seed
+  seeds = {(s, it): decode_seed(s, it) for s in range(3) for it in range(50)}
+  assert len(set(seeds.values())) == len(seeds)
+  assert all(decode_seed(s, it) == v and 0 <= v < 2 ** 32 for (s, it), v in seeds.items())
+
+
+def test_the_trainer_samples_with_the_run_seed(tmp_path, monkeypatch):
+  from k2jax.rl import train as rl_train
+  got = []
+
+  class Stop(Exception):
+    pass
+
+  def decode(self, cfg, params, temperature, seed):
+    got.append(seed)
+    raise Stop   # the seed is all this test needs
+
+  monkeypatch.setattr(rl_train.Rollouts, "decode", decode)
+  for s in (0, 1):
+    c = rl_config(ptx_weight=0.0)
+    c.train.seed = s
+    with pytest.raises(Stop):
+      rl_train.run(c, str(tmp_path / f"seed{s}"))
+  assert got == [rl_train.decode_seed(0, 0), rl_train.decode_seed(1, 0)]
+
+
 def test_expression_parser_is_exact_and_refuses_code():
   assert envs.evaluate("8 / (3 - 8 / 3)", [8, 3, 8, 3]) == 24      # needs exact rationals
   for bad in ("__import__('os').system('true')", "2 ** 3", "x + 1", "1.5 * 16", "[1]",
@@ -364,6 +422,51 @@ def test_sandbox_limits_only_is_an_explicit_opt_in():
   assert not r.ok and r.reason.startswith("error:") and "namespaces, limits" in r.reason
 
 
+@pytest.fixture
+def namespaces_cannot_start(monkeypatch):
+  """sandbox's namespaces probe fails as it does where unprivileged user namespaces are off
+  (bwrap exits before the program starts); "limits" runs for real."""
+  real = sandbox._run
+
+  def probe_fails(*args):
+    if args[-1] == "namespaces":
+      return sandbox.SandboxResult(False, "", "bwrap: setting up uid map: Permission denied\n",
+                                   "exit code 1", 1, 0.01, False)
+    return real(*args)
+
+  monkeypatch.setattr(sandbox, "_run", probe_fails)
+  sandbox._check.cache_clear()
+  yield
+  sandbox._check.cache_clear()    # later tests get this machine's own answer
+
+
+def test_code_environment_is_refused_without_namespaces_unless_limits_opted_in(
+    tmp_path, capsys, namespaces_cannot_start):
+  from k2jax.rl import train as rl_train
+  workdir = tmp_path / "run"
+  with pytest.raises(SystemExit) as e:
+    rl_train.main(["k2jax.rl", "--config", "tiny_rl", "--config.rl.envs=arithmetic,code",
+                   f"--workdir={workdir}"])
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if l.startswith("k2jax.rl: error:")]
+  assert e.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+  assert ("rl.envs=code: bubblewrap could not start its namespaces here (bwrap: setting up "
+          "uid map: Permission denied)" in lines[0] and "--config.rl.sandbox=limits" in lines[0])
+  assert not workdir.exists()
+  with pytest.raises(sandbox.SandboxUnavailable, match="--config.rl.sandbox=limits"):
+    envs.Code()
+  # the opt-in: the config passes and the environment scores under limits
+  c = configs.get_config("tiny_rl")
+  c.rl.update(dict(envs="code", sandbox="limits"))
+  rl_train.configs_validate(c)
+  (env,) = rl_train.make_environments(c, None)
+  assert env.isolation == "limits"
+  t = env.tasks(random.Random(0), 1)[0]
+  tests = t.data["tests"]
+  answers = "\n".join(f"if s == {i!r}: print({o!r})" for i, o in tests)
+  assert env.score(t, f"```python\nimport sys\ns = sys.stdin.read()\n{answers}\n```") == 1.0
+
+
 # ------------------------------------------------------------------- rollouts and trainer
 
 def rl_config(**rl):
@@ -522,6 +625,13 @@ def test_rl_cli_bad_input(tmp_path):
   other.model.hidden_size = 96
   (rl_dir / "config.json").write_text(other.to_json_best_effort())
   runs[rl_dir] = (["--config", "tiny_rl"], "model.hidden_size: 96 -> 128")
+  # A directory of something else (no config.json): taken for a new run, it got our files
+  # and then a KeyError from reading its checkpoints/8 as an RL checkpoint.
+  other_dir = tmp_path / "not_a_run"
+  (other_dir / "checkpoints" / "8").mkdir(parents=True)
+  (other_dir / "notes.txt").write_text("mine")
+  runs[other_dir] = (["--config", "tiny_rl"], "is not a k2jax run: it holds checkpoints, "
+                     "notes.txt but no config.json")
   before = {d: {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} for d in runs}
   dirs = [tmp_path / f"w{i}" for i in range(len(cases))] + list(runs)
   cases += list(runs.values())
@@ -534,7 +644,7 @@ def test_rl_cli_bad_input(tmp_path):
     assert p.returncode == 2 and len(lines) == 1 and fragment in lines[0], (argv, err[-2000:])
     assert "Traceback" not in err
     if d in runs:    # byte for byte as it was, nothing added (no lock, no log)
-      assert {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} == before[d]
+      assert {f: f.read_bytes() for f in d.rglob("*") if f.is_file()} == before[d], argv
     else:
       assert not (d / "config.json").exists()
   p = subprocess.run([sys.executable, "-m", "k2jax.rl", "--config", "tiny_rl",
@@ -597,3 +707,18 @@ def test_policy_judge_scores_equal_the_unpadded_forward():
     logits = np.asarray(forward(cfg, judge.params, jnp.asarray([ids]))[0][0, -1], np.float64)
     logp = logits - np.logaddexp.reduce(logits)
     assert s == pytest.approx(logp[yes] - logp[no], abs=1e-4)
+
+
+def test_the_measured_rl_setting_is_the_tiny_rl_preset():
+  """README's RL claim names the tiny_rl preset: the experiment's setting that learns must be
+  the preset itself (it once overrode temperature_start to 0.8), seed 0 being the preset's."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "experiments"))
+  import rl_arithmetic
+  from k2jax import resume
+  measured = resume.flatten(rl_arithmetic.rl_config(
+      rl_arithmetic.FIXED, 0, None, configs.get_config("tiny_sft").model))
+  preset = resume.flatten(configs.get_config("tiny_rl"))
+  diff = {k: (preset.get(k), measured.get(k)) for k in set(preset) | set(measured)
+          if preset.get(k) != measured.get(k)}
+  assert diff == {}

@@ -162,6 +162,30 @@ def test_resume_with_a_changed_config_never_destroys_anything(tmp_path):
   assert not os.path.exists(tmp_path / "corrupt_checkpoints")
 
 
+def test_a_workdir_that_is_not_a_run_is_refused_and_left_alone(tmp_path):
+  """A non-empty workdir without config.json (another tool's checkpoints/8 and notes) is not
+  ours: train (and sft, which trains through it) refuse it before writing anything. A
+  workdir holding only what a run writes before its config.json (lock and log: a run that
+  stopped before it began) or nothing at all is a new run."""
+  from k2jax import resume
+  foreign = tmp_path / "foreign"
+  (foreign / "checkpoints" / "8").mkdir(parents=True)
+  (foreign / "notes.txt").write_text("mine")
+  with pytest.raises(train.UserError, match=r"foreign is not a k2jax run: it holds "
+                                            r"checkpoints, notes.txt but no config.json"):
+    train.train(small_config(steps=1), str(foreign))
+  assert sorted(str(p.relative_to(foreign)) for p in foreign.rglob("*")) == [
+      "checkpoints", "checkpoints/8", "notes.txt"]
+  assert (foreign / "notes.txt").read_text() == "mine"
+  stopped = tmp_path / "stopped"
+  stopped.mkdir()
+  (stopped / ".lock").write_text("{}")
+  (stopped / "train.log").write_text("")
+  (tmp_path / "empty").mkdir()
+  for d in ("stopped", "empty", "missing"):
+    assert resume.check(str(tmp_path / d), small_config()) == []
+
+
 def test_a_checkpoint_of_another_state_is_reported_not_quarantined(tmp_path):
   """A readable checkpoint whose tree differs (other code or config) is a mismatch: the
   error names the first differing leaf and the checkpoint stays where it is."""

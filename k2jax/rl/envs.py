@@ -23,6 +23,7 @@ import fractions
 import itertools
 import random
 import re
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -74,26 +75,57 @@ def last_integer(text: str) -> int | None:
   return int(found[-1]) if found else None
 
 
+# Held-out arithmetic. One-digit problems number only 300, so problems drawn at random for
+# evaluation were seen in training. Each problem "a op b" belongs to one part by a stable hash
+# of its text (crc32, not Python's per-process salted hash): the same partition in every
+# process and at every operand range. Training draws (RL tasks, k2jax.sft's dialogs) take the
+# train part, evaluation the held-out one (1 in 4: 78 of the one-digit problems).
+HELDOUT_EVERY = 4
+SPLITS = ("train", "heldout", "all")
+
+
+def arithmetic_split(expr: str) -> str:
+  """'train' or 'heldout': the part the problem `expr` ("a op b") belongs to."""
+  return "heldout" if zlib.crc32(expr.encode()) % HELDOUT_EVERY == 0 else "train"
+
+
 class Arithmetic(_PerResponse):
   """'What is a op b?' with the integer answer checked exactly (the last integer in the
-  response). With use_tools, a calculator tool is offered (the SFT data teaches its use)."""
+  response). With use_tools, a calculator tool is offered (the SFT data teaches its use).
+  split: the problems drawn, 'train' (training), 'heldout' (evaluation) or 'all'."""
   name = "arithmetic"
 
-  def __init__(self, max_operand: int = 99, budget: int = 48, use_tools: bool = False):
-    self.max_operand, self.budget = max_operand, budget
+  def __init__(self, max_operand: int = 99, budget: int = 48, use_tools: bool = False,
+               split: str = "train"):
+    if split not in SPLITS:
+      raise ValueError(f"arithmetic split {split!r}: choose one of {', '.join(SPLITS)}")
+    self.max_operand, self.budget, self.split = max_operand, budget, split
     if use_tools:
       from k2jax.sft import CALCULATOR
       self.tools = CALCULATOR
 
+  def _in_split(self, expr: str) -> bool:
+    return self.split == "all" or arithmetic_split(expr) == self.split
+
+  def _task(self, expr: str) -> Task:
+    return Task(self.name, [{"role": "user", "content": f"What is {expr}?"}], self.budget,
+                {"answer": _eval_int(expr)})
+
   def tasks(self, rng, n):
     out = []
-    for _ in range(n):
+    while len(out) < n:   # a problem of the other part is drawn again
       a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
       op = rng.choice("+-*")
       expr = f"{a} {op} {b}"
-      out.append(Task(self.name, [{"role": "user", "content": f"What is {expr}?"}], self.budget,
-                      {"answer": _eval_int(expr)}))
+      if self._in_split(expr):
+        out.append(self._task(expr))
     return out
+
+  def all_tasks(self) -> list[Task]:
+    """Every problem of the split once, in a fixed order (an evaluation set without repeats)."""
+    r = range(self.max_operand + 1)
+    return [self._task(e) for e in (f"{a} {op} {b}" for a in r for op in "+-*" for b in r)
+            if self._in_split(e)]
 
   def score(self, task, response):
     return float(last_integer(response) == task.data["answer"])

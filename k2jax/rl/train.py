@@ -286,13 +286,22 @@ def _rng_unjson(x):
   return (x[0], tuple(x[1]), x[2])
 
 
+def decode_seed(seed: int, iteration: int) -> int:
+  """The sampling seed of an iteration's rollouts: a pure function of (train.seed, iteration),
+  so a resumed run samples what the uninterrupted one did, while runs of different seeds
+  sample differently (seeded by the iteration alone, every seed drew the same samples).
+  The first word keeps it apart from the PTX generator's [seed + 1, iteration]."""
+  return int(np.random.SeedSequence([0x726F6C6C, int(seed), int(iteration)])
+             .generate_state(1)[0])
+
+
 def make_environments(config, judge):
   out = []
   for name in [x.strip() for x in str(config.rl.envs).split(",") if x.strip()]:
-    if name == "arithmetic":
+    if name == "arithmetic":   # the train part: evaluation keeps the held-out one unseen
       out.append(envs_lib.Arithmetic(use_tools=bool(config.rl.tools),
                                      max_operand=int(config.rl.max_operand),
-                                     budget=int(config.rl.budget)))
+                                     budget=int(config.rl.budget), split="train"))
     elif name == "self_critique":
       out.append(envs_lib.SelfCritique(judge=judge, budget=int(config.rl.budget)))
     elif name == "code":
@@ -410,7 +419,8 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
       judge.params = inf_params
       rollouts.refill()
       with jax.set_mesh(inf_mesh):
-        decoded = rollouts.decode(config.model, inf_params, temperature, seed=it)
+        decoded = rollouts.decode(config.model, inf_params, temperature,
+                                  seed=decode_seed(t.seed, it))
       groups = rollouts.complete_groups()
       row = {"temperature": temperature, "decoded_tokens": decoded,
              "groups_trained": len(groups), "in_flight": len(rollouts.groups),
