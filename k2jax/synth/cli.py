@@ -146,7 +146,8 @@ def parser() -> argparse.ArgumentParser:
   docs.add_argument("--text_field", default="text")
   docs.add_argument("--id_field", default="id")
   docs.add_argument("--chunk_chars", type=int, default=1500)
-  docs.add_argument("--max_tokens", type=int, default=1024, help="per rewritten chunk")
+  docs.add_argument("--max_tokens", type=int, default=1024, help="per rewritten chunk (a "
+                    "k2jax.serve model with less context left clamps it; others may refuse)")
   docs.add_argument("--min_score", type=float, default=7.0, help="the judge's bar (0-10)")
   docs.add_argument("--no_judge", action="store_true", help="the cheap check only")
   r = sub.add_parser("rephrase", parents=[common, docs], help="knowledge rephrasing (2.2)")
@@ -159,7 +160,8 @@ def parser() -> argparse.ArgumentParser:
   a.add_argument("--items", type=int, default=100, help="trajectories to attempt")
   a.add_argument("--max_turns", type=int, default=6)
   a.add_argument("--max_tools", type=int, default=4, help="tools per agent")
-  a.add_argument("--max_tokens", type=int, default=1024, help="per reply")
+  a.add_argument("--max_tokens", type=int, default=1024, help="per reply (clamped by "
+                 "k2jax.serve to the context left)")
   return p
 
 
