@@ -13,8 +13,9 @@ import time
 import pytest
 
 from k2jax import chat
-from k2jax.synth import ScriptedClient, agentic, cli, rephrase
+from k2jax.synth import ScriptedClient, agentic, cli, dryrun, rephrase
 from k2jax.synth.client import Reply
+from k2jax.synth.dryrun import agent_model
 from k2jax.synth.rephrase import Settings, overlap, split_chunks
 from k2jax.synth.store import Output, in_shard, item_seed
 
@@ -53,11 +54,9 @@ def _source(request) -> str:
 
 
 def faithful(request):
-  """A scripted model: rewrites keep the text; the judge scores 9."""
-  text = request.messages[-1]["content"]
-  if "Does the rewrite state every fact" in text:
-    return '{"score": 9, "missing": [], "invented": []}'
-  return "In other words: " + _source(request)
+  """A scripted model: rewrites keep the text (marked, so a prompt shows which it holds);
+  the judge scores 9."""
+  return dryrun.faithful(request, prefix="In other words: ")
 
 
 def test_rephrase_records_carry_provenance_and_pass_both_checks():
@@ -163,43 +162,6 @@ MCP_NOTE = {"name": "save_note", "description": "store a note",
             "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}
 
 
-def _call(name, args, idx=0):
-  return ("<|tool_calls_section_begin|><|tool_call_begin|>functions." + name + f":{idx}"
-          "<|tool_call_argument_begin|>" + json.dumps(args) +
-          "<|tool_call_end|><|tool_calls_section_end|>")
-
-
-def agent_model(*, call="add", verdict=True, sim_json=True):
-  """A scripted model playing every part of the agentic pipeline."""
-  def fn(r):
-    text = r.messages[-1]["content"] or ""
-    if "Name broad categories" in text:
-      return '["finance", "travel"]'
-    if "Name specific application domains" in text:
-      return '["budgeting"]'
-    if "Design" in text and "tools" in text:
-      return json.dumps([{"name": "convert_currency", "description": "convert",
-                          "parameters": {"type": "object", "properties": {
-                              "amount": {"type": "number"}}}}, {"name": "bad name!"}])
-    if "Write one realistic request" in text:
-      return '{"task": "add 2 and 3, then save it", "rubric": ["calls a tool", "says 5"]}'
-    if "You play a user" in text:
-      return "DONE" if "assistant: The result is" in text else "Please add 2 and 3."
-    if "You simulate the tool" in text:
-      return '{"result": {"ok": true}, "state": {"saved": 1}}' if sim_json else "sure!"
-    if "meet every rubric item" in text:
-      return json.dumps({"pass": verdict, "failed": [] if verdict else ["says 5"],
-                         "reason": "checked"})
-    if r.tools:                                   # the agent
-      if any(m["role"] == "tool" for m in r.messages):
-        return "The result is " + [m for m in r.messages if m["role"] == "tool"][-1]["content"]
-      names = [t["function"]["name"] for t in r.tools]
-      name = call if call in names or call == "nope" else names[0]
-      return _call(name, {"a": 2, "b": 3} if name == "add" else {"text": "5"})
-    raise AssertionError(f"unexpected request: {text[:80]}")
-  return fn
-
-
 def test_agentic_trajectory_executes_code_tools_and_simulates_the_others():
   from k2jax.rl import sandbox
   code_add = dict(ADD, **{"x-k2jax-code": "def run(args):\n  return {'sum': args['a'] + args['b']}",
@@ -211,11 +173,12 @@ def test_agentic_trajectory_executes_code_tools_and_simulates_the_others():
     run = lambda program, stdin, timeout_s: sandbox.run(program, stdin=stdin,   # noqa: E731
                                                         timeout_s=timeout_s, isolation="limits")
   tools = [agentic.normalize_tool(code_add)]
-  rec = agentic.trajectory(ScriptedClient(agent_model()), tools, 0, seed=1, sandbox_run=run)
+  rec = agentic.trajectory(ScriptedClient(agent_model(arguments={"a": 2, "b": 3})), tools, 0,
+                          seed=1, sandbox_run=run)
   roles = [m["role"] for m in rec["messages"]]
   assert roles == ["system", "user", "assistant", "tool", "assistant"]
   assert json.loads(rec["messages"][3]["content"]) == {"sum": 5}      # really executed
-  assert rec["judge"]["pass"] and rec["rubric"] == ["calls a tool", "says 5"]
+  assert rec["judge"]["pass"] and rec["rubric"] == ["calls a tool", "reports the result"]
   assert rec["tools"] == [ADD] and rec["ended"] == "user_done"
   sim = agentic.normalize_tool(MCP_NOTE, "notes")
   rec = agentic.trajectory(ScriptedClient(agent_model(call="save_note")), [sim], 0, seed=1)
@@ -225,14 +188,48 @@ def test_agentic_trajectory_executes_code_tools_and_simulates_the_others():
   assert any(mask) and not all(mask)
 
 
-@pytest.mark.parametrize("kw, reason", [(dict(call="nope"), "unknown tool"),
-                                        (dict(verdict=False), "rubric: says 5"),
-                                        (dict(sim_json=False), "malformed JSON from the tool")])
+@pytest.mark.parametrize("kw, reason", [
+    (dict(call="nope"), "unknown tool: the agent called 'nope'"),
+    (dict(verdict=False), "rubric: reports the result"),
+    (dict(sim_json=False), "malformed JSON from the tool"),
+    (dict(arguments={"text": 5}), "bad arguments: save_note: text: 5 is not of type 'string'"),
+    (dict(arguments={"txt": "5"}), r"bad arguments: save_note: .*\('txt' was unexpected\)")])
 def test_agentic_drops_say_why(kw, reason):
   tools = [agentic.normalize_tool(MCP_NOTE, "notes")]
   with pytest.raises(rephrase.Dropped, match=reason):
-    agentic.trajectory(ScriptedClient(agent_model(call="save_note", **kw) if "call" not in kw
-                                      else agent_model(**kw)), tools, 0, seed=1)
+    agentic.trajectory(ScriptedClient(agent_model(**kw)), tools, 0, seed=1)
+
+
+CURRENCY = agentic.normalize_tool({"name": "convert_currency", "parameters": {
+    "type": "object", "properties": {"amount": {"type": "number"},
+                                     "to": {"type": "string", "enum": ["EUR", "USD"]},
+                                     "legs": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["amount"]}})
+
+
+@pytest.mark.parametrize("args, errors", [
+    ({"amount": 5}, []),
+    ({"amount": 5.5, "to": "EUR", "legs": [1, 2]}, []),
+    ({"text": "5"}, ["arguments: 'amount' is a required property",
+                     "arguments: Additional properties are not allowed ('text' was unexpected)"]),
+    ({"amount": "5"}, ["amount: '5' is not of type 'number'"]),
+    ({"amount": True}, ["amount: True is not of type 'number'"]),
+    ({"amount": 1, "to": "GBP"}, ["to: 'GBP' is not one of ['EUR', 'USD']"]),
+    ({"amount": 1, "legs": [1, "x"]}, ["legs/1: 'x' is not of type 'integer'"]),
+])
+def test_tool_call_arguments_are_checked_against_the_schema(args, errors):
+  """The audit's case (convert_currency({"text": "5"}) was kept) and the schema kinds tool
+  specs use; expected errors written by hand from the JSON Schema rules."""
+  assert agentic.argument_errors(CURRENCY, args) == errors
+
+
+def test_a_schema_may_allow_undeclared_arguments_and_must_be_valid():
+  open_ = agentic.normalize_tool({"name": "f", "parameters": {
+      "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}})
+  assert agentic.argument_errors(open_, {"a": "x", "b": 1}) == []
+  with pytest.raises(ValueError, match="tool g: parameters are not a valid JSON schema"):
+    agentic.normalize_tool({"name": "g", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}})
 
 
 def test_agentic_cli_evolves_tools_and_writes_what_sft_reads(tmp_path, capsys):
@@ -240,15 +237,21 @@ def test_agentic_cli_evolves_tools_and_writes_what_sft_reads(tmp_path, capsys):
   tools = tmp_path / "tools.json"
   tools.write_text(json.dumps({"domain": "notes", "tools": [MCP_NOTE]}))
   out = str(tmp_path / "agentic.jsonl")
-  cli.main(["agentic", "--tools", str(tools), "--evolve", "2,1,2", "--items", "6",
-            "--output", out], client=ScriptedClient(agent_model(call="save_note")))
+  # every agent calls its tool with {"text": "5"}: right for save_note, wrong for
+  # convert_currency({amount}), whose trajectories must be dropped as bad arguments
+  cli.main(["agentic", "--tools", str(tools), "--evolve", "2,1,2", "--items", "8",
+            "--output", out], client=ScriptedClient(agent_model(arguments={"text": "5"})))
   evolved = json.load(open(out + ".tools.json"))
   assert [t["function"]["name"] for t in evolved] == ["convert_currency"] * 2   # 'bad name!' out
   assert {t["x-k2jax-domain"] for t in evolved} == {"finance / budgeting", "travel / budgeting"}
   dialogs = sft.read_dialogs(out)
-  assert len(dialogs) == 6 and all(d["tools"] and d["messages"][-1]["role"] == "assistant"
-                                   for d in dialogs)
-  assert "kept 6 records" in capsys.readouterr().out
+  drops = [json.loads(x) for x in open(out + ".drops")]
+  assert dialogs and drops and len(dialogs) + len(drops) == 8
+  assert all(d["tools"][0]["function"]["name"] == "save_note" and
+             d["messages"][-1]["role"] == "assistant" for d in dialogs)
+  assert all(x["reason"].startswith("bad arguments: convert_currency: ") for x in drops)
+  assert (f"kept {len(dialogs)} records; dropped {len(drops)} items ({len(drops)} bad arguments)"
+          in capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -19,8 +19,8 @@ multi-turn trajectories, and a judge that keeps only those meeting their rubric.
 
 Output: chat records {"messages", "tools", ...provenance} in the shape `k2jax.sft` reads (the
 K2 tool-call format is what `k2jax.chat` renders them into). Failures that make an item
-unusable (an unknown tool called, malformed JSON from a simulator or judge) raise
-`rephrase.Dropped` with the reason, so the CLI counts them.
+unusable (an unknown tool called, arguments outside the tool's JSON schema, malformed JSON
+from a simulator or judge) raise `rephrase.Dropped` with the reason, so the CLI counts them.
 """
 
 import dataclasses
@@ -28,6 +28,8 @@ import glob
 import json
 import random
 import re
+
+import jsonschema
 
 from k2jax.synth.client import Client, Request
 from k2jax.synth.rephrase import Dropped
@@ -55,12 +57,37 @@ def normalize_tool(spec: dict, domain: str | None = None) -> dict:
   params = fn.get("parameters", fn.get("inputSchema", {"type": "object", "properties": {}}))
   if not isinstance(params, dict) or params.get("type", "object") != "object":
     raise ValueError(f"tool {fn['name']}: parameters must be a JSON schema of type object")
+  try:
+    _validator(params)
+  except jsonschema.SchemaError as e:
+    raise ValueError(f"tool {fn['name']}: parameters are not a valid JSON schema: "
+                     f"{e.message}") from None
   out = {"type": "function", "function": {"name": fn["name"],
                                           "description": str(fn.get("description", "")),
                                           "parameters": params}}
   extra = {k: v for k, v in {"domain": domain or spec.get("x-k2jax-domain"),
                              "code": spec.get("x-k2jax-code")}.items() if v}
   return {**out, **{f"x-k2jax-{k}": v for k, v in extra.items()}}
+
+
+def _validator(schema: dict):
+  """A validator of call arguments (jsonschema.SchemaError if the schema is not one).
+  The call's top-level names must be declared properties unless the schema says otherwise:
+  JSON Schema allows undeclared names by default, but a function called with a parameter it
+  does not have (convert_currency({"text": ...}) for {amount}) is a wrong call, and OpenAI's
+  strict tool mode makes the same rule."""
+  if "properties" in schema and "additionalProperties" not in schema:
+    schema = {**schema, "additionalProperties": False}
+  cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+  cls.check_schema(schema)
+  return cls(schema)
+
+
+def argument_errors(tool: dict, args) -> list[str]:
+  """What is wrong with a call's arguments under the tool's schema ([] when they fit)."""
+  v = _validator(tool["function"]["parameters"])
+  return [f"{'/'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
+          for e in sorted(v.iter_errors(args), key=lambda e: list(map(str, e.absolute_path)))]
 
 
 def load_tools(pattern: str) -> list[dict]:
@@ -241,6 +268,10 @@ def simulate(client: Client, agent: Agent, task: dict, *, seed: int, max_turns: 
           raise Dropped(f"unknown tool: the agent called {c['name']!r}")
         if not isinstance(c["arguments"], dict):
           raise Dropped(f"malformed tool call: arguments of {c['name']} are not a JSON object")
+        # A call outside the schema would teach SFT wrong calls (and a simulator would play
+        # along): the trajectory is dropped and counted, as an unknown tool is.
+        if errors := argument_errors(tool, c["arguments"]):
+          raise Dropped(f"bad arguments: {c['name']}: {'; '.join(errors)[:160]}")
         result, states[c["name"]] = run_tool(client, tool, c["arguments"], states[c["name"]],
                                              rng, item_seed(seed, "tool", turn, k), sandbox_run,
                                              max_tokens)
