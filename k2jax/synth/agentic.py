@@ -253,7 +253,8 @@ def simulate(client: Client, agent: Agent, task: dict, *, seed: int, max_turns: 
   messages.append({"role": "user", "content": first})
   calls_made, ended = 0, "max_turns"
   for turn in range(max_turns):
-    reply = client.chat(Request(messages=messages, tools=[public(t) for t in agent.tools],
+    # a copy: the dialog grows after this turn, a request must stay what was sent
+    reply = client.chat(Request(messages=list(messages), tools=[public(t) for t in agent.tools],
                                 temperature=0.7, max_tokens=max_tokens,
                                 seed=item_seed(seed, "agent", turn)))
     msg = {"role": "assistant", "content": reply.content}
