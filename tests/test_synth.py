@@ -2,6 +2,8 @@
 end (decisions scripted through the client interface; a real k2jax.serve endpoint for the
 HTTP path and a kill -9 resume), and that k2jax.train / k2jax.sft read what they write."""
 
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -13,7 +15,7 @@ import time
 import pytest
 
 from k2jax import chat
-from k2jax.synth import ScriptedClient, agentic, cli, dryrun, rephrase
+from k2jax.synth import Client, ScriptedClient, agentic, cli, dryrun, rephrase
 from k2jax.synth.client import Reply
 from k2jax.synth.dryrun import agent_model
 from k2jax.synth.rephrase import Settings, overlap, split_chunks
@@ -282,10 +284,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, argv, fragment):
   assert not os.path.exists(tmp_path / "o.jsonl")
 
 
-def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
-  """The HTTP path end to end: the tiny model behind k2jax.serve (its random text fails the
-  checks; every item must still be kept or dropped with a reason exactly once), killed with
-  SIGKILL mid-corpus and rerun."""
+@pytest.fixture(scope="module")
+def served():
+  """The random tiny model (1024-token context, byte tokens) behind k2jax.serve on a thread:
+  (the /v1 base URL, the engine)."""
   import jax
 
   from k2jax import configs, model
@@ -294,35 +296,198 @@ def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
   from k2jax.serve import Background, make_app
   cfg = configs.get_config("tiny").model
   engine = Engine(cfg, model.init(cfg, jax.random.key(0)), ByteTokenizer(), window_s=0.02)
-  server = Background(make_app(engine, "tiny"))
-  url = server.url
+  with Background(make_app(engine, "tiny")) as server:
+    yield server.url, engine
+  engine.close()
+
+
+def _done_once(out: str, ids) -> tuple[list[dict], list[dict]]:
+  """(kept, dropped) rows of a run, after checking that every item is in exactly one of the
+  two files once, and that every drop says why ('kind: detail')."""
+  kept = [json.loads(x) for x in open(out)] if os.path.exists(out) else []
+  drops = [json.loads(x) for x in open(out + ".drops")] if os.path.exists(out + ".drops") else []
+  assert sorted(r["item"] for r in kept + drops) == sorted(ids)
+  assert all(re.fullmatch(r"\w[\w ]*: .+", r["reason"], re.S) for r in drops), drops
+  return kept, drops
+
+
+def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(served, tmp_path):
+  """The HTTP path end to end: the tiny model behind k2jax.serve (its random text fails the
+  checks; every item must still be kept or dropped with a reason exactly once), killed with
+  SIGKILL mid-corpus and rerun."""
+  url, _ = served
   docs = tmp_path / "many.jsonl"
   docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"note {i}: short text."}) + "\n"
                           for i in range(24)))
   out = str(tmp_path / "out.jsonl")
   argv = [sys.executable, "-m", "k2jax.synth", "rephrase", "--input", str(docs), "--output", out,
           "--endpoint", url, "-k", "1", "--max_tokens", "8", "--concurrency", "4", "--no_judge"]
-  try:
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 240
-    while sum(os.path.getsize(f) for f in (out, out + ".drops") if os.path.exists(f)) < 300:
-      assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-2000:]
-      time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    first = sum(1 for f in (out, out + ".drops") if os.path.exists(f) for _ in open(f))
-    assert 0 < first < 24
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-  finally:
-    server.stop()
-    engine.close()
-  rows = [json.loads(x) for f in (out, out + ".drops") if os.path.exists(f) for x in open(f)]
-  items = [x["item"] for x in rows]
-  assert sorted(items) == sorted(f"d{i}#0" for i in range(24))      # no gap, no duplicate
-  for x in rows:
-    assert x.get("reason") or x.get("style")
+  p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 240
+  while sum(os.path.getsize(f) for f in (out, out + ".drops") if os.path.exists(f)) < 300:
+    assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-2000:]
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  first = sum(1 for f in (out, out + ".drops") if os.path.exists(f) for _ in open(f))
+  assert 0 < first < 24
+  r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  kept, _ = _done_once(out, [f"d{i}#0" for i in range(24)])
+  assert all(x["style"] for x in kept)
   assert "k2jax.synth rephrase: kept" in r.stdout
+
+
+def test_math_against_k2jax_serve_does_every_item_once(served, tmp_path, capsys):
+  """math over HTTP with small max_tokens (a translation, a two-chunk note, a note whose
+  random rewrite passes the cheap check and meets the judge), then at the default
+  --max_tokens 1024 with a prompt that leaves the 1k context a few dozen tokens: the server
+  clamps instead of refusing, so the item is a truncation, not a context error."""
+  url, _ = served
+  src = tmp_path / "math.jsonl"
+  src.write_text("".join(json.dumps(d) + "\n" for d in [
+      {"id": "ru", "text": "Найдите сумму 2 + 3 = 5."},
+      {"id": "two", "text": "The sum 2 + 3 is 5. " * 5 + "\n\nThe product 2 * 3 is 6. " * 4},
+      {"id": "plain", "text": "a short note with no numbers and no names at all."}]))
+  out = str(tmp_path / "notes.jsonl")
+  cli.main(["math", "--input", str(src), "--output", out, "--endpoint", url, "--max_tokens", "8",
+            "--chunk_chars", "120", "--concurrency", "3"])
+  kept, drops = _done_once(out, ["ru", "two", "plain"])
+  reasons = {x["item"]: x["reason"] for x in drops}
+  assert not any(r.startswith("model error") for r in reasons.values()), reasons
+  printed = capsys.readouterr().out
+  assert f"k2jax.synth math: kept {len(kept)} records; dropped {len(drops)} items" in printed
+  # one 431-character chunk: its prompt is 956 byte tokens, 68 short of the context
+  long = tmp_path / "long.jsonl"
+  long.write_text(json.dumps({"id": "long", "text": "Two plus three is five. " * 18}) + "\n")
+  out = str(tmp_path / "long_notes.jsonl")
+  cli.main(["math", "--input", str(long), "--output", out, "--endpoint", url])
+  _, drops = _done_once(out, ["long"])
+  assert re.fullmatch(r"truncated: chunk 0 hit the model's context after \d+ tokens",
+                      drops[0]["reason"]), drops
+
+
+def test_agentic_against_k2jax_serve_does_every_item_once(served, tmp_path, capsys):
+  """agentic with every part played by the random tiny model over HTTP: whatever fails
+  (most items at the task writer's JSON) is dropped once with its reason."""
+  url, _ = served
+  tools = tmp_path / "tools.json"
+  tools.write_text(json.dumps({"domain": "notes", "tools": [MCP_NOTE]}))
+  out = str(tmp_path / "agentic.jsonl")
+  cli.main(["agentic", "--tools", str(tools), "--items", "4", "--output", out, "--endpoint", url,
+            "--max_tokens", "16", "--concurrency", "4"])
+  kept, drops = _done_once(out, [f"trajectory-{i}" for i in range(4)])
+  assert drops and not any(x["reason"].startswith(("model error", "error")) for x in drops)
+  assert f"dropped {len(drops)} items" in capsys.readouterr().out
+
+
+# A bounded schema: under a grammar a random model writes unbounded strings forever.
+ECHO = {"name": "echo", "description": "say a word", "inputSchema": {
+    "type": "object", "properties": {"text": {"type": "string", "enum": ["hi", "yes"]}},
+    "required": ["text"], "additionalProperties": False}}
+
+
+class AgentOverHTTP(Client):
+  """The agent's turns go over HTTP to the served tiny model: its first turn under
+  tool_choice "required" (a call sampled under the tool's schema), its turn after a tool
+  result under "none" (text). The parts a random model cannot decide (task writer, user,
+  tool simulator, judge) are scripted. Both sides are synth Clients, as the issue asks."""
+
+  def __init__(self, http: Client, scripted: Client):
+    self.http, self.scripted, self.turns = http, scripted, []
+
+  def chat(self, request):
+    if not request.tools:
+      return self.scripted.chat(request)
+    after_tool = request.messages[-1]["role"] == "tool"
+    request = dataclasses.replace(request, tool_choice="none" if after_tool else "required",
+                                  max_tokens=24 if after_tool else 300)
+    reply = self.http.chat(request)
+    self.turns.append((copy.deepcopy(request), reply))
+    return reply
+
+
+def test_a_kept_agentic_record_comes_through_k2jax_serve(served, tmp_path, capsys):
+  import openai
+
+  from k2jax import sft
+  from k2jax.synth import OpenAIClient
+  url, _ = served
+  script = agent_model()
+
+  def scripted(r):     # the user is done once the assistant has answered after a tool result
+    text = r.messages[-1]["content"]
+    if "You play a user" in text:
+      return "DONE" if text.count("\nassistant: ") >= 2 else "Please say a word."
+    return script(r)
+  tools = tmp_path / "tools.json"
+  tools.write_text(json.dumps({"domain": "talk", "tools": [ECHO]}))
+  out = str(tmp_path / "agentic.jsonl")
+  client = AgentOverHTTP(OpenAIClient(url, "tiny"), ScriptedClient(scripted))
+  cli.main(["agentic", "--tools", str(tools), "--items", "2", "--output", out,
+            "--concurrency", "1"], client=client)
+  kept, drops = _done_once(out, ["trajectory-0", "trajectory-1"])
+  assert len(kept) == 2 and "kept 2 records; dropped 0" in capsys.readouterr().out
+  direct = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+  assert [q.tool_choice for q, _ in client.turns] == ["required", "none"] * 2  # items in order
+  for rec, (call_turn, text_turn) in zip(kept, zip(client.turns[::2], client.turns[1::2])):
+    m = rec["messages"]
+    calls = m[2]["tool_calls"]
+    assert [x["role"] for x in m] == ["system", "user", "assistant"] + ["tool"] * len(calls) + [
+        "assistant"] and rec["ended"] == "user_done" and rec["tool_calls"] == len(calls)
+    for call, result in zip(calls, m[3:3 + len(calls)]):
+      assert call["function"]["name"] == "echo" and call["id"].startswith("functions.echo:")
+      assert call["function"]["arguments"] in ({"text": "hi"}, {"text": "yes"})   # the schema
+      assert result["tool_call_id"] == call["id"] and result["name"] == "echo"
+    # the record holds what the server answered: ask it again (seeded) with the openai client
+    request = call_turn[0]
+    assert request.messages == m[:2] and text_turn[0].messages == m[:-1]
+    again = direct.chat.completions.create(
+        model="tiny", messages=request.messages, tools=request.tools, tool_choice="required",
+        max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed)
+    assert [(c.id, c.function.name, json.loads(c.function.arguments))
+            for c in again.choices[0].message.tool_calls] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert m[-1]["content"] == text_turn[1].content
+    assert rec["tools"] == [{"type": "function", "function": {
+        "name": "echo", "description": "say a word", "parameters": ECHO["inputSchema"]}}]
+    ids, mask = chat.encode_with_mask(m, rec["tools"])
+    assert any(mask) and not all(mask)
+  assert len(sft.read_dialogs(out)) == 2
+
+
+def test_local_client_and_synth_workdir(tmp_path, capsys):
+  """The in-process backend: a LocalClient's greedy reply equals k2jax.generate's and a
+  required tool call comes back parsed; `python -m k2jax.synth math --workdir RUN` (the CLI
+  loading a trained run into a LocalClient) does every item once."""
+  from tests.test_train import small_config
+  from k2jax import train
+  from k2jax.generate import generate
+  from k2jax.synth import LocalClient, Request
+  run = str(tmp_path / "run")
+  train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), run)
+  client = LocalClient.from_run(run, concurrency=2)
+  try:
+    user = [{"role": "user", "content": "what is 2 + 3?"}]
+    r = client.chat(Request(messages=user, temperature=0.0, max_tokens=12))
+    ids = generate(client.cfg, client.engine.params, [chat.encode(user, tokenizer=client.tok)],
+                   max_new_tokens=12, stop_ids=[client.tok.eos_id])[0]
+    assert r.content == client.tok.decode(ids).split("<|im_end|>")[0]
+    assert r.completion_tokens == len(ids)
+    tools = [agentic.public(agentic.normalize_tool(ECHO))]
+    r = client.chat(Request(messages=user, tools=tools, tool_choice="required", max_tokens=300,
+                            seed=1))
+    assert r.finish_reason == "tool_calls" and r.tool_calls
+    assert all(c["name"] == "echo" and c["arguments"]["text"] in ("hi", "yes")
+               for c in r.tool_calls)
+  finally:
+    client.engine.close()
+  docs = _write_docs(tmp_path)
+  out = str(tmp_path / "notes.jsonl")
+  cli.main(["math", "--input", docs, "--output", out, "--workdir", run, "--max_tokens", "8",
+            "--concurrency", "3"])
+  _done_once(out, [d["id"] for d in DOCS])
+  assert "k2jax.synth math: kept" in capsys.readouterr().out
 
 
 def test_train_and_sft_run_on_what_synth_writes(tmp_path):
