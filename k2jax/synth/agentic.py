@@ -28,6 +28,7 @@ import glob
 import json
 import random
 import re
+import threading
 
 import jsonschema
 
@@ -44,6 +45,9 @@ PERSONAS = [
 ]
 OUTCOMES = (("success", 0.7), ("partial failure", 0.15), ("edge case", 0.15))
 _NAME_OK = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# One code tool at a time: run as root, k2jax.rl.sandbox ends each program by killing every
+# process of its sandbox uid, so runs from concurrent items killed each other (signal 9).
+_SANDBOX_LOCK = threading.Lock()
 
 
 # ------------------------------------------------------------------------------ tools
@@ -211,7 +215,8 @@ def run_tool(client: Client, tool: dict, args: dict, state: dict, rng: random.Ra
       from k2jax.rl.sandbox import run as sandbox_run
     program = (tool["x-k2jax-code"] + "\nimport json, sys\n"
                "print(json.dumps(run(json.loads(sys.stdin.read())), default=str))\n")
-    r = sandbox_run(program, stdin=json.dumps(args), timeout_s=5.0)
+    with _SANDBOX_LOCK:
+      r = sandbox_run(program, stdin=json.dumps(args), timeout_s=5.0)
     return (r.stdout.strip() if r.ok else json.dumps(
         {"error": f"{name} failed ({r.reason}): {r.stderr.strip()[-200:]}"})), state
   outcome = _outcome(rng)
