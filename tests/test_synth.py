@@ -256,6 +256,41 @@ def test_agentic_cli_evolves_tools_and_writes_what_sft_reads(tmp_path, capsys):
           in capsys.readouterr().out)
 
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "synth")
+
+
+def test_dry_run_on_the_readme_inputs_writes_what_the_trainers_read(tmp_path, capsys):
+  """README's tiny-scale inputs exist and load; --dry_run (scripted replies) keeps every item;
+  the records are what k2jax.train / k2jax.sft read."""
+  from k2jax import sft
+  from k2jax.data.corpus import file_documents
+  from k2jax.rl import sandbox
+  try:
+    sandbox.check()
+  except sandbox.SandboxUnavailable:
+    pytest.skip("the example's add tool runs in the RL sandbox, unavailable here")
+  ex = EXAMPLES
+  for pipeline, argv, n in [
+      ("rephrase", ["--input", f"{ex}/docs.jsonl", "-k", "2", "--chunk_chars", "300"], 6),
+      ("math", ["--input", f"{ex}/math/*.md", "--chunk_chars", "300"], 2),
+      ("agentic", ["--tools", f"{ex}/tools/*.json", "--items", "6"], 6)]:
+    out = str(tmp_path / f"{pipeline}.jsonl")
+    cli.main([pipeline, *argv, "--output", out, "--dry_run"])
+    assert f"k2jax.synth {pipeline}: kept {n} records; dropped 0" in capsys.readouterr().out
+    if pipeline == "agentic":
+      dialogs = sft.read_dialogs(out)
+      assert {d["domain"] for d in dialogs} == {"notes", "arithmetic"}
+      added = [json.loads(m["content"]) for d in dialogs for m in d["messages"]
+               if m.get("name") == "add"]
+      assert added and all(x == {"sum": 2} for x in added)    # executed: 1 + 1
+    else:
+      assert len(file_documents(out)) == n
+  notes = {r["source_id"]: r for r in map(json.loads, open(tmp_path / "math.jsonl"))}
+  assert notes[f"{ex}/math/rectangle_ru.md"]["translated"]
+  assert not notes[f"{ex}/math/odd_squares.md"]["translated"]
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["rephrase", "--input", "{tmp}/none*.jsonl", "--output", "{tmp}/o.jsonl"], "matches no file"),
     (["rephrase", "--input", "{docs}", "--output", "{tmp}/o.jsonl", "--shard", "2/2"],
