@@ -9,7 +9,8 @@ tokens (greedy, no stop: the batch's work is fixed). Rows: requests/s and genera
 and their ratio to the one-client baseline measured in the same run. "one at a time" is the
 same 16 clients against a server with --max_batch 1. Every batch-size bucket is compiled first
 (Engine.warmup), then a warm-up round runs. The machine's ceiling (a measured f32 matmul rate) is printed beside it.
-CSV: experiments/results/serve/throughput.csv (or --out).
+CSV: experiments/results/serve/throughput_window20ms.csv (the name carries --window_ms;
+--out picks the folder).
 """
 
 import argparse

@@ -3,8 +3,10 @@
     python experiments/synth_cost.py
 
 Runs each pipeline with a scripted model that answers every request the way a faithful model
-would (a rewrite as long as its source, a passing judge, one tool call per dialog), counting
-the requests and the characters sent and received. Tokens are characters / 4 (English text
+would (a rewrite as long as its source, a passing judge, one tool call per dialog:
+`k2jax.synth.dryrun`), counting the requests and the characters sent and received. A
+request's characters are its messages' contents and tool calls, plus its tools' JSON once
+(a server renders the declarations once per prompt). Tokens are characters / 4 (English text
 under a ~160k BPE vocabulary such as K2's; an estimate, printed as such). Documents are
 English prose of 2,000 and 8,000 characters (chunked at the default 1,500). The agentic row
 is one tool call per dialog, simulated; real dialogs run longer. Reruns with a real endpoint
@@ -15,24 +17,29 @@ CSV: experiments/results/synth/cost_per_1k_items.csv
 import csv
 import json
 import os
-import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from k2jax.synth import ScriptedClient, agentic, mathnotes, rephrase  # noqa: E402
+from k2jax.synth.dryrun import agent_model, faithful  # noqa: E402
 from k2jax.synth.rephrase import Settings  # noqa: E402
 
 SENTENCE = ("In 1906 the survey team mapped 214 kilometres of the northern coast, recording "
             "tides, currents and the depth of every harbour they passed. ")
+NOTE = {"name": "save_note", "description": "store a note",
+        "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}
 
 
-def faithful(request):
-  text = request.messages[-1]["content"]
-  if "Does the rewrite state every fact" in text:
-    return '{"score": 9, "missing": [], "invented": []}'
-  return re.findall(r"<<<\n(.*?)\n>>>", text, re.S)[-1]
+def sent_chars(request) -> int:
+  """Characters of one request's prompt: every message's content and tool calls, and the
+  tools' declarations once per request (they were counted once per message before)."""
+  n = len(json.dumps(request.tools)) if request.tools else 0
+  for m in request.messages:
+    n += len(m.get("content") or "")
+    n += len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0
+  return n
 
 
 def counted(fn):
@@ -46,9 +53,7 @@ def counted(fn):
     recv += len(out if isinstance(out, str) else out.content)
     return out
   client.fn = wrapped
-  return client, lambda: (len(client.requests),
-                          sum(len(m.get("content") or "") + len(json.dumps(r.tools or []))
-                              for r in client.requests for m in r.messages), recv)
+  return client, lambda: (len(client.requests), sum(map(sent_chars, client.requests)), recv)
 
 
 def main():
@@ -62,9 +67,8 @@ def main():
       client, stats = counted(faithful)
       run(client)
       rows.append((name, f"{chars}-char document", *stats()))
-  from tests.test_synth import MCP_NOTE, agent_model   # the scripted agent of the tests
-  client, stats = counted(agent_model(call="save_note"))
-  agentic.trajectory(client, [agentic.normalize_tool(MCP_NOTE, "notes")], 0, seed=0)
+  client, stats = counted(agent_model())
+  agentic.trajectory(client, [agentic.normalize_tool(NOTE, "notes")], 0, seed=0)
   rows.append(("agentic", "1 tool call per dialog", *stats()))
   os.makedirs(os.path.join(HERE, "results", "synth"), exist_ok=True)
   path = os.path.join(HERE, "results", "synth", "cost_per_1k_items.csv")

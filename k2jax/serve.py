@@ -15,6 +15,9 @@ back parsed as `tool_calls` (`k2jax.chat.parse_tool_calls`), and with `tool_choi
 "required" or a named function they are sampled under the tools' JSON schemas
 (`k2jax.chat.ToolCallConstraint`). Concurrent requests share decode steps (`k2jax.engine`).
 
+`max_tokens` is clamped to the context the prompt leaves (the reply ends with finish_reason
+"length" when it runs into it); only a prompt that fills the context is refused.
+
 A bad request gets OpenAI's error object ({"error": {"message", "type", "param", "code"}})
 with status 400 (404 for an unknown model or path), one line saying what to change; the
 server goes on serving. We use Starlette + uvicorn (the ASGI stack vLLM / SGLang's servers
@@ -127,11 +130,11 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int) -> tuple
   seed = _number(body, "seed", -2**63, 2**63 - 1, None, integer=True)
   key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
   max_tokens = _number(body, key, 1, 2**31, None, integer=True)
-  if room < 1 or (max_tokens or 1) > room:
+  if room < 1:
     raise RequestError(
-        f"the prompt is {len(prompt)} tokens and {key} {max_tokens or 1}; the model's context "
-        f"is {cfg.max_position_embeddings} tokens: shorten the messages or ask for fewer tokens",
-        param=key if room >= 1 else "messages", code="context_length_exceeded")
+        f"the prompt is {len(prompt)} tokens; the model's context is "
+        f"{cfg.max_position_embeddings} tokens: shorten the messages",
+        param="messages", code="context_length_exceeded")
   stop = body.get("stop")
   stop = [stop] if isinstance(stop, str) else stop or []
   if (not isinstance(stop, list) or len(stop) > MAX_STOP
@@ -154,7 +157,10 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int) -> tuple
       processor(-1, [])        # compile the grammar now: a bad schema is the request's fault
     except ValueError as e:
       raise RequestError(f"tools' JSON schemas do not compile: {e}", param="tools") from None
-  job = Job(prompt=prompt, max_tokens=max_tokens or min(room, default_max_tokens),
+  # A max_tokens past the context is clamped to what is left (the reply then ends with
+  # finish_reason "length") rather than refused: a client that sizes max_tokens for a 128k
+  # model (the synth pipelines' defaults) still gets answers from the 1k-context tiny model.
+  job = Job(prompt=prompt, max_tokens=min(room, max_tokens or default_max_tokens),
             emit=lambda e: None, n=n, temperature=float(temperature),
             top_p=None if top_p >= 1 else float(top_p), top_k=top_k, seed=seed, stop=stop,
             hold_tool_calls=bool(tools) and choice != "none", processor=processor)

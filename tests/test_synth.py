@@ -2,6 +2,8 @@
 end (decisions scripted through the client interface; a real k2jax.serve endpoint for the
 HTTP path and a kill -9 resume), and that k2jax.train / k2jax.sft read what they write."""
 
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -13,8 +15,9 @@ import time
 import pytest
 
 from k2jax import chat
-from k2jax.synth import ScriptedClient, agentic, cli, rephrase
+from k2jax.synth import Client, ScriptedClient, agentic, cli, dryrun, rephrase
 from k2jax.synth.client import Reply
+from k2jax.synth.dryrun import agent_model
 from k2jax.synth.rephrase import Settings, overlap, split_chunks
 from k2jax.synth.store import Output, in_shard, item_seed
 
@@ -53,11 +56,9 @@ def _source(request) -> str:
 
 
 def faithful(request):
-  """A scripted model: rewrites keep the text; the judge scores 9."""
-  text = request.messages[-1]["content"]
-  if "Does the rewrite state every fact" in text:
-    return '{"score": 9, "missing": [], "invented": []}'
-  return "In other words: " + _source(request)
+  """A scripted model: rewrites keep the text (marked, so a prompt shows which it holds);
+  the judge scores 9."""
+  return dryrun.faithful(request, prefix="In other words: ")
 
 
 def test_rephrase_records_carry_provenance_and_pass_both_checks():
@@ -163,43 +164,6 @@ MCP_NOTE = {"name": "save_note", "description": "store a note",
             "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}
 
 
-def _call(name, args, idx=0):
-  return ("<|tool_calls_section_begin|><|tool_call_begin|>functions." + name + f":{idx}"
-          "<|tool_call_argument_begin|>" + json.dumps(args) +
-          "<|tool_call_end|><|tool_calls_section_end|>")
-
-
-def agent_model(*, call="add", verdict=True, sim_json=True):
-  """A scripted model playing every part of the agentic pipeline."""
-  def fn(r):
-    text = r.messages[-1]["content"] or ""
-    if "Name broad categories" in text:
-      return '["finance", "travel"]'
-    if "Name specific application domains" in text:
-      return '["budgeting"]'
-    if "Design" in text and "tools" in text:
-      return json.dumps([{"name": "convert_currency", "description": "convert",
-                          "parameters": {"type": "object", "properties": {
-                              "amount": {"type": "number"}}}}, {"name": "bad name!"}])
-    if "Write one realistic request" in text:
-      return '{"task": "add 2 and 3, then save it", "rubric": ["calls a tool", "says 5"]}'
-    if "You play a user" in text:
-      return "DONE" if "assistant: The result is" in text else "Please add 2 and 3."
-    if "You simulate the tool" in text:
-      return '{"result": {"ok": true}, "state": {"saved": 1}}' if sim_json else "sure!"
-    if "meet every rubric item" in text:
-      return json.dumps({"pass": verdict, "failed": [] if verdict else ["says 5"],
-                         "reason": "checked"})
-    if r.tools:                                   # the agent
-      if any(m["role"] == "tool" for m in r.messages):
-        return "The result is " + [m for m in r.messages if m["role"] == "tool"][-1]["content"]
-      names = [t["function"]["name"] for t in r.tools]
-      name = call if call in names or call == "nope" else names[0]
-      return _call(name, {"a": 2, "b": 3} if name == "add" else {"text": "5"})
-    raise AssertionError(f"unexpected request: {text[:80]}")
-  return fn
-
-
 def test_agentic_trajectory_executes_code_tools_and_simulates_the_others():
   from k2jax.rl import sandbox
   code_add = dict(ADD, **{"x-k2jax-code": "def run(args):\n  return {'sum': args['a'] + args['b']}",
@@ -211,11 +175,12 @@ def test_agentic_trajectory_executes_code_tools_and_simulates_the_others():
     run = lambda program, stdin, timeout_s: sandbox.run(program, stdin=stdin,   # noqa: E731
                                                         timeout_s=timeout_s, isolation="limits")
   tools = [agentic.normalize_tool(code_add)]
-  rec = agentic.trajectory(ScriptedClient(agent_model()), tools, 0, seed=1, sandbox_run=run)
+  rec = agentic.trajectory(ScriptedClient(agent_model(arguments={"a": 2, "b": 3})), tools, 0,
+                          seed=1, sandbox_run=run)
   roles = [m["role"] for m in rec["messages"]]
   assert roles == ["system", "user", "assistant", "tool", "assistant"]
   assert json.loads(rec["messages"][3]["content"]) == {"sum": 5}      # really executed
-  assert rec["judge"]["pass"] and rec["rubric"] == ["calls a tool", "says 5"]
+  assert rec["judge"]["pass"] and rec["rubric"] == ["calls a tool", "reports the result"]
   assert rec["tools"] == [ADD] and rec["ended"] == "user_done"
   sim = agentic.normalize_tool(MCP_NOTE, "notes")
   rec = agentic.trajectory(ScriptedClient(agent_model(call="save_note")), [sim], 0, seed=1)
@@ -225,14 +190,48 @@ def test_agentic_trajectory_executes_code_tools_and_simulates_the_others():
   assert any(mask) and not all(mask)
 
 
-@pytest.mark.parametrize("kw, reason", [(dict(call="nope"), "unknown tool"),
-                                        (dict(verdict=False), "rubric: says 5"),
-                                        (dict(sim_json=False), "malformed JSON from the tool")])
+@pytest.mark.parametrize("kw, reason", [
+    (dict(call="nope"), "unknown tool: the agent called 'nope'"),
+    (dict(verdict=False), "rubric: reports the result"),
+    (dict(sim_json=False), "malformed JSON from the tool"),
+    (dict(arguments={"text": 5}), "bad arguments: save_note: text: 5 is not of type 'string'"),
+    (dict(arguments={"txt": "5"}), r"bad arguments: save_note: .*\('txt' was unexpected\)")])
 def test_agentic_drops_say_why(kw, reason):
   tools = [agentic.normalize_tool(MCP_NOTE, "notes")]
   with pytest.raises(rephrase.Dropped, match=reason):
-    agentic.trajectory(ScriptedClient(agent_model(call="save_note", **kw) if "call" not in kw
-                                      else agent_model(**kw)), tools, 0, seed=1)
+    agentic.trajectory(ScriptedClient(agent_model(**kw)), tools, 0, seed=1)
+
+
+CURRENCY = agentic.normalize_tool({"name": "convert_currency", "parameters": {
+    "type": "object", "properties": {"amount": {"type": "number"},
+                                     "to": {"type": "string", "enum": ["EUR", "USD"]},
+                                     "legs": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["amount"]}})
+
+
+@pytest.mark.parametrize("args, errors", [
+    ({"amount": 5}, []),
+    ({"amount": 5.5, "to": "EUR", "legs": [1, 2]}, []),
+    ({"text": "5"}, ["arguments: 'amount' is a required property",
+                     "arguments: Additional properties are not allowed ('text' was unexpected)"]),
+    ({"amount": "5"}, ["amount: '5' is not of type 'number'"]),
+    ({"amount": True}, ["amount: True is not of type 'number'"]),
+    ({"amount": 1, "to": "GBP"}, ["to: 'GBP' is not one of ['EUR', 'USD']"]),
+    ({"amount": 1, "legs": [1, "x"]}, ["legs/1: 'x' is not of type 'integer'"]),
+])
+def test_tool_call_arguments_are_checked_against_the_schema(args, errors):
+  """The audit's case (convert_currency({"text": "5"}) was kept) and the schema kinds tool
+  specs use; expected errors written by hand from the JSON Schema rules."""
+  assert agentic.argument_errors(CURRENCY, args) == errors
+
+
+def test_a_schema_may_allow_undeclared_arguments_and_must_be_valid():
+  open_ = agentic.normalize_tool({"name": "f", "parameters": {
+      "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}})
+  assert agentic.argument_errors(open_, {"a": "x", "b": 1}) == []
+  with pytest.raises(ValueError, match="tool g: parameters are not a valid JSON schema"):
+    agentic.normalize_tool({"name": "g", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}})
 
 
 def test_agentic_cli_evolves_tools_and_writes_what_sft_reads(tmp_path, capsys):
@@ -240,15 +239,56 @@ def test_agentic_cli_evolves_tools_and_writes_what_sft_reads(tmp_path, capsys):
   tools = tmp_path / "tools.json"
   tools.write_text(json.dumps({"domain": "notes", "tools": [MCP_NOTE]}))
   out = str(tmp_path / "agentic.jsonl")
-  cli.main(["agentic", "--tools", str(tools), "--evolve", "2,1,2", "--items", "6",
-            "--output", out], client=ScriptedClient(agent_model(call="save_note")))
+  # every agent calls its tool with {"text": "5"}: right for save_note, wrong for
+  # convert_currency({amount}), whose trajectories must be dropped as bad arguments
+  cli.main(["agentic", "--tools", str(tools), "--evolve", "2,1,2", "--items", "8",
+            "--output", out], client=ScriptedClient(agent_model(arguments={"text": "5"})))
   evolved = json.load(open(out + ".tools.json"))
   assert [t["function"]["name"] for t in evolved] == ["convert_currency"] * 2   # 'bad name!' out
   assert {t["x-k2jax-domain"] for t in evolved} == {"finance / budgeting", "travel / budgeting"}
   dialogs = sft.read_dialogs(out)
-  assert len(dialogs) == 6 and all(d["tools"] and d["messages"][-1]["role"] == "assistant"
-                                   for d in dialogs)
-  assert "kept 6 records" in capsys.readouterr().out
+  drops = [json.loads(x) for x in open(out + ".drops")]
+  assert dialogs and drops and len(dialogs) + len(drops) == 8
+  assert all(d["tools"][0]["function"]["name"] == "save_note" and
+             d["messages"][-1]["role"] == "assistant" for d in dialogs)
+  assert all(x["reason"].startswith("bad arguments: convert_currency: ") for x in drops)
+  assert (f"kept {len(dialogs)} records; dropped {len(drops)} items ({len(drops)} bad arguments)"
+          in capsys.readouterr().out)
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "synth")
+
+
+def test_dry_run_on_the_readme_inputs_writes_what_the_trainers_read(tmp_path, capsys):
+  """README's tiny-scale inputs exist and load; --dry_run (scripted replies) keeps every item;
+  the records are what k2jax.train / k2jax.sft read."""
+  from k2jax import sft
+  from k2jax.data.corpus import file_documents
+  from k2jax.rl import sandbox
+  try:
+    sandbox.check()
+  except sandbox.SandboxUnavailable:
+    pytest.skip("the example's add tool runs in the RL sandbox, unavailable here")
+  ex = EXAMPLES
+  for pipeline, argv, n in [
+      ("rephrase", ["--input", f"{ex}/docs.jsonl", "-k", "2", "--chunk_chars", "300"], 6),
+      ("math", ["--input", f"{ex}/math/*.md", "--chunk_chars", "300"], 2),
+      ("agentic", ["--tools", f"{ex}/tools/*.json", "--items", "6"], 6)]:
+    out = str(tmp_path / f"{pipeline}.jsonl")
+    cli.main([pipeline, *argv, "--output", out, "--dry_run"])
+    assert f"k2jax.synth {pipeline}: kept {n} records; dropped 0" in capsys.readouterr().out
+    if pipeline == "agentic":
+      dialogs = sft.read_dialogs(out)
+      assert {d["domain"] for d in dialogs} == {"notes", "arithmetic"}
+      added = [json.loads(m["content"]) for d in dialogs for m in d["messages"]
+               if m.get("name") == "add"]
+      assert added and all(x == {"sum": 2} for x in added)    # executed: 1 + 1
+    else:
+      assert len(file_documents(out)) == n
+  notes = {r["source_id"]: r for r in map(json.loads, open(tmp_path / "math.jsonl"))}
+  assert notes[f"{ex}/math/rectangle_ru.md"]["translated"]
+  assert not notes[f"{ex}/math/odd_squares.md"]["translated"]
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -279,10 +319,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, argv, fragment):
   assert not os.path.exists(tmp_path / "o.jsonl")
 
 
-def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
-  """The HTTP path end to end: the tiny model behind k2jax.serve (its random text fails the
-  checks; every item must still be kept or dropped with a reason exactly once), killed with
-  SIGKILL mid-corpus and rerun."""
+@pytest.fixture(scope="module")
+def served():
+  """The random tiny model (1024-token context, byte tokens) behind k2jax.serve on a thread:
+  (the /v1 base URL, the engine)."""
   import jax
 
   from k2jax import configs, model
@@ -291,35 +331,198 @@ def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(tmp_path):
   from k2jax.serve import Background, make_app
   cfg = configs.get_config("tiny").model
   engine = Engine(cfg, model.init(cfg, jax.random.key(0)), ByteTokenizer(), window_s=0.02)
-  server = Background(make_app(engine, "tiny"))
-  url = server.url
+  with Background(make_app(engine, "tiny")) as server:
+    yield server.url, engine
+  engine.close()
+
+
+def _done_once(out: str, ids) -> tuple[list[dict], list[dict]]:
+  """(kept, dropped) rows of a run, after checking that every item is in exactly one of the
+  two files once, and that every drop says why ('kind: detail')."""
+  kept = [json.loads(x) for x in open(out)] if os.path.exists(out) else []
+  drops = [json.loads(x) for x in open(out + ".drops")] if os.path.exists(out + ".drops") else []
+  assert sorted(r["item"] for r in kept + drops) == sorted(ids)
+  assert all(re.fullmatch(r"\w[\w ]*: .+", r["reason"], re.S) for r in drops), drops
+  return kept, drops
+
+
+def test_against_k2jax_serve_every_item_is_done_once_after_a_kill(served, tmp_path):
+  """The HTTP path end to end: the tiny model behind k2jax.serve (its random text fails the
+  checks; every item must still be kept or dropped with a reason exactly once), killed with
+  SIGKILL mid-corpus and rerun."""
+  url, _ = served
   docs = tmp_path / "many.jsonl"
   docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"note {i}: short text."}) + "\n"
                           for i in range(24)))
   out = str(tmp_path / "out.jsonl")
   argv = [sys.executable, "-m", "k2jax.synth", "rephrase", "--input", str(docs), "--output", out,
           "--endpoint", url, "-k", "1", "--max_tokens", "8", "--concurrency", "4", "--no_judge"]
-  try:
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 240
-    while sum(os.path.getsize(f) for f in (out, out + ".drops") if os.path.exists(f)) < 300:
-      assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-2000:]
-      time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    first = sum(1 for f in (out, out + ".drops") if os.path.exists(f) for _ in open(f))
-    assert 0 < first < 24
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-  finally:
-    server.stop()
-    engine.close()
-  rows = [json.loads(x) for f in (out, out + ".drops") if os.path.exists(f) for x in open(f)]
-  items = [x["item"] for x in rows]
-  assert sorted(items) == sorted(f"d{i}#0" for i in range(24))      # no gap, no duplicate
-  for x in rows:
-    assert x.get("reason") or x.get("style")
+  p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 240
+  while sum(os.path.getsize(f) for f in (out, out + ".drops") if os.path.exists(f)) < 300:
+    assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-2000:]
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  first = sum(1 for f in (out, out + ".drops") if os.path.exists(f) for _ in open(f))
+  assert 0 < first < 24
+  r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  kept, _ = _done_once(out, [f"d{i}#0" for i in range(24)])
+  assert all(x["style"] for x in kept)
   assert "k2jax.synth rephrase: kept" in r.stdout
+
+
+def test_math_against_k2jax_serve_does_every_item_once(served, tmp_path, capsys):
+  """math over HTTP with small max_tokens (a translation, a two-chunk note, a note whose
+  random rewrite passes the cheap check and meets the judge), then at the default
+  --max_tokens 1024 with a prompt that leaves the 1k context a few dozen tokens: the server
+  clamps instead of refusing, so the item is a truncation, not a context error."""
+  url, _ = served
+  src = tmp_path / "math.jsonl"
+  src.write_text("".join(json.dumps(d) + "\n" for d in [
+      {"id": "ru", "text": "Найдите сумму 2 + 3 = 5."},
+      {"id": "two", "text": "The sum 2 + 3 is 5. " * 5 + "\n\nThe product 2 * 3 is 6. " * 4},
+      {"id": "plain", "text": "a short note with no numbers and no names at all."}]))
+  out = str(tmp_path / "notes.jsonl")
+  cli.main(["math", "--input", str(src), "--output", out, "--endpoint", url, "--max_tokens", "8",
+            "--chunk_chars", "120", "--concurrency", "3"])
+  kept, drops = _done_once(out, ["ru", "two", "plain"])
+  reasons = {x["item"]: x["reason"] for x in drops}
+  assert not any(r.startswith("model error") for r in reasons.values()), reasons
+  printed = capsys.readouterr().out
+  assert f"k2jax.synth math: kept {len(kept)} records; dropped {len(drops)} items" in printed
+  # one 431-character chunk: its prompt is 956 byte tokens, 68 short of the context
+  long = tmp_path / "long.jsonl"
+  long.write_text(json.dumps({"id": "long", "text": "Two plus three is five. " * 18}) + "\n")
+  out = str(tmp_path / "long_notes.jsonl")
+  cli.main(["math", "--input", str(long), "--output", out, "--endpoint", url])
+  _, drops = _done_once(out, ["long"])
+  assert re.fullmatch(r"truncated: chunk 0 hit the model's context after \d+ tokens",
+                      drops[0]["reason"]), drops
+
+
+def test_agentic_against_k2jax_serve_does_every_item_once(served, tmp_path, capsys):
+  """agentic with every part played by the random tiny model over HTTP: whatever fails
+  (most items at the task writer's JSON) is dropped once with its reason."""
+  url, _ = served
+  tools = tmp_path / "tools.json"
+  tools.write_text(json.dumps({"domain": "notes", "tools": [MCP_NOTE]}))
+  out = str(tmp_path / "agentic.jsonl")
+  cli.main(["agentic", "--tools", str(tools), "--items", "4", "--output", out, "--endpoint", url,
+            "--max_tokens", "16", "--concurrency", "4"])
+  kept, drops = _done_once(out, [f"trajectory-{i}" for i in range(4)])
+  assert drops and not any(x["reason"].startswith(("model error", "error")) for x in drops)
+  assert f"dropped {len(drops)} items" in capsys.readouterr().out
+
+
+# A bounded schema: under a grammar a random model writes unbounded strings forever.
+ECHO = {"name": "echo", "description": "say a word", "inputSchema": {
+    "type": "object", "properties": {"text": {"type": "string", "enum": ["hi", "yes"]}},
+    "required": ["text"], "additionalProperties": False}}
+
+
+class AgentOverHTTP(Client):
+  """The agent's turns go over HTTP to the served tiny model: its first turn under
+  tool_choice "required" (a call sampled under the tool's schema), its turn after a tool
+  result under "none" (text). The parts a random model cannot decide (task writer, user,
+  tool simulator, judge) are scripted. Both sides are synth Clients, as the issue asks."""
+
+  def __init__(self, http: Client, scripted: Client):
+    self.http, self.scripted, self.turns = http, scripted, []
+
+  def chat(self, request):
+    if not request.tools:
+      return self.scripted.chat(request)
+    after_tool = request.messages[-1]["role"] == "tool"
+    request = dataclasses.replace(request, tool_choice="none" if after_tool else "required",
+                                  max_tokens=24 if after_tool else 300)
+    reply = self.http.chat(request)
+    self.turns.append((copy.deepcopy(request), reply))
+    return reply
+
+
+def test_a_kept_agentic_record_comes_through_k2jax_serve(served, tmp_path, capsys):
+  import openai
+
+  from k2jax import sft
+  from k2jax.synth import OpenAIClient
+  url, _ = served
+  script = agent_model()
+
+  def scripted(r):     # the user is done once the assistant has answered after a tool result
+    text = r.messages[-1]["content"]
+    if "You play a user" in text:
+      return "DONE" if text.count("\nassistant: ") >= 2 else "Please say a word."
+    return script(r)
+  tools = tmp_path / "tools.json"
+  tools.write_text(json.dumps({"domain": "talk", "tools": [ECHO]}))
+  out = str(tmp_path / "agentic.jsonl")
+  client = AgentOverHTTP(OpenAIClient(url, "tiny"), ScriptedClient(scripted))
+  cli.main(["agentic", "--tools", str(tools), "--items", "2", "--output", out,
+            "--concurrency", "1"], client=client)
+  kept, drops = _done_once(out, ["trajectory-0", "trajectory-1"])
+  assert len(kept) == 2 and "kept 2 records; dropped 0" in capsys.readouterr().out
+  direct = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+  assert [q.tool_choice for q, _ in client.turns] == ["required", "none"] * 2  # items in order
+  for rec, (call_turn, text_turn) in zip(kept, zip(client.turns[::2], client.turns[1::2])):
+    m = rec["messages"]
+    calls = m[2]["tool_calls"]
+    assert [x["role"] for x in m] == ["system", "user", "assistant"] + ["tool"] * len(calls) + [
+        "assistant"] and rec["ended"] == "user_done" and rec["tool_calls"] == len(calls)
+    for call, result in zip(calls, m[3:3 + len(calls)]):
+      assert call["function"]["name"] == "echo" and call["id"].startswith("functions.echo:")
+      assert call["function"]["arguments"] in ({"text": "hi"}, {"text": "yes"})   # the schema
+      assert result["tool_call_id"] == call["id"] and result["name"] == "echo"
+    # the record holds what the server answered: ask it again (seeded) with the openai client
+    request = call_turn[0]
+    assert request.messages == m[:2] and text_turn[0].messages == m[:-1]
+    again = direct.chat.completions.create(
+        model="tiny", messages=request.messages, tools=request.tools, tool_choice="required",
+        max_tokens=request.max_tokens, temperature=request.temperature, seed=request.seed)
+    assert [(c.id, c.function.name, json.loads(c.function.arguments))
+            for c in again.choices[0].message.tool_calls] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert m[-1]["content"] == text_turn[1].content
+    assert rec["tools"] == [{"type": "function", "function": {
+        "name": "echo", "description": "say a word", "parameters": ECHO["inputSchema"]}}]
+    ids, mask = chat.encode_with_mask(m, rec["tools"])
+    assert any(mask) and not all(mask)
+  assert len(sft.read_dialogs(out)) == 2
+
+
+def test_local_client_and_synth_workdir(tmp_path, capsys):
+  """The in-process backend: a LocalClient's greedy reply equals k2jax.generate's and a
+  required tool call comes back parsed; `python -m k2jax.synth math --workdir RUN` (the CLI
+  loading a trained run into a LocalClient) does every item once."""
+  from tests.test_train import small_config
+  from k2jax import train
+  from k2jax.generate import generate
+  from k2jax.synth import LocalClient, Request
+  run = str(tmp_path / "run")
+  train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), run)
+  client = LocalClient.from_run(run, concurrency=2)
+  try:
+    user = [{"role": "user", "content": "what is 2 + 3?"}]
+    r = client.chat(Request(messages=user, temperature=0.0, max_tokens=12))
+    ids = generate(client.cfg, client.engine.params, [chat.encode(user, tokenizer=client.tok)],
+                   max_new_tokens=12, stop_ids=[client.tok.eos_id])[0]
+    assert r.content == client.tok.decode(ids).split("<|im_end|>")[0]
+    assert r.completion_tokens == len(ids)
+    tools = [agentic.public(agentic.normalize_tool(ECHO))]
+    r = client.chat(Request(messages=user, tools=tools, tool_choice="required", max_tokens=300,
+                            seed=1))
+    assert r.finish_reason == "tool_calls" and r.tool_calls
+    assert all(c["name"] == "echo" and c["arguments"]["text"] in ("hi", "yes")
+               for c in r.tool_calls)
+  finally:
+    client.engine.close()
+  docs = _write_docs(tmp_path)
+  out = str(tmp_path / "notes.jsonl")
+  cli.main(["math", "--input", docs, "--output", out, "--workdir", run, "--max_tokens", "8",
+            "--concurrency", "3"])
+  _done_once(out, [d["id"] for d in DOCS])
+  assert "k2jax.synth math: kept" in capsys.readouterr().out
 
 
 def test_train_and_sft_run_on_what_synth_writes(tmp_path):

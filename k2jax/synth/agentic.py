@@ -19,8 +19,8 @@ multi-turn trajectories, and a judge that keeps only those meeting their rubric.
 
 Output: chat records {"messages", "tools", ...provenance} in the shape `k2jax.sft` reads (the
 K2 tool-call format is what `k2jax.chat` renders them into). Failures that make an item
-unusable (an unknown tool called, malformed JSON from a simulator or judge) raise
-`rephrase.Dropped` with the reason, so the CLI counts them.
+unusable (an unknown tool called, arguments outside the tool's JSON schema, malformed JSON
+from a simulator or judge) raise `rephrase.Dropped` with the reason, so the CLI counts them.
 """
 
 import dataclasses
@@ -28,6 +28,9 @@ import glob
 import json
 import random
 import re
+import threading
+
+import jsonschema
 
 from k2jax.synth.client import Client, Request
 from k2jax.synth.rephrase import Dropped
@@ -42,6 +45,9 @@ PERSONAS = [
 ]
 OUTCOMES = (("success", 0.7), ("partial failure", 0.15), ("edge case", 0.15))
 _NAME_OK = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# One code tool at a time: run as root, k2jax.rl.sandbox ends each program by killing every
+# process of its sandbox uid, so runs from concurrent items killed each other (signal 9).
+_SANDBOX_LOCK = threading.Lock()
 
 
 # ------------------------------------------------------------------------------ tools
@@ -55,12 +61,37 @@ def normalize_tool(spec: dict, domain: str | None = None) -> dict:
   params = fn.get("parameters", fn.get("inputSchema", {"type": "object", "properties": {}}))
   if not isinstance(params, dict) or params.get("type", "object") != "object":
     raise ValueError(f"tool {fn['name']}: parameters must be a JSON schema of type object")
+  try:
+    _validator(params)
+  except jsonschema.SchemaError as e:
+    raise ValueError(f"tool {fn['name']}: parameters are not a valid JSON schema: "
+                     f"{e.message}") from None
   out = {"type": "function", "function": {"name": fn["name"],
                                           "description": str(fn.get("description", "")),
                                           "parameters": params}}
   extra = {k: v for k, v in {"domain": domain or spec.get("x-k2jax-domain"),
                              "code": spec.get("x-k2jax-code")}.items() if v}
   return {**out, **{f"x-k2jax-{k}": v for k, v in extra.items()}}
+
+
+def _validator(schema: dict):
+  """A validator of call arguments (jsonschema.SchemaError if the schema is not one).
+  The call's top-level names must be declared properties unless the schema says otherwise:
+  JSON Schema allows undeclared names by default, but a function called with a parameter it
+  does not have (convert_currency({"text": ...}) for {amount}) is a wrong call, and OpenAI's
+  strict tool mode makes the same rule."""
+  if "properties" in schema and "additionalProperties" not in schema:
+    schema = {**schema, "additionalProperties": False}
+  cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+  cls.check_schema(schema)
+  return cls(schema)
+
+
+def argument_errors(tool: dict, args) -> list[str]:
+  """What is wrong with a call's arguments under the tool's schema ([] when they fit)."""
+  v = _validator(tool["function"]["parameters"])
+  return [f"{'/'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
+          for e in sorted(v.iter_errors(args), key=lambda e: list(map(str, e.absolute_path)))]
 
 
 def load_tools(pattern: str) -> list[dict]:
@@ -184,7 +215,8 @@ def run_tool(client: Client, tool: dict, args: dict, state: dict, rng: random.Ra
       from k2jax.rl.sandbox import run as sandbox_run
     program = (tool["x-k2jax-code"] + "\nimport json, sys\n"
                "print(json.dumps(run(json.loads(sys.stdin.read())), default=str))\n")
-    r = sandbox_run(program, stdin=json.dumps(args), timeout_s=5.0)
+    with _SANDBOX_LOCK:
+      r = sandbox_run(program, stdin=json.dumps(args), timeout_s=5.0)
     return (r.stdout.strip() if r.ok else json.dumps(
         {"error": f"{name} failed ({r.reason}): {r.stderr.strip()[-200:]}"})), state
   outcome = _outcome(rng)
@@ -226,7 +258,8 @@ def simulate(client: Client, agent: Agent, task: dict, *, seed: int, max_turns: 
   messages.append({"role": "user", "content": first})
   calls_made, ended = 0, "max_turns"
   for turn in range(max_turns):
-    reply = client.chat(Request(messages=messages, tools=[public(t) for t in agent.tools],
+    # a copy: the dialog grows after this turn, a request must stay what was sent
+    reply = client.chat(Request(messages=list(messages), tools=[public(t) for t in agent.tools],
                                 temperature=0.7, max_tokens=max_tokens,
                                 seed=item_seed(seed, "agent", turn)))
     msg = {"role": "assistant", "content": reply.content}
@@ -241,6 +274,10 @@ def simulate(client: Client, agent: Agent, task: dict, *, seed: int, max_turns: 
           raise Dropped(f"unknown tool: the agent called {c['name']!r}")
         if not isinstance(c["arguments"], dict):
           raise Dropped(f"malformed tool call: arguments of {c['name']} are not a JSON object")
+        # A call outside the schema would teach SFT wrong calls (and a simulator would play
+        # along): the trajectory is dropped and counted, as an unknown tool is.
+        if errors := argument_errors(tool, c["arguments"]):
+          raise Dropped(f"bad arguments: {c['name']}: {'; '.join(errors)[:160]}")
         result, states[c["name"]] = run_tool(client, tool, c["arguments"], states[c["name"]],
                                              rng, item_seed(seed, "tool", turn, k), sandbox_run,
                                              max_tokens)

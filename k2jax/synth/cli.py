@@ -8,7 +8,8 @@
 
 Inputs: .txt / .md files (one document each, id = the path) or .jsonl (one document per
 line, fields --text_field / --id_field; id defaults to file:line). The model: --endpoint
-(+ --model), or in process from --workdir (a k2jax run) / --hf (a checkpoint).
+(+ --model), or in process from --workdir (a k2jax run) / --hf (a checkpoint), or none
+(--dry_run: scripted replies, for the plumbing and the record format).
 
 Every run is resumable and shardable: items are split between `--shard i/n` processes by a
 hash of their id, results are appended per item (`store.Output`), and a rerun of the same
@@ -28,8 +29,8 @@ import os
 import sys
 import traceback
 
-from k2jax.synth import agentic, mathnotes, rephrase
-from k2jax.synth.client import LocalClient, ModelError, OpenAIClient, Unreachable
+from k2jax.synth import agentic, dryrun, mathnotes, rephrase
+from k2jax.synth.client import LocalClient, ModelError, OpenAIClient, ScriptedClient, Unreachable
 from k2jax.synth.rephrase import Dropped, Settings
 from k2jax.synth.store import Output, in_shard, parse_shard
 
@@ -106,6 +107,8 @@ def run_items(items: list[tuple[str, object]], work, out: Output, concurrency: i
 
 
 def _client(args):
+  if args.dry_run:
+    return ScriptedClient(dryrun.agent_model() if args.pipeline == "agentic" else dryrun.faithful)
   if args.endpoint:
     c = OpenAIClient(args.endpoint, args.model, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
                      concurrency=args.concurrency, retries=args.retries, timeout=args.timeout)
@@ -132,6 +135,9 @@ def parser() -> argparse.ArgumentParser:
   src.add_argument("--endpoint", help="an OpenAI-compatible base URL, e.g. http://host:8000/v1")
   src.add_argument("--workdir", help="a k2jax run, decoded in this process")
   src.add_argument("--hf", help="a Hugging Face checkpoint, decoded in this process")
+  src.add_argument("--dry_run", action="store_true", help="no model: scripted replies "
+                   "(k2jax.synth.dryrun: rewrites copy their source, the agent calls its first "
+                   "tool, every judge passes), to try the plumbing and the trainers on records")
   common.add_argument("--model", help="the endpoint's model name (default: its first)")
   common.add_argument("--output", required=True, help="JSONL to append to (resumable)")
   common.add_argument("--shard", default="0/1", help="i/n: this process's share of the items")
@@ -146,7 +152,8 @@ def parser() -> argparse.ArgumentParser:
   docs.add_argument("--text_field", default="text")
   docs.add_argument("--id_field", default="id")
   docs.add_argument("--chunk_chars", type=int, default=1500)
-  docs.add_argument("--max_tokens", type=int, default=1024, help="per rewritten chunk")
+  docs.add_argument("--max_tokens", type=int, default=1024, help="per rewritten chunk (a "
+                    "k2jax.serve model with less context left clamps it; others may refuse)")
   docs.add_argument("--min_score", type=float, default=7.0, help="the judge's bar (0-10)")
   docs.add_argument("--no_judge", action="store_true", help="the cheap check only")
   r = sub.add_parser("rephrase", parents=[common, docs], help="knowledge rephrasing (2.2)")
@@ -159,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
   a.add_argument("--items", type=int, default=100, help="trajectories to attempt")
   a.add_argument("--max_turns", type=int, default=6)
   a.add_argument("--max_tools", type=int, default=4, help="tools per agent")
-  a.add_argument("--max_tokens", type=int, default=1024, help="per reply")
+  a.add_argument("--max_tokens", type=int, default=1024, help="per reply (clamped by "
+                 "k2jax.serve to the context left)")
   return p
 
 
@@ -198,8 +206,8 @@ def main(argv=None, *, client=None):
     if os.path.isdir(args.output):
       raise UserError(f"--output {args.output} is a directory; name a .jsonl file")
     if client is None:
-      if not (args.endpoint or args.workdir or args.hf):
-        raise UserError("give the model: --endpoint URL, --workdir RUN or --hf DIR")
+      if not (args.endpoint or args.workdir or args.hf or args.dry_run):
+        raise UserError("give the model: --endpoint URL, --workdir RUN, --hf DIR or --dry_run")
       client = _client(args)
   except (UserError, ValueError) as e:
     print(f"k2jax.synth: error: {e}", file=sys.stderr)

@@ -180,9 +180,11 @@ class ScriptedClient(Client):
     self._lock = threading.Lock()
 
   def chat(self, request: Request) -> Reply:
+    import copy
+
     from k2jax import chat
-    with self._lock:
-      self.requests.append(request)
+    with self._lock:       # as sent: a caller may go on changing its lists
+      self.requests.append(copy.deepcopy(request))
     out = self.fn(request)
     if isinstance(out, Reply):
       return out

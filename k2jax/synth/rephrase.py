@@ -149,8 +149,10 @@ def rewrite_document(client: Client, text: str, instruction: str, *, seed: int,
     out = reply.content.strip()
     if not out:
       raise Dropped(f"empty: chunk {i} came back empty")
-    if reply.finish_reason == "length":
-      raise Dropped(f"truncated: chunk {i} hit max_tokens {s.max_tokens}")
+    if reply.finish_reason == "length":   # fewer tokens than asked: clamped to the context
+      limit = (f"the model's context after {reply.completion_tokens} tokens"
+               if 0 < reply.completion_tokens < s.max_tokens else f"max_tokens {s.max_tokens}")
+      raise Dropped(f"truncated: chunk {i} hit {limit}")
     o = overlap(chunk, out)
     if o["number_recall"] < s.min_number_recall:
       raise Dropped(f"dropped content: chunk {i} keeps {o['number_recall']:.0%} of the numbers")
