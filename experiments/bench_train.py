@@ -26,7 +26,6 @@ Tables print last; CSVs go to --out (default $OUT or experiments/results/train).
 """
 
 import argparse
-import csv
 import functools
 import os
 import sys
@@ -44,6 +43,9 @@ except ImportError:        # a plain checkout (the GPU machine): map kernels/ as
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+import bench_moe  # noqa: E402  (timeit, write: one copy for the benchmarks)
+from bench_moe import write  # noqa: E402
 
 # Datasheet dense bf16 peaks (no sparsity), TFLOP/s, by jax device_kind prefix.
 PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100": 989.4, "NVIDIA H200": 989.4,
@@ -69,22 +71,7 @@ TINY_MODEL = dict(GPU_MODEL, vocab_size=512, hidden_size=128, intermediate_size=
 
 
 def timeit(fn, *args, reps=5, warmup=2):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
-
-
-def write(path, rows):
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-    w.writeheader()
-    w.writerows(rows)
+  return bench_moe.timeit(fn, *args, reps=reps, warmup=warmup)
 
 
 def ceilings():
