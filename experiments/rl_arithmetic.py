@@ -152,11 +152,16 @@ def update_direction(model_cfg, params, tok, seed=0):
   grads = jax.grad(lambda p: rl_train.rl_loss(r, p, batch, None)[0])(params)
   _, stats = model_lib.forward(r.model, params, batch["inputs"][:1])
   rows = []
-  for name, opt in (("muonclip lr 3e-4", dict()), ("muonclip lr 3e-5", dict(learning_rate=3e-5)),
+  for name, opt in (("muonclip lr 3e-4", dict(learning_rate=3e-4)),
+                    ("muonclip lr 3e-5", dict(learning_rate=3e-5)),
                     ("adamw lr 3e-5", dict(name="adamw", learning_rate=3e-5)),
                     ("adamw lr 1e-4", dict(name="adamw", learning_rate=1e-4))):
     c = r.copy_and_resolve_references()
-    c.optimizer.update(opt)
+    # At the peak rate: with train.steps from the 1-iteration RL config the WSD schedule was
+    # past its end by the step after warm-up, and every row ran at tiny_rl's end rate 3e-6
+    # (identical rows; the preset's own rate also stood in for "3e-4").
+    c.optimizer.update(dict(opt, decay_steps=0))
+    c.train.steps = 1000
     tx = optim.optimizer(c)
     state = tx.init(params)
     for _ in range(c.optimizer.warmup_steps + 1):   # the same gradient until past warm-up
