@@ -39,6 +39,21 @@ def test_stored_rows_are_the_schedule_order(layers, P, V):
   assert (sp.logical_rows().reshape(-1) >= 0).sum() == layers
 
 
+def test_layers_per_stage_cover_the_stack_for_every_split():
+  """For every split the counts are a partition of the stack into stages of at most L
+  layers; a device keeps a layer whenever the split leaves it one (else validate refuses)."""
+  cfg = configs.get_config("tiny").model
+  for layers in (1, 3, 5, 8, 13, 60):
+    cfg.num_hidden_layers = layers + cfg.first_k_dense_replace
+    for P in (1, 2, 3, 4, 8, 16, 64):
+      for V in (1, 2, 3):
+        sp = layout.split(cfg, P, V)
+        n = sp.layers_per_stage()
+        assert n.sum() == layers and (n >= 0).all() and (n <= sp.per_stage).all()
+        if P <= layers:
+          assert all(sp.real()[p].any() for p in range(P)), (layers, P, V, n)
+
+
 def test_k2_padding_goes_where_the_embedding_and_head_run():
   """K2's 60 MoE layers over 16 x 2 stages of 2: the 4 padding rows go to stage 0 (which also
   runs the embedding and the dense layer) and the last stage (the head), so 1F1B with 32

@@ -103,6 +103,8 @@ def _balanced_counts(cfg, stack, P: int, V: int, L: int) -> tuple:
     per_device = np.bincount(device, weights=n, minlength=P)
     # ties go to the later stage, so an equal-cost split pads its last stages
     ok = (n > 0) & (per_device[device] > 1)
+    if not ok.any():        # more padding than devices can spare: validate() names it
+      ok = n > 0
     load = np.where(ok, n + extra, -np.inf)
     s = S - 1 - int(np.argmax(load[::-1]))
     n[s] -= 1
