@@ -36,20 +36,23 @@ UNITS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 6
 
 
 def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
-                    tool_fraction: float = 0.5, split: str = "train") -> list[dict]:
-  """Deterministic arithmetic (operands 0..max_operand) and unit-conversion dialogs; a
-  tool_fraction of them call the calculator. Arithmetic problems come from `split` of
-  k2jax.rl.envs.arithmetic_split ('train' keeps the held-out problems out of training)."""
-  from k2jax.rl.envs import SPLITS, arithmetic_split
+                    tool_fraction: float = 0.5, split: str = "train", ops: str = "+-*",
+                    conversions: float = 0.3) -> list[dict]:
+  """Deterministic arithmetic (operands 0..max_operand, operators `ops`) and unit-conversion
+  dialogs (a `conversions` fraction); a tool_fraction of them call the calculator. Arithmetic
+  problems come from `split` of k2jax.rl.envs.arithmetic_split ('train' keeps the held-out
+  problems out of training)."""
+  from k2jax.rl.envs import SPLITS, arithmetic_split, check_ops
   if split not in SPLITS:
     raise ValueError(f"arithmetic split {split!r}: choose one of {', '.join(SPLITS)}")
+  check_ops(ops)
   rng = random.Random(seed)
   out = []
   for i in range(n):
-    if rng.random() < 0.7:
+    if rng.random() < 1 - conversions:
       while True:   # a problem of the other part is drawn again
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        op = rng.choice("+-*")
+        op = rng.choice(ops)
         expr = f"{a} {op} {b}"
         if split == "all" or arithmetic_split(expr) == split:
           break

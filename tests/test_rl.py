@@ -161,6 +161,31 @@ def test_arithmetic_held_out_problems_are_never_drawn_for_training():
     envs.Arithmetic(split="test")
 
 
+def test_arithmetic_draws_only_its_operators_and_two_digit_addition_is_split_the_same_way():
+  """ops picks the operators (two-digit addition: "+" at max_operand 99); tasks, every-problem
+  lists and SFT dialogs hold no other operator, and the held-out part is the same partition
+  (a problem's part depends on its text alone)."""
+  from k2jax import sft
+  add = envs.Arithmetic(max_operand=99, ops="+", split="all").all_tasks()
+  assert len(add) == 100 * 100
+  assert all(" + " in t.messages[0]["content"] for t in add)
+  held = {t.messages[0]["content"] for t in
+          envs.Arithmetic(max_operand=99, ops="+", split="heldout").all_tasks()}
+  assert held == {t.messages[0]["content"] for t in add
+                  if envs.arithmetic_split(t.messages[0]["content"][8:-1]) == "heldout"}
+  assert 0.2 < len(held) / len(add) < 0.3
+  drawn = envs.Arithmetic(max_operand=99, ops="+-").tasks(random.Random(0), 400)
+  assert {t.messages[0]["content"].split()[3] for t in drawn} == {"+", "-"}
+  assert not {t.messages[0]["content"] for t in drawn} & held
+  dialogs = sft.default_dialogs(n=300, max_operand=99, ops="+", conversions=0.0,
+                                tool_fraction=0.0)
+  asked = [d["messages"][0]["content"] for d in dialogs]
+  assert all(" + " in q for q in asked) and not set(asked) & held
+  for bad in ("", "/", "++", "+x"):
+    with pytest.raises(ValueError, match="arithmetic ops"):
+      envs.Arithmetic(ops=bad)
+
+
 def test_rollout_seed_depends_on_the_run_seed_and_is_a_pure_function():
   """Seeded by the iteration alone, runs of every seed drew the same samples; a pure function
   of (train.seed, iteration) keeps a resumed run's samples the uninterrupted run's."""
@@ -608,6 +633,7 @@ def test_rl_cli_bad_input(tmp_path):
       (["--config", "tiny_rl", "--config.rl.temperature_end=-1"], "rl.temperature_end = -1"),
       (["--config", "tiny_rl", "--config.rl.tau=0"], "rl.tau = 0"),
       (["--config", "tiny_rl", "--config.rl.ptx_weight=nan"], "rl.ptx_weight = nan"),
+      (["--config", "tiny_rl", "--config.rl.ops=/"], "rl.ops: arithmetic ops '/'"),
       (["--config", "tiny_rl", "--config.rl.envs=code", "--config.rl.sandbox=chroot"],
        "rl.sandbox: sandbox isolation 'chroot'"),
   ]

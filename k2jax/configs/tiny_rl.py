@@ -15,6 +15,7 @@ def get_config():
       envs="arithmetic",          # comma-separated: arithmetic, game24, code, self_critique
       tools=False,                # offer arithmetic's calculator tool (multi-turn)
       max_operand=9,              # arithmetic operands 0..max_operand
+      ops="+-*",                  # arithmetic operators drawn
       prompts=8,                  # groups (prompts) trained per iteration
       samples=4,                  # K responses per prompt (the K1.5 baseline is their mean)
       iterations=150,             # many small steps: see optimizer below

@@ -84,6 +84,13 @@ HELDOUT_EVERY = 4
 SPLITS = ("train", "heldout", "all")
 
 
+def check_ops(ops: str) -> str:
+  """ops, if it is a non-empty string of distinct operators from "+-*"."""
+  if not ops or set(ops) - set("+-*") or len(set(ops)) != len(ops):
+    raise ValueError(f"arithmetic ops {ops!r}: give distinct operators from '+-*', e.g. '+'")
+  return ops
+
+
 def arithmetic_split(expr: str) -> str:
   """'train' or 'heldout': the part the problem `expr` ("a op b") belongs to."""
   return "heldout" if zlib.crc32(expr.encode()) % HELDOUT_EVERY == 0 else "train"
@@ -92,13 +99,17 @@ def arithmetic_split(expr: str) -> str:
 class Arithmetic(_PerResponse):
   """'What is a op b?' with the integer answer checked exactly (the last integer in the
   response). With use_tools, a calculator tool is offered (the SFT data teaches its use).
-  split: the problems drawn, 'train' (training), 'heldout' (evaluation) or 'all'."""
+  split: the problems drawn, 'train' (training), 'heldout' (evaluation) or 'all'; ops: the
+  operators drawn (a subset of "+-*"; "+" with max_operand 99 is two-digit addition, where
+  held-out problems share the digit-and-carry procedure with the training ones instead of
+  being separate facts)."""
   name = "arithmetic"
 
   def __init__(self, max_operand: int = 99, budget: int = 48, use_tools: bool = False,
-               split: str = "train"):
+               split: str = "train", ops: str = "+-*"):
     if split not in SPLITS:
       raise ValueError(f"arithmetic split {split!r}: choose one of {', '.join(SPLITS)}")
+    self.ops = check_ops(ops)
     self.max_operand, self.budget, self.split = max_operand, budget, split
     if use_tools:
       from k2jax.sft import CALCULATOR
@@ -115,7 +126,7 @@ class Arithmetic(_PerResponse):
     out = []
     while len(out) < n:   # a problem of the other part is drawn again
       a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-      op = rng.choice("+-*")
+      op = rng.choice(self.ops)
       expr = f"{a} {op} {b}"
       if self._in_split(expr):
         out.append(self._task(expr))
@@ -124,7 +135,7 @@ class Arithmetic(_PerResponse):
   def all_tasks(self) -> list[Task]:
     """Every problem of the split once, in a fixed order (an evaluation set without repeats)."""
     r = range(self.max_operand + 1)
-    return [self._task(e) for e in (f"{a} {op} {b}" for a in r for op in "+-*" for b in r)
+    return [self._task(e) for e in (f"{a} {op} {b}" for a in r for op in self.ops for b in r)
             if self._in_split(e)]
 
   def score(self, task, response):

@@ -301,7 +301,8 @@ def make_environments(config, judge):
     if name == "arithmetic":   # the train part: evaluation keeps the held-out one unseen
       out.append(envs_lib.Arithmetic(use_tools=bool(config.rl.tools),
                                      max_operand=int(config.rl.max_operand),
-                                     budget=int(config.rl.budget), split="train"))
+                                     budget=int(config.rl.budget), split="train",
+                                     ops=str(config.rl.get("ops", "+-*"))))
     elif name == "self_critique":
       out.append(envs_lib.SelfCritique(judge=judge, budget=int(config.rl.budget)))
     elif name == "code":
@@ -539,6 +540,10 @@ def configs_validate(config):
     raise ValueError(f"rl.truncation_penalty = {r.truncation_penalty} must be a finite reward")
   if int(r.max_operand) < 1:
     raise ValueError(f"rl.max_operand = {r.max_operand} must be >= 1")
+  try:
+    envs_lib.check_ops(str(r.get("ops", "+-*")))
+  except ValueError as e:
+    raise ValueError(f"rl.ops: {e}") from None
   if "code" in names:    # before training: the code environment cannot score without it
     from k2jax.rl import sandbox
     try:
