@@ -105,6 +105,24 @@ def test_router_bias_is_not_trained_and_norms_are_not_decayed():
     assert float(jnp.abs(u["embed"]).max()) > 0
 
 
+def test_sgd_steps_along_the_gradient_scaled_by_lr_and_keeps_the_router_bias():
+  """u = -lr g on every trained leaf (random gradients, so a wrong sign or a normalization
+  shows), zero on the router bias (it follows the balancing rule)."""
+  cfg = tiny()
+  params = model.init(cfg, jax.random.key(0))
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  g = treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) * (i + 1)
+                         for i, (k, x) in enumerate(zip(keys, leaves))])
+  tx = optim.sgd(cfg, 0.03)
+  u, _ = tx.update(g, tx.init(params), params)
+  flat_u = jax.tree_util.tree_flatten_with_path(u)[0]
+  for (path, ui), gi in zip(flat_u, jax.tree.leaves(g)):
+    expected = 0 * gi if "router_bias" in jax.tree_util.keystr(path) else -0.03 * gi
+    np.testing.assert_allclose(np.asarray(ui), np.asarray(expected), rtol=1e-6, atol=0)
+  assert "sgd" in optim.OPTIMIZERS
+
+
 @pytest.mark.parametrize("base", ["muonclip", "adamw_qk_clip"])
 def test_qk_clip_brings_recomputed_max_logits_to_tau(base):
   """lr = 0: the first layer's max logits on the same batch become exactly min(S, tau) per head,

@@ -224,3 +224,24 @@ def adamw(cfg, learning_rate, *, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
       {"train": _adamw(cfg, learning_rate, b1, b2, eps, weight_decay, mu_dtype),
        "frozen": optax.set_to_zero()}, groups)
 
+
+
+def sgd(cfg, learning_rate, *, momentum=None) -> optax.GradientTransformation:
+  """Plain gradient descent on every trained parameter of `cfg`: u = -lr g (optax.sgd).
+
+  The step is as large as the gradient. Muon (orthogonalized) and Adam (per-coordinate
+  normalized) take a step of set size along whatever direction the gradient has; on a
+  policy gradient from a few dozen samples, mostly noise, that is a full step of noise. The
+  RL ablation (experiments/rl_arithmetic.py) compares them. The router bias gets a zero
+  update, as in `muon` and `adamw`.
+
+  Args:
+    cfg: the model config.
+    learning_rate: a float or an optax schedule.
+    momentum: optax.sgd's (None: none).
+  Returns:
+    An optax.GradientTransformation over the whole parameter tree.
+  """
+  groups = jax.tree.map(lambda g: "frozen" if g == "frozen" else "train", labels(cfg))
+  return optax.partition({"train": optax.sgd(learning_rate, momentum),
+                          "frozen": optax.set_to_zero()}, groups)

@@ -15,7 +15,7 @@ import optax
 
 from k2jax.optim.balancing import router_bias_balancing
 from k2jax.optim.master import master_weights
-from k2jax.optim.muon import adamw, muon
+from k2jax.optim.muon import adamw, muon, sgd
 from k2jax.optim.qk_clip import qk_clip
 from k2jax.optim.schedules import wsd
 
@@ -83,6 +83,7 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {
                                        **_muon_kwargs(c.optimizer)),
     "muon": lambda c, lr: muon(c.model, lr, **_muon_kwargs(c.optimizer)),
     "adamw": lambda c, lr: adamw(c.model, lr, **_adamw_kwargs(c.optimizer)),
+    "sgd": lambda c, lr: sgd(c.model, lr),
     "adamw_qk_clip": lambda c, lr: optax.chain(adamw(c.model, lr, **_adamw_kwargs(c.optimizer)),
                                                qk_clip(c.model, c.optimizer.tau)),
 }
