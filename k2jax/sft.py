@@ -42,7 +42,7 @@ def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
   dialogs (a `conversions` fraction); a tool_fraction of them call the calculator. Arithmetic
   problems come from `split` of k2jax.rl.envs.arithmetic_split ('train' keeps the held-out
   problems out of training)."""
-  from k2jax.rl.envs import SPLITS, arithmetic_split, check_ops
+  from k2jax.rl.envs import SPLITS, check_ops, draw_problem
   if split not in SPLITS:
     raise ValueError(f"arithmetic split {split!r}: choose one of {', '.join(SPLITS)}")
   check_ops(ops)
@@ -50,12 +50,7 @@ def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
   out = []
   for i in range(n):
     if rng.random() < 1 - conversions:
-      while True:   # a problem of the other part is drawn again
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        op = rng.choice(ops)
-        expr = f"{a} {op} {b}"
-        if split == "all" or arithmetic_split(expr) == split:
-          break
+      expr = draw_problem(rng, max_operand, ops, split)
       value = eval(expr)  # noqa: S307 - our own two-integer expression
       question = f"What is {expr}?"
       answer = f"{expr} = {value}"

@@ -219,11 +219,14 @@ def adamw(cfg, learning_rate, *, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
   Returns:
     An optax.GradientTransformation over the whole parameter tree.
   """
-  groups = jax.tree.map(lambda g: "frozen" if g == "frozen" else "train", labels(cfg))
-  return optax.partition(
-      {"train": _adamw(cfg, learning_rate, b1, b2, eps, weight_decay, mu_dtype),
-       "frozen": optax.set_to_zero()}, groups)
+  return _trained_only(cfg, _adamw(cfg, learning_rate, b1, b2, eps, weight_decay, mu_dtype))
 
+
+def _trained_only(cfg, tx) -> optax.GradientTransformation:
+  """tx on every trained parameter of `cfg`, a zero update on the frozen ones (the router
+  bias, which follows router_bias_balancing)."""
+  groups = jax.tree.map(lambda g: "frozen" if g == "frozen" else "train", labels(cfg))
+  return optax.partition({"train": tx, "frozen": optax.set_to_zero()}, groups)
 
 
 def sgd(cfg, learning_rate, *, momentum=None) -> optax.GradientTransformation:
@@ -242,6 +245,4 @@ def sgd(cfg, learning_rate, *, momentum=None) -> optax.GradientTransformation:
   Returns:
     An optax.GradientTransformation over the whole parameter tree.
   """
-  groups = jax.tree.map(lambda g: "frozen" if g == "frozen" else "train", labels(cfg))
-  return optax.partition({"train": optax.sgd(learning_rate, momentum),
-                          "frozen": optax.set_to_zero()}, groups)
+  return _trained_only(cfg, optax.sgd(learning_rate, momentum))

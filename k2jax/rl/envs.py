@@ -82,18 +82,30 @@ def last_integer(text: str) -> int | None:
 # train part, evaluation the held-out one (1 in 4: 78 of the one-digit problems).
 HELDOUT_EVERY = 4
 SPLITS = ("train", "heldout", "all")
+OPS = "+-*"
 
 
 def check_ops(ops: str) -> str:
-  """ops, if it is a non-empty string of distinct operators from "+-*"."""
-  if not ops or set(ops) - set("+-*") or len(set(ops)) != len(ops):
-    raise ValueError(f"arithmetic ops {ops!r}: give distinct operators from '+-*', e.g. '+'")
+  """ops, if it is a non-empty string of distinct operators from OPS."""
+  if not ops or set(ops) - set(OPS) or len(set(ops)) != len(ops):
+    raise ValueError(f"arithmetic ops {ops!r}: give distinct operators from '{OPS}', e.g. '+'")
   return ops
 
 
 def arithmetic_split(expr: str) -> str:
   """'train' or 'heldout': the part the problem `expr` ("a op b") belongs to."""
   return "heldout" if zlib.crc32(expr.encode()) % HELDOUT_EVERY == 0 else "train"
+
+
+def draw_problem(rng: random.Random, max_operand: int, ops: str, split: str) -> str:
+  """A problem "a op b" of `split` (operands 0..max_operand, op from ops), drawn with rng:
+  one of the other part is drawn again. RL's tasks and k2jax.sft's dialogs both draw here,
+  so neither can reach the held-out part."""
+  while True:
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    expr = f"{a} {rng.choice(ops)} {b}"
+    if split == "all" or arithmetic_split(expr) == split:
+      return expr
 
 
 class Arithmetic(_PerResponse):
@@ -106,7 +118,7 @@ class Arithmetic(_PerResponse):
   name = "arithmetic"
 
   def __init__(self, max_operand: int = 99, budget: int = 48, use_tools: bool = False,
-               split: str = "train", ops: str = "+-*"):
+               split: str = "train", ops: str = OPS):
     if split not in SPLITS:
       raise ValueError(f"arithmetic split {split!r}: choose one of {', '.join(SPLITS)}")
     self.ops = check_ops(ops)
@@ -123,14 +135,8 @@ class Arithmetic(_PerResponse):
                 {"answer": _eval_int(expr)})
 
   def tasks(self, rng, n):
-    out = []
-    while len(out) < n:   # a problem of the other part is drawn again
-      a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-      op = rng.choice(self.ops)
-      expr = f"{a} {op} {b}"
-      if self._in_split(expr):
-        out.append(self._task(expr))
-    return out
+    return [self._task(draw_problem(rng, self.max_operand, self.ops, self.split))
+            for _ in range(n)]
 
   def all_tasks(self) -> list[Task]:
     """Every problem of the split once, in a fixed order (an evaluation set without repeats)."""

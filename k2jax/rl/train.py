@@ -302,7 +302,7 @@ def make_environments(config, judge):
       out.append(envs_lib.Arithmetic(use_tools=bool(config.rl.tools),
                                      max_operand=int(config.rl.max_operand),
                                      budget=int(config.rl.budget), split="train",
-                                     ops=str(config.rl.get("ops", "+-*"))))
+                                     ops=str(config.rl.get("ops", envs_lib.OPS))))
     elif name == "self_critique":
       out.append(envs_lib.SelfCritique(judge=judge, budget=int(config.rl.budget)))
     elif name == "code":
@@ -541,7 +541,7 @@ def configs_validate(config):
   if int(r.max_operand) < 1:
     raise ValueError(f"rl.max_operand = {r.max_operand} must be >= 1")
   try:
-    envs_lib.check_ops(str(r.get("ops", "+-*")))
+    envs_lib.check_ops(str(r.get("ops", envs_lib.OPS)))
   except ValueError as e:
     raise ValueError(f"rl.ops: {e}") from None
   if "code" in names:    # before training: the code environment cannot score without it
