@@ -37,15 +37,20 @@ UNITS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 6
 
 def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
                     tool_fraction: float = 0.5, split: str = "train", ops: str = "+-*",
-                    conversions: float = 0.3) -> list[dict]:
+                    conversions: float = 0.3, dropped_carry: float = 0.0) -> list[dict]:
   """Deterministic arithmetic (operands 0..max_operand, operators `ops`) and unit-conversion
   dialogs (a `conversions` fraction); a tool_fraction of them call the calculator. Arithmetic
   problems come from `split` of k2jax.rl.envs.arithmetic_split ('train' keeps the held-out
-  problems out of training)."""
+  problems out of training). dropped_carry: the probability that an addition whose ones
+  digits carry is answered without that carry (a + b - 10, no calculator call): a teacher's
+  systematic slip, which SFT imitates and RL against a verifier can undo
+  (experiments/rl_arithmetic.py, task add2_carry)."""
   from k2jax.rl.envs import SPLITS, check_ops, draw_problem
   if split not in SPLITS:
     raise ValueError(f"arithmetic split {split!r}: choose one of {', '.join(SPLITS)}")
   check_ops(ops)
+  if not 0.0 <= dropped_carry <= 1.0:
+    raise ValueError(f"dropped_carry = {dropped_carry}: a probability in [0, 1]")
   rng = random.Random(seed)
   out = []
   for i in range(n):
@@ -54,6 +59,13 @@ def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
       value = eval(expr)  # noqa: S307 - our own two-integer expression
       question = f"What is {expr}?"
       answer = f"{expr} = {value}"
+      a, op, b = expr.split()
+      # drawn only when it can apply, so dropped_carry=0 keeps every other draw as it was
+      if (dropped_carry and op == "+" and int(a) % 10 + int(b) % 10 >= 10
+          and rng.random() < dropped_carry):
+        out.append({"messages": [{"role": "user", "content": question},
+                                 {"role": "assistant", "content": f"{expr} = {value - 10}"}]})
+        continue
     else:
       (src, dst), k = rng.choice(sorted(UNITS.items()))
       q = rng.randint(1, 50)

@@ -186,6 +186,30 @@ def test_arithmetic_draws_only_its_operators_and_two_digit_addition_is_split_the
       envs.Arithmetic(ops=bad)
 
 
+def test_dropped_carry_teacher_slips_only_on_carries_at_its_rate():
+  """dropped_carry: the verifier (envs.Arithmetic.score) rejects the demonstration exactly
+  where the ones digits carry, at about the set rate, and its answer is one ten short; at 0
+  the dialogs are the clean teacher's, draw for draw."""
+  from k2jax import sft
+  kw = dict(n=3000, max_operand=99, ops="+", conversions=0.0, tool_fraction=0.0)
+  env = envs.Arithmetic(max_operand=99, ops="+")
+  wrong, carries = 0, 0
+  for d in sft.default_dialogs(dropped_carry=0.6, **kw):
+    q, answer = d["messages"][0]["content"], d["messages"][1]["content"]
+    a, b = (int(x) for x in q[len("What is "):-1].split(" + "))
+    task = env._task(f"{a} + {b}")
+    ok = env.score(task, answer) > 0
+    carry = a % 10 + b % 10 >= 10
+    carries += carry
+    if not ok:
+      assert carry and answer.endswith(f"= {a + b - 10}"), (q, answer)
+      wrong += 1
+  assert carries > 500 and abs(wrong / carries - 0.6) < 0.05, (wrong, carries)
+  assert sft.default_dialogs(dropped_carry=0.0, **kw) == sft.default_dialogs(**kw)
+  with pytest.raises(ValueError, match="dropped_carry"):
+    sft.default_dialogs(dropped_carry=1.5)
+
+
 def test_rollout_seed_depends_on_the_run_seed_and_is_a_pure_function():
   """Seeded by the iteration alone, runs of every seed drew the same samples; a pure function
   of (train.seed, iteration) keeps a resumed run's samples the uninterrupted run's."""
