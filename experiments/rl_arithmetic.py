@@ -148,14 +148,23 @@ def eval_tasks(task, split="heldout"):
   return env, tasks
 
 
+def responses(cfg, params, tok, task, split="heldout", temperature=0.0, k=1):
+  """k responses to each evaluation problem (greedy at temperature 0, else one sampling seed
+  per row) -> (problems, texts [n k], right: bool [n, k])."""
+  env, tasks = eval_tasks(task, split)
+  ids = [chat.encode(t.messages, tokenizer=tok) for t in tasks for _ in range(k)]
+  out = generate(cfg, params, ids, max_new_tokens=24, temperature=temperature,
+                 seed=list(range(len(ids))) if temperature > 0 else 0)
+  texts = [tok.decode(o).split("<|im_end|>")[0] for o in out]
+  right = np.asarray([env.score(t, x) > 0 for t, x in
+                      zip([t for t in tasks for _ in range(k)], texts)]).reshape(len(tasks), k)
+  return tasks, texts, right
+
+
 def greedy_accuracy(cfg, params, tok, task, split="heldout"):
   """-> (greedy accuracy on the evaluation problems, first 4 responses, error kinds)."""
-  env, tasks = eval_tasks(task, split)
-  ids = [chat.encode(t.messages, tokenizer=tok) for t in tasks]
-  out = generate(cfg, params, ids, max_new_tokens=24, temperature=0.0)
-  texts = [tok.decode(o).split("<|im_end|>")[0] for o in out]
-  acc = float(np.mean([env.score(t, x) for t, x in zip(tasks, texts)]))
-  return acc, texts[:4], error_kinds(tasks, texts)
+  tasks, texts, right = responses(cfg, params, tok, task, split)
+  return float(right.mean()), texts[:4], error_kinds(tasks, texts)
 
 
 def error_kinds(tasks, texts):
@@ -181,17 +190,8 @@ def headroom(cfg, params, tok, task, k=8, temperature=0.8, split="heldout"):
   problems it moves only if what RL reinforces on the training ones is shared with them: a
   procedure (add2_carry's carry), not a lucky sample of a separate fact (one_digit, whose
   pass@8 is high because its answers are few small numbers)."""
-  env, tasks = eval_tasks(task, split)
-  ids = [chat.encode(t.messages, tokenizer=tok) for t in tasks]
-  greedy = generate(cfg, params, ids, max_new_tokens=24, temperature=0.0)
-  sampled = generate(cfg, params, [x for x in ids for _ in range(k)], max_new_tokens=24,
-                     temperature=temperature, seed=list(range(len(ids) * k)))
-
-  def right(t, o):
-    return env.score(t, tok.decode(o).split("<|im_end|>")[0]) > 0
-  g = np.asarray([right(t, o) for t, o in zip(tasks, greedy)])
-  s = np.asarray([right(t, o) for t, o in zip([t for t in tasks for _ in range(k)], sampled)]
-                 ).reshape(len(tasks), k)
+  g = responses(cfg, params, tok, task, split)[2][:, 0]
+  s = responses(cfg, params, tok, task, split, temperature, k)[2]
   return dict(greedy=float(g.mean()), sampled=float(s.mean()), pass_at_k=float(s.any(1).mean()),
               fixable=float((~g & s.any(1)).mean()), k=k, temperature=temperature)
 
@@ -319,7 +319,9 @@ def main():
   variants = (a.variants or (t["fixed"] if a.quick else ",".join(VARIANTS))).split(",")
   for v in variants:
     if v not in VARIANTS:
-      raise SystemExit(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
+      ap.error(f"--variants: unknown {v!r}; choose from {', '.join(VARIANTS)}")
+  if a.sft_lr is not None and not a.sft_lr > 0:
+    ap.error(f"--sft-lr {a.sft_lr}: a learning rate > 0")
   os.makedirs(a.results, exist_ok=True)
   t0 = time.time()
   c, sft_params = sft_stage(sft_steps, a.out, a.task, sft_lr)

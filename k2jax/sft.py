@@ -58,22 +58,20 @@ def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
       expr = draw_problem(rng, max_operand, ops, split)
       value = eval(expr)  # noqa: S307 - our own two-integer expression
       question = f"What is {expr}?"
-      answer = f"{expr} = {value}"
       a, op, b = expr.split()
       # drawn only when it can apply, so dropped_carry=0 keeps every other draw as it was
-      if (dropped_carry and op == "+" and int(a) % 10 + int(b) % 10 >= 10
-          and rng.random() < dropped_carry):
-        out.append({"messages": [{"role": "user", "content": question},
-                                 {"role": "assistant", "content": f"{expr} = {value - 10}"}]})
-        continue
+      slipped = (dropped_carry > 0 and op == "+" and int(a) % 10 + int(b) % 10 >= 10
+                 and rng.random() < dropped_carry)
+      answer = f"{expr} = {value - 10 if slipped else value}"
     else:
+      slipped = False
       (src, dst), k = rng.choice(sorted(UNITS.items()))
       q = rng.randint(1, 50)
       expr = f"{q} * {k}"
       value = q * k
       question = f"How many {dst} is {q} {src}?"
       answer = f"{q} {src} = {value} {dst}"
-    if rng.random() >= tool_fraction:
+    if slipped or rng.random() >= tool_fraction:   # a slip is the teacher's own, no tool
       out.append({"messages": [{"role": "user", "content": question},
                                {"role": "assistant", "content": answer}]})
     else:
