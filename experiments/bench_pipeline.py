@@ -114,6 +114,41 @@ def bubbles():
   write("bubble.csv", rows)
 
 
+def zero_bubble():
+  """zbh1 (B/W split, k2jax.parallel.bwsplit) against interleaved 1F1B: idle device time
+  with stages of equal work (F = B = W) and at K2's stage costs (W's share of a layer's
+  backward traced from the split on K2's mesh; the head's weight gradient in W), the
+  stage residuals alive per device and what B hands W (plan's activation figure)."""
+  from k2jax import configs, plan
+  from k2jax.parallel import layout, pipeline
+  k2 = configs.get_config("kimi_k2")
+  mesh = dict(pipeline=16, data=8, expert=16)
+  w, cut = pipeline.split_cost(k2.model, mesh["data"], mesh["expert"], k2.train.seq_len)
+  sp = layout.split(k2.model, 16, 2)
+  rows = []
+  for P, V, M in ((4, 1, 8), (4, 2, 8), (8, 1, 16), (16, 1, 32), (16, 2, 32)):
+    f1b, zb = schedules.build("1f1b", P, V, M), schedules.build("zbh1", P, V, M)
+    rows.append(dict(stages="equal", pipeline=P, virtual=V, microbatches=M,
+                     f1b_idle=f1b.idle_fraction(), zbh1_idle=zb.idle_fraction(),
+                     f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
+                     zbh1_cut_slots=zb.sizes["cut"], w_share=1.0, cut_gb_per_layer="",
+                     f1b_activations_gb="", zbh1_activations_gb=""))
+  plain = schedules.stage_costs(k2.model, sp, k2.train.seq_len)
+  split = schedules.stage_costs(k2.model, sp, k2.train.seq_len, w)
+  f1b = schedules.build("1f1b", 16, 2, 32)
+  zb = schedules.build("zbh1", 16, 2, 32, schedules.frozen(split))
+  act = {s: plan.activation_bytes(k2.model, mesh, k2.train.seq_len, virtual_stages=2,
+                                  microbatches=32, schedule=s)[0] / 1e9
+         for s in ("1f1b", "zbh1")}
+  rows.append(dict(stages="k2", pipeline=16, virtual=2, microbatches=32,
+                   f1b_idle=f1b.idle_fraction(plain), zbh1_idle=zb.idle_fraction(split),
+                   f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
+                   zbh1_cut_slots=zb.sizes["cut"], w_share=w,
+                   cut_gb_per_layer=cut / 1e9, f1b_activations_gb=act["1f1b"],
+                   zbh1_activations_gb=act["zbh1"]))
+  write("zero_bubble.csv", rows)
+
+
 def collectives():
   rows = [pipeline_hlo.measure(s) for s in ((4, 1, 2), (4, 2, 1))]
   write("collectives.csv", [{k: v for k, v in r.items() if k != "step_s"} for r in rows])
@@ -139,9 +174,10 @@ def step_time():
   """Same model (1 dense + 8 MoE layers), batch and microbatches on 8 devices."""
   rows = []
   plain = pipeline_hlo.measure((1, 8, 1), steps=3)["step_s"]
-  for shape, skip in (((4, 2, 1), "tick"), ((4, 1, 2), "tick"), ((4, 1, 2), "device")):
-    r = pipeline_hlo.measure(shape, steps=3, skip=skip)
-    rows.append(dict(mesh=r["mesh"], virtual=2, microbatches=8, skip=skip,
+  for shape, skip, sched in (((4, 2, 1), "tick", "1f1b"), ((4, 1, 2), "tick", "1f1b"),
+                             ((4, 1, 2), "device", "1f1b"), ((4, 1, 2), "tick", "zbh1")):
+    r = pipeline_hlo.measure(shape, steps=3, skip=skip, schedule=sched)
+    rows.append(dict(mesh=r["mesh"], virtual=2, microbatches=8, skip=skip, schedule=sched,
                      pipelined_s=r["step_s"], plain_1x8x1_s=plain,
                      ratio=r["step_s"] / plain))
   write("step_time.csv", rows)
@@ -241,13 +277,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--loss-steps", type=int, default=200)
   ap.add_argument("--only",
-                  default="params,bubble,collectives,plan_vs_xla,step_time,memory,storage,"
-                          "loss")
+                  default="params,bubble,zero_bubble,collectives,plan_vs_xla,step_time,memory,"
+                          "storage,loss")
   a = ap.parse_args()
   only = a.only.split(",")
   print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
         "GFLOP/s on this machine\n")
-  steps = {"params": param_bytes, "bubble": bubbles, "collectives": collectives,
+  steps = {"params": param_bytes, "bubble": bubbles, "zero_bubble": zero_bubble,
+           "collectives": collectives,
            "plan_vs_xla": plan_vs_xla,
            "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}

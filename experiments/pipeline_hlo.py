@@ -125,7 +125,7 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
 
 
 def tiny_config(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
-                param_dtype="float32"):
+                param_dtype="float32", schedule=None):
   """The tiny model with `layers` layers (1 dense) on a (pipeline, data, expert) mesh."""
   from k2jax import configs
   c = configs.get_config("tiny")
@@ -137,11 +137,13 @@ def tiny_config(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32,
   c.mesh.virtual_stages = virtual if mesh_shape[0] > 1 else 1
   if skip:
     c.mesh.pipeline_skip = skip
+  if schedule:
+    c.mesh.pipeline_schedule = schedule
   return c
 
 
 def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
-          param_dtype="float32"):
+          param_dtype="float32", schedule=None):
   """(compiled train step, mesh, state, batch, ticks, stack parameter bytes) of
   `tiny_config(...)` on 8 devices, as this checkout's k2jax.train builds it."""
   from k2jax import model, optim, parallel
@@ -150,7 +152,8 @@ def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=
     from k2jax.parallel import layout
   except ImportError:
     layout = None
-  c = tiny_config(mesh_shape, virtual, layers, grad_accum, batch, seq, skip, param_dtype)
+  c = tiny_config(mesh_shape, virtual, layers, grad_accum, batch, seq, skip, param_dtype,
+                  schedule)
   mesh = parallel.make_mesh(c.mesh)
   stored = layout.stored_config(c) if layout else c
   tx = optim.optimizer(stored)
@@ -183,8 +186,9 @@ def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=
   return compiled, mesh, state, b, ticks, stack
 
 
-def measure(mesh_shape, virtual=2, steps=3, skip=None):
-  compiled, mesh, state, b, ticks, stack = build(mesh_shape, virtual, skip=skip)
+def measure(mesh_shape, virtual=2, steps=3, skip=None, schedule=None):
+  compiled, mesh, state, b, ticks, stack = build(mesh_shape, virtual, skip=skip,
+                                                 schedule=schedule)
   out, loop, _ = pipeline_collectives(compiled.as_text(), mesh_shape, ticks)
   with jax.set_mesh(mesh):
     state, m = compiled(state, b)

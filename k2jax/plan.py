@@ -130,10 +130,24 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2
   sp = layout.split(m, stages, virtual_stages)
-  tab = schedules.build(schedule, stages, virtual_stages, M)
+  tab, cut = _table(m, mesh_shape, virtual_stages, M, schedule, seq_len, platform)
   stage = layer(sp.stack.ffn, m.remat) * sp.per_stage
   buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
-  return (tab.in_flight * stage + buffers + working) * seq_len * micro_batch, settings
+  # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each
+  waiting = tab.sizes.get("cut", 0) * sp.per_stage * cut / seq_len
+  return (tab.in_flight * stage + buffers + waiting + working) * seq_len * micro_batch, settings
+
+
+def _table(mcfg, mesh_shape, V, M, schedule, seq_len, platform):
+  """(the schedule table the trainer builds, bytes per layer and sequence B hands W)."""
+  from k2jax.parallel import pipeline
+  P = mesh_shape["pipeline"]
+  if schedule != "zbh1":
+    return schedules.build(schedule, P, V, M), 0.0
+  w, cut = pipeline.split_cost(mcfg, mesh_shape["data"], mesh_shape["expert"], seq_len,
+                               platform)
+  costs = schedules.stage_costs(mcfg, layout.split(mcfg, P, V), seq_len, w)
+  return schedules.build(schedule, P, V, M, schedules.frozen(costs)), cut
 
 
 def check(cfg) -> None:
@@ -214,15 +228,24 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
                  f"states (optimizer.host_state: on the device during the update only)")
   if P > 1:
-    tab = schedules.build(schedule, P, V, M)
+    tab, _ = _table(cfg.model, mesh, V, M, schedule, seq_len, platform)
     sp = layout.split(cfg.model, P, V)
-    costs = schedules.stage_costs(cfg.model, sp, seq_len)
+    w = None
+    if schedule == "zbh1":
+      from k2jax.parallel import pipeline
+      w = pipeline.w_share(cfg.model, mesh["data"], mesh["expert"], seq_len, platform)
+    costs = schedules.stage_costs(cfg.model, sp, seq_len, w)
+    split_note = "" if w is None else (
+        f"; W takes {w:.2f} forwards of a layer's backward (k2jax.parallel.bwsplit), "
+        f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above; "
+        f"the head's cut on the last device is not counted)")
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
                  f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
                  f"{tab.idle_fraction(costs):.1%} of device time by stage FLOPs "
                  f"({tab.idle_fraction():.1%} if stages did equal work), {tab.in_flight} "
                  f"stage activations in flight per device"
-                 f"{f', {sp.padded} padding row(s) stored on the stages with the embedding / head' if sp.padded else ''}")
+                 f"{f', {sp.padded} padding row(s) stored on the stages with the embedding / head' if sp.padded else ''}"
+                 f"{split_note}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "

@@ -149,18 +149,20 @@ def pipeline_runs(tmp_path_factory):
 # PxDxE/aM/vV/sSCHEDULE; the 1f1b schedule unless named. Each mesh compiles its own
 # pipelined step (the fixture is the suite's longest), so each covers something the others
 # do not: V = 1 with data and expert nested; V = 3 over an uneven split; V = 2 with data and
-# expert; GPipe; pipeline 4 and 8 with per-device skipping.
+# expert; GPipe; pipeline 4 and 8 with per-device skipping; the B/W-split zbh1 schedule
+# (k2jax.parallel.bwsplit) over the uneven V = 3 split with data, and on pipeline 8 with
+# per-device skipping (no expert axis: the routed experts' weight gradients are W's too).
 # "kdevice": idle phases skipped per device, as on GPU / TPU (CPU's default skips per tick);
 # on meshes where XLA:CPU places no collective-permute inside a branch, so it runs here
 # (4 x 3 stages of 1 for 8 layers: the last 4 stages are padding, skipped per layer).
-PIPELINE_MESHES = ("2x2x2/a2", "2x4x1/v3/a4", "2x2x2/v2/a4",
-                   "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice", "8x1x1/a8/kdevice")
+PIPELINE_MESHES = ("2x2x2/a2", "2x4x1/v3/a4/szbh1", "2x2x2/v2/a4",
+                   "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice", "8x1x1/a8/kdevice/szbh1")
 
 
 @pytest.mark.parametrize("mesh", PIPELINE_MESHES)
 def test_pipeline_matches_one_device(pipeline_runs, mesh):
   """pipeline=2 x data=2 x expert=2; 8 MoE layers over 2 x 3 = 6 stages (2 per stage, the
-  last two stages padding); two groups of microbatches through 2 x 2 stages over data and
+  last two stages padding; zbh1); two groups of microbatches through 2 x 2 stages over data and
   expert; the GPipe schedule on pipeline=4 x 2 virtual over expert=2; idle phases skipped
   per device on pipeline 4 and 8: losses and max logits of one device with the whole batch
   (rel < 1e-5)."""

@@ -168,3 +168,26 @@ def test_selective_recomputation_keeps_less_than_none():
   assert got["full"] < got["selective"] < 0.5 * got["none"], got
   # full keeps the layer input: one bf16 row per token, plus scalars
   assert got["full"] < 1.1 * 4096 * cfg.hidden_size * 2, got
+
+
+def test_plan_reports_the_zbh1_table_the_trainer_builds():
+  """One source of truth: plan's idle figure for zbh1 is the trainer's table
+  (pipeline.table) read with the trainer's stage costs (pipeline.costs, W's share traced from
+  the split)."""
+  from k2jax import configs, plan
+  from k2jax.parallel import pipeline
+  c = configs.get_config("kimi_k2")
+  c.mesh.pipeline_schedule = "zbh1"
+  mesh = {a: c.mesh[a] for a in ("pipeline", "data", "expert")}
+  want = pipeline.table(c).idle_fraction(pipeline.costs(c))
+  text = plan.report(c, mesh, name="kimi_k2")
+  assert f"pipeline (zbh1): 16 devices x 2 virtual stages" in text
+  assert f"idle {want:.1%} of device time by stage FLOPs" in text
+  assert want < schedules_1f1b_idle(c)
+
+
+def schedules_1f1b_idle(c):
+  from k2jax.parallel import pipeline
+  c = c.copy_and_resolve_references()
+  c.mesh.pipeline_schedule = "1f1b"
+  return pipeline.table(c).idle_fraction(pipeline.costs(c))

@@ -4,6 +4,7 @@ idle time against the closed forms of the literature."""
 
 import itertools
 
+import numpy as np
 import pytest
 
 from k2jax.parallel import schedules
@@ -29,9 +30,11 @@ def test_every_task_once_in_dependency_order(name, P, V, M):
   tab = schedules.build(name, P, V, M)
   when = _when(tab)
   S = P * V
-  for k in ("F", "B"):
+  for k in tab.task:
     assert set(when[k]) == {(p, v, m) for p in range(P) for v in range(V) for m in range(M)}
   dev = lambda s: (s % P, s // P)
+  for key, t in when.get("W", {}).items():    # a weight gradient after its input gradient
+    assert t >= when["B"][key]
   for s, m in itertools.product(range(S), range(M)):
     f = when["F"][(*dev(s), m)]
     b = when["B"][(*dev(s), m)]
@@ -51,7 +54,7 @@ def test_buffer_slots_hold_each_value_until_it_is_read(name, P, V, M):
   tab = schedules.build(name, P, V, M)
   sl = tab.slots
   S = P * V
-  bufs = [{k: {} for k in ("act", "grad", "res")} for _ in range(P)]
+  bufs = [{k: {} for k in ("act", "grad", "res", "cut", "hcut")} for _ in range(P)]
   sent_f, sent_b = [None] * P, [None] * P
   for t in range(tab.ticks):
     recv_f = [sent_f[(p - 1) % P] for p in range(P)]
@@ -70,6 +73,8 @@ def test_buffer_slots_hold_each_value_until_it_is_read(name, P, V, M):
         sent_f[p] = ("out", s, m)
         if s == S - 1:
           b["grad"][sl["head_write"][t, p]] = ("dout", s, m)
+          if tab.split:
+            b["hcut"][sl["hcut_write"][t, p]] = ("hcut", m)
       if sl["grad_in"][t, p] >= 0:
         b["grad"][sl["grad_in"][t, p]] = recv_b[p]
       v, m = tab.task["B"][t, p]
@@ -78,6 +83,15 @@ def test_buffer_slots_hold_each_value_until_it_is_read(name, P, V, M):
         assert b["grad"][sl["grad_read"][t, p]] == ("dout", s, m)
         assert b["res"][sl["res_read"][t, p]] == ("res", s, m)
         sent_b[p] = ("dout", s - 1, m) if s else None
+        if tab.split:
+          b["cut"][sl["cut_write"][t, p]] = ("cut", s, m)
+      if tab.split and tab.task["W"][t, p, 0] >= 0:
+        v, m = tab.task["W"][t, p]
+        s = v * P + p
+        assert b["res"][sl["res_wread"][t, p]] == ("res", s, m)
+        assert b["cut"][sl["cut_read"][t, p]] == ("cut", s, m)
+        if s == S - 1:
+          assert b["hcut"][sl["hcut_read"][t, p]] == ("hcut", m)
     for k, n in tab.sizes.items():
       assert all(0 <= i < n for i in bufs[0][k]), k
 
@@ -101,6 +115,38 @@ def test_k2_shape_meets_the_bubble_target():
   tab = schedules.build("1f1b", 16, 2, 32)
   assert tab.idle_fraction() <= 0.19
   assert tab.in_flight == 47
+
+
+@pytest.mark.parametrize("P,V,M", SHAPES)
+def test_zbh1_is_never_slower_than_1f1b_and_keeps_its_memory(P, V, M):
+  """The B/W-split table, for stages of equal work and for random per-stage costs: lockstep
+  time never above interleaved 1F1B's with the same total work (B + W = 1F1B's B), and no
+  more stage residuals alive per device than 1F1B's peak."""
+  rng = np.random.default_rng(P * 100 + V * 10 + M)
+  S = P * V
+  f1b = schedules.build("1f1b", P, V, M)
+  for trial in range(3):
+    if trial == 0:
+      costs = None
+      zb = schedules.build("zbh1", P, V, M)
+      assert zb.time() <= f1b.time() + 1e-9
+    else:
+      F = rng.uniform(0.5, 2.0, S)
+      w = rng.uniform(0.0, 1.0, S)
+      costs = {"F": F, "B": (2 - w) * F, "W": w * F}
+      zb = schedules.build("zbh1", P, V, M, schedules.frozen(costs))
+      plain = {"F": F, "B": 2 * F}
+      assert zb.time(costs) <= f1b.time(plain) + 1e-9
+    assert zb.in_flight <= f1b.in_flight
+    assert (zb.task["F"] == f1b.task["F"]).all() and (zb.task["B"] == f1b.task["B"]).all()
+
+
+def test_zbh1_idles_less_at_k2_shape():
+  """Equal stages, F = B = W: 19.0% (1F1B) -> 13.5%, the same 47 stage residuals."""
+  zb, f1b = schedules.build("zbh1", 16, 2, 32), schedules.build("1f1b", 16, 2, 32)
+  assert f1b.idle_fraction() == pytest.approx(15 / 79)
+  assert zb.idle_fraction() < 0.14
+  assert zb.in_flight == f1b.in_flight == 47
 
 
 def test_bad_shapes_say_what_to_change():

@@ -128,8 +128,8 @@ def validate(cfg: config_dict.ConfigDict) -> None:
   _positive("mesh", mesh, "pipeline", "expert", "data")
   if mesh.get("virtual_stages", 1) < 1:
     _fail("mesh.virtual_stages", mesh.virtual_stages, "must be >= 1")
-  if mesh.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe"):
-    _fail("mesh.pipeline_schedule", mesh.pipeline_schedule, "must be one of 1f1b, gpipe")
+  if mesh.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe", "zbh1"):
+    _fail("mesh.pipeline_schedule", mesh.pipeline_schedule, "must be one of 1f1b, gpipe, zbh1")
   if mesh.get("pipeline_skip", "auto") not in ("auto", "device", "tick"):
     _fail("mesh.pipeline_skip", mesh.pipeline_skip, "must be one of auto, device, tick")
   if (mesh.pipeline > 1 and mesh.get("pipeline_schedule", "1f1b") == "1f1b"

@@ -126,7 +126,8 @@ def train_config():
 
 def mesh_config():
   # virtual_stages: pipeline stages per pipeline device (interleaved schedule, report 2.4.2);
-  # pipeline_schedule: 1f1b (activations independent of the microbatch count) | gpipe;
+  # pipeline_schedule: 1f1b (activations independent of the microbatch count) | gpipe |
+  # zbh1 (1f1b with weight gradients split off to fill its bubbles: k2jax.parallel.bwsplit);
   # pipeline_skip: how idle schedule slots are skipped (k2jax.parallel.pipeline): auto (per
   # device on GPU / TPU, per tick on CPU) | device | tick
   return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1, virtual_stages=1,

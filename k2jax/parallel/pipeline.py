@@ -7,7 +7,7 @@ stay automatic, so the MoE's expert-parallel shard_map nests inside), and stage 
 their cotangents move between devices with `ppermute`.
 
 What each device does at each tick is read from a static table
-(k2jax.parallel.schedules.build: mesh.pipeline_schedule = 1f1b | gpipe): per tick an F
+(k2jax.parallel.schedules.build: mesh.pipeline_schedule = 1f1b | gpipe | zbh1): per tick an F
 phase (forward of one stage on one microbatch) and a B phase (its backward), and the buffer
 slots everything is kept in. The loop computes only what the table says:
 
@@ -24,6 +24,12 @@ slots everything is kept in. The loop computes only what the table says:
     keeps, "full" only layer inputs), in the table's residual slots; B rebuilds the vjp
     from them. Residuals that are the stage's weights are not copied into the buffers.
 
+With a split table (zbh1) each layer's backward, and the head's, is cut by
+k2jax.parallel.bwsplit: F keeps every layer's vjp residuals, B runs the input-gradient half
+and stores what the weight-gradient half needs (the cut) in the table's cut slots, and a W
+phase after B runs the weight gradients the table put in that tick; the last stage's F
+computes the loss and the head's input gradient, its W the head's weight gradient.
+
 That is `skip="device"`, the default on GPU / TPU. XLA:CPU's collective-permute waits for
 every device of the program, so a reshard the partitioner puts inside a branch that only
 some pipeline devices take deadlocks there (seen: pipeline 2 x data 2 x expert 2). On CPU
@@ -37,7 +43,11 @@ the tick's ppermute anyway.
 in the stored layout; `loss` runs the F phases only (evaluation).
 """
 
+import concurrent.futures
+import functools
+import json
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +56,10 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax.configs.sharding_rules import logical_spec, param_spec
 from k2jax.kernels import moe as moe_kernels
-from k2jax.model import spec as model_spec, transformer
+from k2jax.model import counting, spec as model_spec, transformer
 from k2jax.model.layers import rms_norm
 from k2jax.model.remat import remat_policy
-from k2jax.parallel import schedules
+from k2jax.parallel import bwsplit, schedules
 from k2jax.parallel.layout import Split, split
 
 log = logging.getLogger("k2jax.parallel")
@@ -62,9 +72,82 @@ def routed_impl(impl: str) -> str:
 
 
 def table(config) -> schedules.Table:
-  """The schedule table a full config trains with."""
-  return schedules.build(config.mesh.get("pipeline_schedule", "1f1b"), config.mesh.pipeline,
-                         config.mesh.get("virtual_stages", 1), config.train.grad_accum)
+  """The schedule table a full config trains with (zbh1 places its W tasks by the stages'
+  costs, `costs`)."""
+  name = config.mesh.get("pipeline_schedule", "1f1b")
+  P, V, M = config.mesh.pipeline, config.mesh.get("virtual_stages", 1), config.train.grad_accum
+  if name != "zbh1":
+    return schedules.build(name, P, V, M)
+  return schedules.build(name, P, V, M, schedules.frozen(costs(config)))
+
+
+def costs(config, seq_len=None, platform=None) -> dict:
+  """The stages' F / B / W costs (schedules.stage_costs) of a full config: W's share from
+  the split of one layer's backward (`w_share`) when the schedule splits, else 0."""
+  seq_len = seq_len or config.train.seq_len
+  sp = split(config.model, config.mesh.pipeline, config.mesh.get("virtual_stages", 1))
+  w = None
+  if config.mesh.get("pipeline_schedule", "1f1b") == "zbh1":
+    w = w_share(config.model, config.mesh.data, config.mesh.expert, seq_len, platform)
+  return schedules.stage_costs(config.model, sp, seq_len, w)
+
+
+@functools.lru_cache(maxsize=16)
+def _w_share(cfg_json: str, data: int, expert: int, seq_len: int, platform) -> float:
+  import ml_collections
+  from k2jax.kernels import platform as kernel_platform
+  cfg = _pipeline_model_cfg(ml_collections.ConfigDict(json.loads(cfg_json)))
+  sp = split(cfg, 1, 1)
+  specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], jnp.dtype(cfg.param_dtype)),
+                       transformer.param_specs(cfg)[sp.stack.name], is_leaf=model_spec.is_spec)
+  batch = data * expert        # one sequence per device, as k2jax.plan counts
+  x = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
+  positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+  segments = jnp.ones((batch, seq_len), jnp.int32)
+  layer = _layer_fn(cfg, sp.stack.ffn)
+  leaves, tree = jax.tree.flatten(specs)
+  kept = {}
+
+  def fwd(p, x):
+    _, vjp, _ = jax.vjp(lambda a, b: layer(a, b, positions, segments, 1.0), p, x,
+                        has_aux=True)
+    flat, kept["tree"] = jax.tree.flatten(vjp)
+    ids = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
+    kept["source"] = [ids.get(id(a)) for a in flat]
+    return [a for a in flat if id(a) not in ids]
+
+  def bwd(*ins):
+    w, r, dy = ins[:len(leaves)], iter(ins[len(leaves):-1]), ins[-1]
+    vjp = jax.tree.unflatten(kept["tree"], [next(r) if i is None else w[i]
+                                            for i in kept["source"]])
+    g_p, g_x = vjp((dy, jnp.ones((), jnp.float32)))
+    return jax.tree.leaves(g_p) + [g_x]
+  mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
+  with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
+    res = jax.eval_shape(fwd, specs, x)
+    cut = bwsplit.split(bwd, len(leaves), len(leaves) + len(res), *leaves, *res, x)
+  unit = counting.layer_flops(cfg, sp.stack.ffn, seq_len) * batch * seq_len
+  cut_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in cut.cut_avals) / batch
+  return cut.flops["W"] / unit, cut_bytes
+
+
+def split_cost(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platform=None):
+  """(w_share, bytes B hands W per layer and sequence: bwsplit's cut, what waits in the
+  zbh1 schedule's cut buffers)."""
+  # Traced in a thread of its own: the trainer asks from inside its `jax.set_mesh` (a
+  # pipeline x data x expert mesh), and an abstract mesh of another size cannot be entered
+  # there; the mesh context is per thread.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(_w_share, cfg.to_json(), data, expert, seq_len, platform).result()
+
+
+def w_share(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platform=None) -> float:
+  """The weight-gradient (W) work of one pipelined layer, in units of its forward, as
+  k2jax.parallel.bwsplit cuts its backward on a data x expert mesh (traced at abstract
+  shapes, with the kernels `auto` picks on `platform`, default gpu; nothing allocated).
+  Weight gradients made inside an op the input gradient needs (the expert-parallel MoE's
+  shard_map) stay in B, so this is below 1 (the ideal split of a backward, 2 forwards)."""
+  return split_cost(cfg, data, expert, seq_len, platform)[0]
 
 
 def _pipeline_model_cfg(cfg):
@@ -123,6 +206,21 @@ def _stage_fn(cfg, ffn, skip_padding: bool):
   def stage(p, on, x, positions, segment_ids):
     return jax.lax.scan(lambda x, po: layer(x, po, positions, segment_ids), x, (p, on))
   return stage
+
+
+def _layer_fn(cfg, ffn):
+  """One real layer for the split (zbh1) schedule, whose backward k2jax.parallel.bwsplit
+  cuts one layer at a time: (p, x, positions, segment_ids, aux weight) -> ((y, weighted aux
+  loss), (max logits [H], expert load [E])), under the remat policy."""
+  def layer(p, x, positions, segment_ids, weight):
+    y, (ml, ms) = transformer._block(cfg, ffn, x, p, positions, segment_ids)
+    if ffn != "moe":
+      return (y, jnp.zeros((), jnp.float32)), (ml, jnp.zeros((0,), jnp.float32))
+    return (y, ms.aux_loss * weight), (ml, ms.expert_load)
+  policy = remat_policy(cfg.remat, cfg.offload)
+  if policy is not None:
+    layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+  return layer
 
 
 def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
@@ -208,11 +306,126 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     leaves = [next(it) if src is None else w[src] for src in kept["source"]]
     return jax.tree.unflatten(kept["tree"], leaves)
 
+  if grads and tab.split:
+    # zbh1: each layer's backward cut into B (input gradient) and W (weight gradients) by
+    # k2jax.parallel.bwsplit; F keeps every layer's vjp residuals ([L, ...] per leaf), B
+    # hands W the cut ([L, ...]), W reads both.
+    layer_fn = _layer_fn(cfg, sp.stack.ffn)
+    n_w = len(jax.tree.leaves(at(params, 0)))
+
+    def layer_fwd(pl, x, m):
+      out, vjp, stats = jax.vjp(
+          lambda a, b: layer_fn(a, b, mb["positions"][m], mb["segment_ids"][m], tokens[m]),
+          pl, x, has_aux=True)
+      leaves, treedef = jax.tree.flatten(vjp)
+      weights = {id(w): i for i, w in enumerate(jax.tree.leaves(pl))}
+      kept["tree"] = treedef
+      kept["source"] = [weights.get(id(leaf)) for leaf in leaves]
+      return out, stats, [leaf for leaf in leaves if id(leaf) not in weights]
+
+    pl0 = jax.tree.map(lambda a: a[0, 0], params)
+    x_aval = jax.ShapeDtypeStruct(act_shape, dt)
+    layer_res = jax.eval_shape(lambda pl, x: layer_fwd(pl, x, 0)[2], pl0, x_aval)
+    one = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def layer_bwd(*ins):
+      w, r, (dy, daux) = ins[:n_w], ins[n_w:-2], ins[-2:]
+      g_p, g_x = rebuild(jax.tree.unflatten(jax.tree.structure(pl0), w), r)((dy, daux))
+      return jax.tree.leaves(g_p) + [g_x]
+
+    w_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(pl0)]
+    cut_fn = bwsplit.split(layer_bwd, n_w, n_w + len(layer_res), *w_avals, *layer_res,
+                           x_aval, one)
+    early = [i for i in range(n_w) if i not in cut_fn.late]
+    log.info("pipeline (zbh1): W takes %.0f%% of a layer's backward matmul FLOPs (B %.3g, "
+             "W %.3g); %d of %d weight gradients in W; B hands W %.3g MB per layer",
+             100 * cut_fn.flops["W"] / max(cut_fn.flops["B"] + cut_fn.flops["W"], 1),
+             cut_fn.flops["B"], cut_fn.flops["W"], len(cut_fn.late), n_w,
+             sum(math.prod(a.shape) * a.dtype.itemsize for a in cut_fn.cut_avals) / 1e6)
+
+    # The head's backward is cut too: F computes the loss and the cotangent the last stage's
+    # layers wait for (dh), W the head's weight gradients (logits' cotangent and the normed
+    # input reach it through the cut; only the weights are kept, nothing else of F).
+    hw = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(head)]
+    kept_h = {}
+
+    def head_fwd(hp, y, m):
+      ce, vjp = jax.vjp(lambda a, b: head_loss(a, b, m), hp, y)
+      leaves, treedef = jax.tree.flatten(vjp)
+      ids = {id(w): i for i, w in enumerate(jax.tree.leaves(hp))}
+      kept_h["tree"], kept_h["source"] = treedef, [ids.get(id(a)) for a in leaves]
+      return ce, [a for a in leaves if id(a) not in ids]
+    head_res = jax.eval_shape(lambda hp, y: head_fwd(hp, y, 0)[1], head, x_aval)
+
+    def head_bwd(*ins):
+      w, r, ct = ins[:len(hw)], iter(ins[len(hw):-1]), ins[-1]
+      vjp = jax.tree.unflatten(kept_h["tree"], [next(r) if i is None else w[i]
+                                                for i in kept_h["source"]])
+      g_hp, g_y = vjp(ct)
+      return jax.tree.leaves(g_hp) + [g_y]
+    head_cut = bwsplit.split(head_bwd, len(hw), len(hw), *hw, *head_res, one)
+    head_early = [i for i in range(len(hw)) if i not in head_cut.late]
+    hcut_shapes = head_cut.cut_avals
+
+    def masked(on_l, real, pad, *operands):
+      return jax.lax.cond(on_l, real, pad, *operands) if per_device else _where(
+          on_l, real(*operands), pad(*operands))
+
+    def forward(pv, x, v, m):
+      def body(x, xs):
+        pl, on_l = xs
+
+        def real(x):
+          (y, aux), (ml, load), res = layer_fwd(pl, x, m)
+          return y, aux, ml, load, res
+
+        def pad(x):
+          return (x, jnp.zeros((), jnp.float32), jnp.full((H,), -jnp.inf, jnp.float32),
+                  jnp.zeros((E if moe else 0,), jnp.float32),
+                  [jnp.zeros(a.shape, a.dtype) for a in layer_res])
+        y, aux, ml, load, res = masked(on_l, real, pad, x)
+        return y, (aux, ml, load, res)
+      y, (aux, ml, load, res) = jax.lax.scan(body, x, (pv, on[v]))
+      return (y, jnp.sum(aux)), (ml, load), res
+
+    def backward(pv, res, dy, v):
+      """-> (dx, early weight gradients [L, ...] (indices `early`), cut [L, ...])."""
+      def body(dy, xs):
+        pl, on_l, r = xs
+
+        def real(dy):
+          dx, e, cut = cut_fn.b(*jax.tree.leaves(pl), *r, dy, jnp.ones((), jnp.float32))
+          return dx[0].astype(dt), [e[i] for i in early], cut
+
+        def pad(dy):
+          return (dy, [jnp.zeros(w_avals[i].shape, w_avals[i].dtype) for i in early],
+                  [jnp.zeros(a.shape, a.dtype) for a in cut_fn.cut_avals])
+        dx, e, cut = masked(on_l, real, pad, dy)
+        return dx, (e, cut)
+      dx, (e, cut) = jax.lax.scan(body, dy, (pv, on[v], res), reverse=True)
+      return dx, e, cut
+
+    def weights_grad(pv, res, cut, v):
+      """-> the weight gradients W makes, [L, ...] (indices cut_fn.late)."""
+      def body(_, xs):
+        pl, on_l, r, c = xs
+
+        def real():
+          g = cut_fn.w(list(jax.tree.leaves(pl)) + list(r), c)
+          return [g[i] for i in cut_fn.late]
+
+        def pad():
+          return [jnp.zeros(w_avals[i].shape, w_avals[i].dtype) for i in cut_fn.late]
+        return None, masked(on_l, real, pad)
+      return jax.lax.scan(body, None, (pv, on[v], res, cut))[1]
+
   # Shapes of one F phase's outputs, for the buffers and the idle branch.
   x0 = jnp.zeros(act_shape, dt)
   f_shapes = jax.eval_shape(lambda pv, x: forward(pv, x, 0, 0), at(params, 0), x0)
   res_shapes = f_shapes[2]
   slots = tab.sizes
+  if grads and tab.split:
+    cut_shapes = [jax.ShapeDtypeStruct((L,) + a.shape, a.dtype) for a in cut_fn.cut_avals]
   if grads:
     nbytes = lambda t: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(t))
     log.info("pipeline: a stage keeps %.3g MB for its backward (model.remat=%s; its %.3g MB "
@@ -242,7 +455,20 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     def no_head():
       return (jnp.zeros((), jnp.float32),
               jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head), jnp.zeros_like(y))
-    if grads:
+
+    def head_split():      # zbh1: the loss, dh and the cut; W takes the weight gradients
+      ce, hres = head_fwd(head, y, m)
+      dys, e, hcut = head_cut.b(*jax.tree.leaves(head), *hres, jnp.ones((), jnp.float32))
+      return ce, [e[i].astype(jnp.float32) for i in head_early], dys[0].astype(dt), hcut
+
+    def no_head_split():
+      return (jnp.zeros((), jnp.float32),
+              [jnp.zeros(hw[i].shape, jnp.float32) for i in head_early], jnp.zeros_like(y),
+              [jnp.zeros(a.shape, a.dtype) for a in hcut_shapes])
+    hcut = []
+    if grads and tab.split:
+      ce, gh, dh, hcut = branch(last, flags["head"], head_split, no_head_split)
+    elif grads:
       ce, gh, dh = branch(last, flags["head"], head_grads, no_head)
     else:
       ce = branch(last, flags["head"], lambda: head_loss(head, y, m),
@@ -253,18 +479,41 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
                load=acc["load"].at[v].add(load))
     if not per_device:   # this device may be idle in a tick others work in: keep its sums
       new = _where(valid, new, {k: acc[k] for k in new})
-    if grads:
+    if grads and tab.split:
+      new["g_head"] = add_leaves(acc["g_head"], head_early, gh, last)
+    elif grads:
       new["g_head"] = jax.tree.map(lambda a, g: a + jnp.where(last, g, 0.0), acc["g_head"], gh)
-    return y, dh, res, dict(acc, **new)
+    return y, dh, res, hcut, dict(acc, **new)
 
   def f_idle(args):
     acc = args[-1]
-    return (x0, x0, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), res_shapes), acc)
+    hcut = ([jnp.zeros(a.shape, a.dtype) for a in hcut_shapes] if grads and tab.split
+            else [])
+    return (x0, x0, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), res_shapes), hcut,
+            acc)
+
+  def add_leaves(tree, idx, values, where):
+    """tree's leaves idx += values where `where` (a bool scalar)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    for i, g in zip(idx, values):
+      leaves[i] = leaves[i] + jnp.where(where, g.astype(leaves[i].dtype), 0.0)
+    return jax.tree.unflatten(treedef, leaves)
+
+  def add_grads(g_stage, v, valid, grads_at, idx):
+    """g_stage[v] += grads (leaves `idx` of the stage's parameter tree) where valid."""
+    leaves, treedef = jax.tree.flatten(g_stage)
+    for i, g in zip(idx, grads_at):
+      leaves[i] = leaves[i].at[v].add(jnp.where(valid, g.astype(leaves[i].dtype), 0.0))
+    return jax.tree.unflatten(treedef, leaves)
 
   def b_phase(args):
     v, m, valid, flags, dy, res, acc = args
     pv = at(params, v)
-    gp, dx = rebuild(pv, res)((dy, jnp.ones((), jnp.float32)))
+    cut = None
+    if tab.split:
+      dx, e, cut = backward(pv, res, dy, v)
+    else:
+      gp, dx = rebuild(pv, res)((dy, jnp.ones((), jnp.float32)))
     first = (p == 0) & (v == 0) & valid
 
     def pre_grads():   # float32 like the accumulator, whatever the params' dtype
@@ -273,14 +522,31 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     g_pre = branch(first, flags["pre"], pre_grads,
                    lambda: jax.tree.map(jnp.zeros_like, acc["g_pre"]))
     acc = dict(acc, g_pre=jax.tree.map(lambda a, g: a + jnp.where(first, g, 0.0),
-                                       acc["g_pre"], g_pre),
-               g_stage=jax.tree.map(
-                   lambda a, g: a.at[v].add(jnp.where(valid, g.astype(a.dtype), 0.0)),
-                   acc["g_stage"], gp))
+                                       acc["g_pre"], g_pre))
+    if tab.split:
+      acc["g_stage"] = add_grads(acc["g_stage"], v, valid, e, early)
+      return dx.astype(dt), cut, acc
+    acc["g_stage"] = jax.tree.map(
+        lambda a, g: a.at[v].add(jnp.where(valid, g.astype(a.dtype), 0.0)), acc["g_stage"], gp)
     return dx.astype(dt), acc
 
   def b_idle(args):
+    if tab.split:
+      return x0, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cut_shapes), args[-1]
     return x0, args[-1]
+
+  def w_phase(args):
+    v, valid, flags, res, cut, hcut, acc = args
+    g = weights_grad(at(params, v), res, cut, v)
+    acc = dict(acc, g_stage=add_grads(acc["g_stage"], v, valid, g, cut_fn.late))
+    last = (p == Pn - 1) & (v == V - 1) & valid
+    gh = branch(last, flags["head"],
+                lambda: [head_cut.w(jax.tree.leaves(head), hcut)[i] for i in head_cut.late],
+                lambda: [jnp.zeros(hw[i].shape, hw[i].dtype) for i in head_cut.late])
+    return dict(acc, g_head=add_leaves(acc["g_head"], head_cut.late, gh, last))
+
+  def w_idle(args):
+    return args[-1]
 
   task = {k: jnp.asarray(a) for k, a in tab.task.items()}
   slot = {k: jnp.asarray(a) for k, a in tab.slots.items()}
@@ -289,21 +555,26 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   flags = {"F": dict(pre=(tab.task["F"][:, 0, 0] == 0),
                      head=(tab.task["F"][:, Pn - 1, 0] == V - 1)),
            "B": dict(pre=(tab.task["B"][:, 0, 0] == 0))}
+  if tab.split:
+    flags["W"] = dict(head=(tab.task["W"][:, Pn - 1, 0] == V - 1))
   flags = jax.tree.map(jnp.asarray, flags)
 
   def tick(carry, t):
-    st_f, st_b, act_buf, grad_buf, res_buf, acc = carry
+    st_f, st_b, act_buf, grad_buf, res_buf, (cut_buf, hcut_buf), acc = carry
     sl = {k: a[t, p] for k, a in slot.items()}
     act_buf = _put(act_buf, sl["act_in"], st_f)
     fv, fm = task["F"][t, p, 0], task["F"][t, p, 1]
     act = act_buf[jnp.maximum(sl["act_read"], 0)]
-    y, dh, res, acc = branch(
+    y, dh, res, hcut, acc = branch(
         fv >= 0, busy["F"][t], f_phase, f_idle,
         (jnp.maximum(fv, 0), jnp.maximum(fm, 0), fv >= 0,
          {k: a[t] for k, a in flags["F"].items()}, act, acc))
     if not grads:
-      return (jax.lax.ppermute(y, AXIS, fwd_ring), st_b, act_buf, grad_buf, res_buf, acc), None
+      return (jax.lax.ppermute(y, AXIS, fwd_ring), st_b, act_buf, grad_buf, res_buf,
+              (cut_buf, hcut_buf), acc), None
     res_buf = _put(res_buf, sl["res_write"], res)
+    if tab.split:
+      hcut_buf = _put(hcut_buf, sl["hcut_write"], hcut)
     grad_buf = _put(grad_buf, sl["grad_in"], st_b)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
     # Every collective of a tick in one order on every device (F phase, B phase, then the
@@ -313,14 +584,25 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
     res = jax.tree.map(lambda b: b[jnp.maximum(sl["res_read"], 0)], res_buf)
-    dx, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle,
-                     (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
-                      {k: a[t] for k, a in flags["B"].items()}, dy, res, acc))
+    b_args = (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
+              {k: a[t] for k, a in flags["B"].items()}, dy, res, acc)
+    if tab.split:
+      dx, cut, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
+      cut_buf = _put(cut_buf, sl["cut_write"], cut)
+      y, dx, cut_buf, acc = jax.lax.optimization_barrier((y, dx, cut_buf, acc))
+      wv = task["W"][t, p, 0]
+      read = lambda buf, col: jax.tree.map(lambda b: b[jnp.maximum(sl[col], 0)], buf)
+      acc = branch(wv >= 0, busy["W"][t], w_phase, w_idle,
+                   (jnp.maximum(wv, 0), wv >= 0, {k: a[t] for k, a in flags["W"].items()},
+                    read(res_buf, "res_wread"), read(cut_buf, "cut_read"),
+                    read(hcut_buf, "hcut_read"), acc))
+    else:
+      dx, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
     y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
     st_f = jax.lax.ppermute(y, AXIS, fwd_ring)
     st_f, dx = jax.lax.optimization_barrier((st_f, dx))
     st_b = jax.lax.ppermute(dx, AXIS, bwd_ring)
-    return (st_f, st_b, act_buf, grad_buf, res_buf, acc), None
+    return (st_f, st_b, act_buf, grad_buf, res_buf, (cut_buf, hcut_buf), acc), None
 
   f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
   acc = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
@@ -334,8 +616,13 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   res_buf = jax.tree.map(lambda s: jnp.zeros((slots["res"],) + s.shape, s.dtype), res_shapes)
   ticks = tab.ticks if grads else int(max(i for i in range(tab.ticks)
                                           if (tab.task["F"][i, :, 0] >= 0).any())) + 1
-  init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf, acc)
-  (_, _, _, _, _, acc), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+  cut_buf = hcut_buf = []
+  if grads and tab.split:
+    cut_buf = [jnp.zeros((slots["cut"],) + s.shape, s.dtype) for s in cut_shapes]
+    hcut_buf = [jnp.zeros((slots["hcut"],) + s.shape, s.dtype) for s in hcut_shapes]
+  init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf,
+          (cut_buf, hcut_buf), acc)
+  (_, _, _, _, _, _, acc), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
   # The gradient sums keep their parameters' sharding over the automatic axes (the vocab
   # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
   # pipeline 2 x data 2 x expert 2).

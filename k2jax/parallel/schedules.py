@@ -4,11 +4,12 @@ A schedule is, per device, an ordered list of tasks on (virtual stage v, microba
 
     F  forward of stage s = v P + p on microbatch m (stage 0 also embeds, the last stage also
        runs the head and the loss)
-    B  backward of that stage: input gradient and weight gradient
+    B  backward of that stage: input gradient, and weight gradient unless W takes it
+    W  the weight gradient alone (zbh1 only: k2jax.parallel.bwsplit cuts the backward)
 
 `build` turns the lists into a table by simulating the dependencies tick by tick (a tick has
-an F and a B phase on every device; a stage's output reaches the next device at the end
-of the tick, the head's gradient is ready within the tick). The jitted loop
+an F, a B and, for zbh1, a W phase on every device; a stage's output reaches the next
+device at the end of the tick, the head's gradient is ready within the tick). The jitted loop
 (k2jax.parallel.pipeline) reads its task and buffer slots from the table; the idle fraction,
 the buffers' sizes and `plan` read the same table. A new schedule is a new task order, not
 new index arithmetic.
@@ -18,6 +19,13 @@ The idle fraction counts time, not slots: a phase no device of a tick works in c
 largest per-device sum of its phases' costs (F = 1, B = 2). Under that measure interleaved
 1F1B idles (P - 1) / (M V + P - 1), GPipe's figure, with at most (P - 1) 2 + (V - 1) P + 1
 stage activations in flight per device instead of M V.
+
+zbh1 is interleaved 1F1B with the weight gradients split off (report 2.4.2; Qi et al.,
+"Zero Bubble Pipeline Parallelism", ZB-H1): a device runs the W of a finished B in a tick
+where its F and B phases leave it time the slowest device of the tick spends anyway, or
+when its next forward would exceed the 1F1B memory bound (residuals now live from F to W,
+so the bound counts forwards not yet through W: the same peak as 1F1B). The W's left in
+the cool-down fill the ticks other devices spend draining the pipeline.
 """
 
 import functools
@@ -25,21 +33,28 @@ from typing import NamedTuple
 
 import numpy as np
 
-SCHEDULES = ("1f1b", "gpipe")
-COST = {"F": 1.0, "B": 2.0}   # a backward does twice a forward's matmuls
+SCHEDULES = ("1f1b", "gpipe", "zbh1")
+# Work per task in forward units: a backward does twice a forward's matmuls; split, its
+# input and weight halves one each (what `build` plans with; real stages: `stage_costs`).
+COST = {"F": 1.0, "B": 2.0}
+SPLIT_COST = {"F": 1.0, "B": 1.0, "W": 1.0}
 
 
 class Table(NamedTuple):
   """One schedule for P devices x V virtual stages x M microbatches.
 
-  task[k]: int32 [ticks, P, 2] = (v, m) of the device's phase-k task (k = "F", "B"), -1
-  where idle.
+  task[k]: int32 [ticks, P, 2] = (v, m) of the device's phase-k task (k = "F", "B", and
+  "W" for a split schedule), -1 where idle.
   Buffer slots (int32 [ticks, P], -1 = none), sized by interval colouring of what is alive:
     act_in    slot where the activation arriving this tick (sent at the end of the previous
               tick) is stored; act_read: slot the F task reads (-1 on stage 0: the embedding)
     grad_in   slot where the arriving cotangent is stored; grad_read: slot B reads (the last
               stage's B reads the cotangent its own F phase wrote to head_write)
     res_write slot F writes what the stage saves for its backward to; res_read: slot B reads
+              (res_wread: the slot W reads, the same value)
+    cut_write slot B writes what it hands W to (bwsplit's cut); cut_read: slot W reads
+    hcut_write slot the last stage's F writes what the head's weight gradient needs (the
+              head's cut) to; hcut_read: slot that stage's W reads
   """
   name: str
   P: int
@@ -48,6 +63,11 @@ class Table(NamedTuple):
   task: dict
   slots: dict
   sizes: dict          # buffer -> number of slots ("act", "grad", "res")
+
+  @property
+  def split(self) -> bool:
+    """Whether the weight gradients are their own W tasks."""
+    return "W" in self.task
 
   @property
   def ticks(self) -> int:
@@ -63,7 +83,7 @@ class Table(NamedTuple):
     for k in self.task:
       v = self.task[k][..., 0]
       if costs is None:
-        out[k] = (v >= 0) * COST[k]
+        out[k] = (v >= 0) * (SPLIT_COST if self.split else COST)[k]
       else:
         s = np.maximum(v, 0) * self.P + np.arange(self.P)[None, :]
         out[k] = np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
@@ -78,9 +98,10 @@ class Table(NamedTuple):
   def idle_fraction(self, costs=None) -> float:
     """1 - (work of every device) / (devices x lockstep time).
 
-    costs: None (every forward 1, every backward 2: stages of equal work) or
-    {"F": [S], "B": [S]}, the work of each stage's tasks (`stage_costs`: padding layers cost
-    nothing, the first stage also runs the embedding and dense layers, the last the head)."""
+    costs: None (every forward 1, every backward 2 (split: B 1, W 1): stages of equal work)
+    or {"F": [S], "B": [S], "W": [S]}, the work of each stage's tasks (`stage_costs`:
+    padding layers cost nothing, the first stage also runs the embedding and dense layers,
+    the last the head)."""
     work = sum(float(c.sum()) for c in self._phase_costs(costs).values())
     return 1.0 - work / (self.P * self.time(costs))
 
@@ -90,17 +111,21 @@ class Table(NamedTuple):
     return self.sizes["res"]
 
 
-def stage_costs(cfg, split, seq_len: int) -> dict:
-  """{"F": [S], "B": [S]}: the matmul work of each stage's forward and backward tasks as
-  the pipeline runs them (k2jax.parallel.pipeline), in units of one pipelined layer's
-  forward, from the model's FLOPs per token (k2jax.model.layer_flops):
+def stage_costs(cfg, split, seq_len: int, w_share: float | None = None) -> dict:
+  """{"F": [S], "B": [S], "W": [S]}: the matmul work of each stage's forward, backward and
+  weight-gradient tasks as the pipeline runs them (k2jax.parallel.pipeline), in units of
+  one pipelined layer's forward, from the model's FLOPs per token (k2jax.model.layer_flops):
 
     F[s] = real layers of s   (+ the layers before the stack, on stage 0)
                               (+ the head's forward and backward, on the last stage: its
-                                 gradient is taken in the F phase)
-    B[s] = 2 x real layers    (+ the stage-0 prefix recomputed, then its backward: 3x)
+                                 gradient is taken in the F phase; split: its forward and
+                                 input gradient, the weight gradient in W)
+    B[s] = (2 - w) x real layers  (+ the stage-0 prefix recomputed, then its backward: 3x)
+    W[s] = w x real layers    (+ the head's weight gradient, on the last stage, split)
 
-  cfg: the model config; split: k2jax.parallel.layout.Split."""
+  cfg: the model config; split: k2jax.parallel.layout.Split; w_share: None for a schedule
+  without W tasks, else w, the part of a layer's backward (in forwards) its W task takes
+  (k2jax.parallel.pipeline.w_share measures it from the split itself)."""
   from k2jax.model import counting, transformer
   S = split.stages * split.virtual
   unit = counting.layer_flops(cfg, split.stack.ffn, seq_len)
@@ -108,11 +133,18 @@ def stage_costs(cfg, split, seq_len: int) -> dict:
             for st in transformer.stacks(cfg) if st != split.stack) / unit
   head = counting.head_flops(cfg) / unit
   real = split.real().transpose(1, 0, 2).reshape(S, split.per_stage).sum(1)   # stage v P + p
-  F, B = real.astype(float), 2.0 * real
+  w = w_share or 0.0
+  F, B, W = real.astype(float), (2.0 - w) * real, w * real
   F[0] += pre
   B[0] += 3 * pre
-  F[S - 1] += 3 * head
-  return {"F": F, "B": B}
+  F[S - 1] += 3 * head if w_share is None else 2 * head
+  W[S - 1] += 0 if w_share is None else head
+  return {"F": F, "B": B, "W": W}
+
+
+def frozen(costs: dict):
+  """`stage_costs` as a hashable argument of `build`."""
+  return tuple((k, tuple(float(c) for c in v)) for k, v in sorted(costs.items()))
 
 
 def _orders(name, P, V, M):
@@ -124,6 +156,8 @@ def _orders(name, P, V, M):
   # stage 0, then 1, ...; backwards in the same groups, virtual stages last to first.
   f = [(v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
   b = [(V - 1 - v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
+  if name == "zbh1":
+    return {"F": f, "B": b, "W": b}
   return {"F": f, "B": b}
 
 
@@ -136,9 +170,10 @@ def _warmup(name, P, V, M, p):
 
 
 @functools.lru_cache(maxsize=64)
-def build(name: str, P: int, V: int, M: int) -> Table:
+def build(name: str, P: int, V: int, M: int, costs=None) -> Table:
   """The table of schedule `name` (SCHEDULES) on P devices x V virtual stages x M microbatches
-  (M a multiple of P except for gpipe)."""
+  (M a multiple of P except for gpipe). costs: the stages' task costs (`stage_costs`, as
+  a hashable `frozen(...)`), which zbh1 places its W tasks by; None: SPLIT_COST."""
   if name not in SCHEDULES:
     raise ValueError(f"mesh.pipeline_schedule = {name!r}: must be one of {', '.join(SCHEDULES)}")
   if name != "gpipe" and M % P:
@@ -153,11 +188,11 @@ def build(name: str, P: int, V: int, M: int) -> Table:
   t = 0
   total = M * V
   limit = 10 * (M * V + S) + 10
-  while any(nxt[k][p] < total for k in kinds for p in range(P)):
+  while any(nxt[k][p] < total for k in ("F", "B") for p in range(P)):
     if t > limit:
       raise RuntimeError(f"schedule {name} P={P} V={V} M={M} does not finish")
     row = {k: [(-1, -1)] * P for k in kinds}
-    for k in kinds:
+    for k in ("F", "B"):
       for p in range(P):
         i = nxt[k][p]
         if i >= total:
@@ -180,8 +215,63 @@ def build(name: str, P: int, V: int, M: int) -> Table:
       rows[k].append(row[k])
     t += 1
   task = {k: np.asarray(rows[k], np.int32) for k in kinds}
+  if "W" in kinds:
+    task["W"] = _place_w(task, orders["W"], P, costs and dict(costs))
   slots, sizes = _slots(task, P, V)
   return Table(name, P, V, M, task, slots, sizes)
+
+
+def _place_w(task, order, P, costs=None, bound=None, lag=None):
+  """W tasks into an F / B table (task["W"]), one per device and tick.
+
+  Each W starts in its B's tick, which costs what 1F1B's unsplit backward costs. Then a W
+  on a device that sets its tick's length moves to the first later tick where it fits in
+  time that tick's slowest device spends anyway, while the residuals it keeps alive stay
+  within `bound` per device (the 1F1B peak: memory as 1F1B). No move lengthens a tick, so
+  the table is never slower than 1F1B; the W's that move fill the warm-up and cool-down.
+  costs: per-stage task costs (`stage_costs`) or None (SPLIT_COST)."""
+  ticks = task["F"].shape[0]
+
+  def of(k, v):          # cost of stage-task kind k for virtual stages v [ticks, P]
+    if costs is None:
+      return (v >= 0) * SPLIT_COST[k]
+    s = np.maximum(v, 0) * P + np.arange(P)
+    return np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
+  cost = of("F", task["F"][..., 0]) + of("B", task["B"][..., 0])
+  w = task["B"].copy()                                   # each W with its B
+  wc = of("W", w[..., 0])
+  cost = cost + wc
+  fwd = np.cumsum(task["F"][..., 0] >= 0, axis=0)        # forwards issued by tick t
+  done = np.cumsum(w[..., 0] >= 0, axis=0)               # W's finished by the end of t
+  live = fwd - np.concatenate([np.zeros((1, P), int), done[:-1]])
+  bwd = np.cumsum(task["B"][..., 0] >= 0, axis=0)
+  owed = bwd - done                                      # W's waiting at the end of t
+  bound = live.max() if bound is None else bound
+  eps = 1e-9
+  for t in range(ticks):
+    while True:
+      top = cost[t].max()
+      movable = [p for p in range(P) if w[t, p, 0] >= 0 and wc[t, p] > 0
+                 and cost[t, p] >= top - eps]
+      moved = False
+      for p in movable:
+        for t2 in range(t + 1, ticks):
+          if live[t + 1:t2 + 1, p].max() + 1 > bound:
+            break
+          if lag is not None and owed[t:t2, p].max() + 1 > lag:
+            break
+          if w[t2, p, 0] < 0 and cost[t2, p] + wc[t, p] <= cost[t2].max() + eps:
+            w[t2, p], w[t, p] = w[t, p], -1
+            wc[t2, p], cost[t2, p] = wc[t, p], cost[t2, p] + wc[t, p]
+            cost[t, p] -= wc[t, p]
+            wc[t, p] = 0.0
+            live[t + 1:t2 + 1, p] += 1
+            owed[t:t2, p] += 1
+            moved = True
+            break
+      if not moved or cost[t].max() >= top - eps:
+        break
+  return w
 
 
 def _colour(intervals):
@@ -213,12 +303,17 @@ def _slots(task, P, V):
         v, m = a[t, p]
         if v >= 0:
           when[k][(p, v, m)] = t
-  slots = {n: np.full((ticks, P), -1, np.int32) for n in (
-      "act_in", "act_read", "grad_in", "grad_read", "head_write", "res_write", "res_read")}
+  names = ["act_in", "act_read", "grad_in", "grad_read", "head_write", "res_write",
+           "res_read"]
+  if "W" in task:
+    names += ["res_wread", "cut_write", "cut_read", "hcut_write", "hcut_read"]
+  slots = {n: np.full((ticks, P), -1, np.int32) for n in names}
   sizes = {}
   for p in range(P):
     # (start tick, end tick, (v, m), {slot column: tick}) of everything device p keeps
     live = {"act": [], "grad": [], "res": []}
+    if "W" in task:
+      live["cut"], live["hcut"] = [], []
     for (q, v, m), tf in when["F"].items():
       s = v * P + q
       if s + 1 < S and (s + 1) % P == p:     # stage s's output, stored on arrival
@@ -227,9 +322,18 @@ def _slots(task, P, V):
       if q != p:
         continue
       tb = when["B"][(p, v, m)]
-      live["res"].append((tf, tb, (v, m), {"res_write": tf, "res_read": tb}))
+      if "W" in task:     # residuals live until W; B hands W its cut
+        tw = when["W"][(p, v, m)]
+        live["res"].append((tf, tw, (v, m), {"res_write": tf, "res_read": tb,
+                                             "res_wread": tw}))
+        live["cut"].append((tb, tw, (v, m), {"cut_write": tb, "cut_read": tw}))
+      else:
+        live["res"].append((tf, tb, (v, m), {"res_write": tf, "res_read": tb}))
       if s == S - 1:                          # the head's cotangent, from this F phase
         live["grad"].append((tf, tb, (v, m), {"head_write": tf, "grad_read": tb}))
+        if "W" in task:                       # and what the head's W reads
+          tw = when["W"][(p, v, m)]
+          live["hcut"].append((tf, tw, (v, m), {"hcut_write": tf, "hcut_read": tw}))
     for (q, v, m), tb in when["B"].items():
       s = v * P + q
       if s > 0 and (s - 1) % P == p:         # stage s's input cotangent, stored on arrival
