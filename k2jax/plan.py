@@ -31,7 +31,7 @@ from k2jax import configs, model, optim
 from k2jax.kernels import platform as kernel_platform
 from k2jax.model import transformer
 from k2jax.configs.sharding_rules import mesh_axes
-from k2jax.parallel import MESH_AXES, layout, schedules, state_shardings
+from k2jax.parallel import MESH_AXES, layout, pipeline, state_shardings
 from k2jax.parallel.mesh import entry_axes
 from k2jax.step import init_state
 
@@ -130,24 +130,16 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2
   sp = layout.split(m, stages, virtual_stages)
-  tab, cut = _table(m, mesh_shape, virtual_stages, M, schedule, seq_len, platform)
+  tab = pipeline.schedule_table(m, stages, virtual_stages, M, schedule, mesh_shape["data"],
+                                mesh_shape["expert"], seq_len, platform)
+  cut = 0.0
+  if tab.split:
+    cut = pipeline.split_cost(m, mesh_shape["data"], mesh_shape["expert"], seq_len, platform)[1]
   stage = layer(sp.stack.ffn, m.remat) * sp.per_stage
   buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
   # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each
   waiting = tab.sizes.get("cut", 0) * sp.per_stage * cut / seq_len
   return (tab.in_flight * stage + buffers + waiting + working) * seq_len * micro_batch, settings
-
-
-def _table(mcfg, mesh_shape, V, M, schedule, seq_len, platform):
-  """(the schedule table the trainer builds, bytes per layer and sequence B hands W)."""
-  from k2jax.parallel import pipeline
-  P = mesh_shape["pipeline"]
-  if schedule != "zbh1":
-    return schedules.build(schedule, P, V, M), 0.0
-  w, cut = pipeline.split_cost(mcfg, mesh_shape["data"], mesh_shape["expert"], seq_len,
-                               platform)
-  costs = schedules.stage_costs(mcfg, layout.split(mcfg, P, V), seq_len, w)
-  return schedules.build(schedule, P, V, M, schedules.frozen(costs)), cut
 
 
 def check(cfg) -> None:
@@ -228,15 +220,13 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
                  f"states (optimizer.host_state: on the device during the update only)")
   if P > 1:
-    tab, _ = _table(cfg.model, mesh, V, M, schedule, seq_len, platform)
+    args = (schedule, mesh["data"], mesh["expert"], seq_len, platform)
+    tab = pipeline.schedule_table(cfg.model, P, V, M, *args)
+    costs = pipeline.schedule_costs(cfg.model, P, V, *args)
     sp = layout.split(cfg.model, P, V)
-    w = None
-    if schedule == "zbh1":
-      from k2jax.parallel import pipeline
-      w = pipeline.w_share(cfg.model, mesh["data"], mesh["expert"], seq_len, platform)
-    costs = schedules.stage_costs(cfg.model, sp, seq_len, w)
-    split_note = "" if w is None else (
-        f"; W takes {w:.2f} forwards of a layer's backward (k2jax.parallel.bwsplit), "
+    split_note = "" if not tab.split else (
+        f"; W takes {pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
+        f"backward (k2jax.parallel.bwsplit), "
         f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above; "
         f"the head's cut on the last device is not counted)")
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "

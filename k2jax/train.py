@@ -224,9 +224,9 @@ def _locked(config, workdir, changes, build_data, init_params):
   t, m = config.train, config.model
   if config.mesh.pipeline > 1:
     tab = pipeline.table(config)
-    log.info("%s; schedule %s: %d ticks, idle %.1f%%, %d stage activations kept per device",
-             layout.of(config).describe(m), tab.name, tab.ticks, 100 * tab.idle_fraction(),
-             tab.in_flight)
+    log.info("%s; schedule %s: %d ticks, idle %.1f%% of device time by stage FLOPs, %d "
+             "stage activations kept per device", layout.of(config).describe(m), tab.name,
+             tab.ticks, 100 * tab.idle_fraction(pipeline.costs(config)), tab.in_flight)
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
       # Seen hanging under load (CI, 2 cores): XLA:CPU's gloo collectives tag every
       # collective-permute alike, so two in flight between the same pair of devices can

@@ -74,22 +74,38 @@ def routed_impl(impl: str) -> str:
 def table(config) -> schedules.Table:
   """The schedule table a full config trains with (zbh1 places its W tasks by the stages'
   costs, `costs`)."""
-  name = config.mesh.get("pipeline_schedule", "1f1b")
-  P, V, M = config.mesh.pipeline, config.mesh.get("virtual_stages", 1), config.train.grad_accum
-  if name != "zbh1":
-    return schedules.build(name, P, V, M)
-  return schedules.build(name, P, V, M, schedules.frozen(costs(config)))
+  m = config.mesh
+  return schedule_table(config.model, m.pipeline, m.get("virtual_stages", 1),
+                        config.train.grad_accum, m.get("pipeline_schedule", "1f1b"),
+                        m.data, m.expert, config.train.seq_len)
 
 
 def costs(config, seq_len=None, platform=None) -> dict:
-  """The stages' F / B / W costs (schedules.stage_costs) of a full config: W's share from
-  the split of one layer's backward (`w_share`) when the schedule splits, else 0."""
-  seq_len = seq_len or config.train.seq_len
-  sp = split(config.model, config.mesh.pipeline, config.mesh.get("virtual_stages", 1))
+  """The stages' F / B / W costs (schedules.stage_costs) of a full config."""
+  m = config.mesh
+  return schedule_costs(config.model, m.pipeline, m.get("virtual_stages", 1),
+                        m.get("pipeline_schedule", "1f1b"), m.data, m.expert,
+                        seq_len or config.train.seq_len, platform)
+
+
+def schedule_costs(mcfg, P: int, V: int, schedule: str, data: int = 1, expert: int = 1,
+                   seq_len: int = 4096, platform=None) -> dict:
+  """schedules.stage_costs of model config `mcfg` on P pipeline devices x V virtual stages:
+  W's share from the split of one layer's backward on the data x expert mesh (`w_share`)
+  when the schedule splits, else none."""
   w = None
-  if config.mesh.get("pipeline_schedule", "1f1b") == "zbh1":
-    w = w_share(config.model, config.mesh.data, config.mesh.expert, seq_len, platform)
-  return schedules.stage_costs(config.model, sp, seq_len, w)
+  if schedule == "zbh1":
+    w = w_share(mcfg, data, expert, seq_len, platform)
+  return schedules.stage_costs(mcfg, split(mcfg, P, V), seq_len, w)
+
+
+def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
+                   expert: int = 1, seq_len: int = 4096, platform=None) -> schedules.Table:
+  """The table the trainer runs (what `table` gives for a full config; plan asks here)."""
+  if schedule != "zbh1":
+    return schedules.build(schedule, P, V, M)
+  c = schedule_costs(mcfg, P, V, schedule, data, expert, seq_len, platform)
+  return schedules.build(schedule, P, V, M, schedules.frozen(c))
 
 
 @functools.lru_cache(maxsize=16)
@@ -104,28 +120,9 @@ def _w_share(cfg_json: str, data: int, expert: int, seq_len: int, platform) -> f
   x = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
   positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
   segments = jnp.ones((batch, seq_len), jnp.int32)
-  layer = _layer_fn(cfg, sp.stack.ffn)
-  leaves, tree = jax.tree.flatten(specs)
-  kept = {}
-
-  def fwd(p, x):
-    _, vjp, _ = jax.vjp(lambda a, b: layer(a, b, positions, segments, 1.0), p, x,
-                        has_aux=True)
-    flat, kept["tree"] = jax.tree.flatten(vjp)
-    ids = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
-    kept["source"] = [ids.get(id(a)) for a in flat]
-    return [a for a in flat if id(a) not in ids]
-
-  def bwd(*ins):
-    w, r, dy = ins[:len(leaves)], iter(ins[len(leaves):-1]), ins[-1]
-    vjp = jax.tree.unflatten(kept["tree"], [next(r) if i is None else w[i]
-                                            for i in kept["source"]])
-    g_p, g_x = vjp((dy, jnp.ones((), jnp.float32)))
-    return jax.tree.leaves(g_p) + [g_x]
   mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
   with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
-    res = jax.eval_shape(fwd, specs, x)
-    cut = bwsplit.split(bwd, len(leaves), len(leaves) + len(res), *leaves, *res, x)
+    cut = _split_layer(cfg, sp.stack.ffn, specs, x, positions, segments, 1.0)[3]
   unit = counting.layer_flops(cfg, sp.stack.ffn, seq_len) * batch * seq_len
   cut_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in cut.cut_avals) / batch
   return cut.flops["W"] / unit, cut_bytes
@@ -223,6 +220,59 @@ def _layer_fn(cfg, ffn):
   return layer
 
 
+class _Saved:
+  """jax.vjp for a schedule that stores the residuals between a stage's F and its B / W.
+
+  A vjp function is a pytree whose leaves are its residuals. Those that are the weights
+  being differentiated are not copied into the schedule's buffers: `vjp` returns the others
+  and remembers where each leaf came from, `vjp_of` puts the weights back. One instance per
+  differentiated function (the tree is the same for every microbatch)."""
+
+  def __init__(self):
+    self.tree, self.source = None, None
+
+  def vjp(self, fn, weights, *args, has_aux=False):
+    """jax.vjp(fn, weights, *args) -> (out, stored leaves), or (out, aux, stored leaves)."""
+    out, fun, *aux = jax.vjp(fn, weights, *args, has_aux=has_aux)
+    leaves, self.tree = jax.tree.flatten(fun)
+    ids = {id(w): i for i, w in enumerate(jax.tree.leaves(weights))}
+    self.source = [ids.get(id(a)) for a in leaves]      # index into the weights, or None
+    return (out, *aux, [a for a in leaves if id(a) not in ids])
+
+  def vjp_of(self, weights, stored):
+    """The vjp function again, from the weights and what `vjp` returned to store."""
+    it, w = iter(stored), jax.tree.leaves(weights)
+    return jax.tree.unflatten(self.tree, [next(it) if s is None else w[s] for s in self.source])
+
+
+def _split_fn(saved: _Saved, weights, n_res: int, n_ct: int):
+  """The backward of a `saved` vjp as bwsplit.split wants it: flat (weights, stored
+  residuals, output cotangents) -> weight-gradient leaves + input-gradient leaves."""
+  n_w = len(jax.tree.leaves(weights))
+  tree = jax.tree.structure(weights)
+
+  def bwd(*ins):
+    w, r, ct = ins[:n_w], ins[n_w:n_w + n_res], ins[n_w + n_res:]
+    g_w, *g_in = saved.vjp_of(jax.tree.unflatten(tree, w), r)(ct[0] if n_ct == 1 else tuple(ct))
+    return jax.tree.leaves(g_w) + jax.tree.leaves(g_in)
+  return bwd
+
+
+def _split_layer(cfg, ffn, weights, x, positions, segment_ids, weight):
+  """One pipelined layer (`_layer_fn`) with its backward cut by k2jax.parallel.bwsplit,
+  traced at the shapes of `weights` and `x` -> (the layer, the _Saved its forward uses,
+  its stored residuals' shapes, the Split). The cotangents are (dy, d aux loss)."""
+  layer, saved = _layer_fn(cfg, ffn), _Saved()
+  res = jax.eval_shape(lambda pl, x: saved.vjp(
+      lambda a, b: layer(a, b, positions, segment_ids, weight), pl, x, has_aux=True)[2],
+      weights, x)
+  w = jax.tree.leaves(weights)
+  one = jax.ShapeDtypeStruct((), jnp.float32)
+  cut = bwsplit.split(_split_fn(saved, weights, len(res), 2), len(w), len(w) + len(res),
+                      *w, *res, x, one)
+  return layer, saved, res, cut
+
+
 def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
   """Embedding and the leading (dense) stacks of one microbatch -> (stage-0 input, their
   max logits [dense layers, H])."""
@@ -286,56 +336,25 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     return jnp.sum(ce * mb["loss_mask"][m].astype(jnp.float32))
 
   at = lambda tree, v: jax.tree.map(lambda a: a[v], tree)
-  kept = {}     # which vjp residuals are stored (not the stage's own weights), and the treedef
+  saved = _Saved()     # the stage's vjp: its residuals minus the stage's own weights
 
   def forward(pv, x, v, m):
     """-> (y, aux), stats, stored residual leaves."""
     if not grads:
       out, stats = stage_out(pv, x, v, m)
       return out, stats, []
-    out, vjp, stats = jax.vjp(lambda a, b: stage_out(a, b, v, m), pv, x, has_aux=True)
-    leaves, treedef = jax.tree.flatten(vjp)
-    weights = {id(w): i for i, w in enumerate(jax.tree.leaves(pv))}
-    kept["tree"] = treedef
-    kept["source"] = [weights.get(id(leaf)) for leaf in leaves]   # index into pv, or None
-    return out, stats, [leaf for leaf in leaves if id(leaf) not in weights]
-
-  def rebuild(pv, stored):
-    it = iter(stored)
-    w = jax.tree.leaves(pv)
-    leaves = [next(it) if src is None else w[src] for src in kept["source"]]
-    return jax.tree.unflatten(kept["tree"], leaves)
+    return saved.vjp(lambda a, b: stage_out(a, b, v, m), pv, x, has_aux=True)
 
   if grads and tab.split:
     # zbh1: each layer's backward cut into B (input gradient) and W (weight gradients) by
     # k2jax.parallel.bwsplit; F keeps every layer's vjp residuals ([L, ...] per leaf), B
     # hands W the cut ([L, ...]), W reads both.
-    layer_fn = _layer_fn(cfg, sp.stack.ffn)
-    n_w = len(jax.tree.leaves(at(params, 0)))
-
-    def layer_fwd(pl, x, m):
-      out, vjp, stats = jax.vjp(
-          lambda a, b: layer_fn(a, b, mb["positions"][m], mb["segment_ids"][m], tokens[m]),
-          pl, x, has_aux=True)
-      leaves, treedef = jax.tree.flatten(vjp)
-      weights = {id(w): i for i, w in enumerate(jax.tree.leaves(pl))}
-      kept["tree"] = treedef
-      kept["source"] = [weights.get(id(leaf)) for leaf in leaves]
-      return out, stats, [leaf for leaf in leaves if id(leaf) not in weights]
-
     pl0 = jax.tree.map(lambda a: a[0, 0], params)
     x_aval = jax.ShapeDtypeStruct(act_shape, dt)
-    layer_res = jax.eval_shape(lambda pl, x: layer_fwd(pl, x, 0)[2], pl0, x_aval)
-    one = jax.ShapeDtypeStruct((), jnp.float32)
-
-    def layer_bwd(*ins):
-      w, r, (dy, daux) = ins[:n_w], ins[n_w:-2], ins[-2:]
-      g_p, g_x = rebuild(jax.tree.unflatten(jax.tree.structure(pl0), w), r)((dy, daux))
-      return jax.tree.leaves(g_p) + [g_x]
-
+    layer_fn, saved_l, layer_res, cut_fn = _split_layer(
+        cfg, sp.stack.ffn, pl0, x_aval, mb["positions"][0], mb["segment_ids"][0], tokens[0])
     w_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(pl0)]
-    cut_fn = bwsplit.split(layer_bwd, n_w, n_w + len(layer_res), *w_avals, *layer_res,
-                           x_aval, one)
+    n_w = len(w_avals)
     early = [i for i in range(n_w) if i not in cut_fn.late]
     log.info("pipeline (zbh1): W takes %.0f%% of a layer's backward matmul FLOPs (B %.3g, "
              "W %.3g); %d of %d weight gradients in W; B hands W %.3g MB per layer",
@@ -343,27 +362,20 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
              cut_fn.flops["B"], cut_fn.flops["W"], len(cut_fn.late), n_w,
              sum(math.prod(a.shape) * a.dtype.itemsize for a in cut_fn.cut_avals) / 1e6)
 
+    def layer_fwd(pl, x, m):
+      return saved_l.vjp(
+          lambda a, b: layer_fn(a, b, mb["positions"][m], mb["segment_ids"][m], tokens[m]),
+          pl, x, has_aux=True)
+
     # The head's backward is cut too: F computes the loss and the cotangent the last stage's
     # layers wait for (dh), W the head's weight gradients (logits' cotangent and the normed
     # input reach it through the cut; only the weights are kept, nothing else of F).
     hw = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(head)]
-    kept_h = {}
-
-    def head_fwd(hp, y, m):
-      ce, vjp = jax.vjp(lambda a, b: head_loss(a, b, m), hp, y)
-      leaves, treedef = jax.tree.flatten(vjp)
-      ids = {id(w): i for i, w in enumerate(jax.tree.leaves(hp))}
-      kept_h["tree"], kept_h["source"] = treedef, [ids.get(id(a)) for a in leaves]
-      return ce, [a for a in leaves if id(a) not in ids]
+    saved_h = _Saved()
+    head_fwd = lambda hp, y, m: saved_h.vjp(lambda a, b: head_loss(a, b, m), hp, y)
     head_res = jax.eval_shape(lambda hp, y: head_fwd(hp, y, 0)[1], head, x_aval)
-
-    def head_bwd(*ins):
-      w, r, ct = ins[:len(hw)], iter(ins[len(hw):-1]), ins[-1]
-      vjp = jax.tree.unflatten(kept_h["tree"], [next(r) if i is None else w[i]
-                                                for i in kept_h["source"]])
-      g_hp, g_y = vjp(ct)
-      return jax.tree.leaves(g_hp) + [g_y]
-    head_cut = bwsplit.split(head_bwd, len(hw), len(hw), *hw, *head_res, one)
+    head_cut = bwsplit.split(_split_fn(saved_h, head, len(head_res), 1), len(hw), len(hw),
+                             *hw, *head_res, jax.ShapeDtypeStruct((), jnp.float32))
     head_early = [i for i in range(len(hw)) if i not in head_cut.late]
     hcut_shapes = head_cut.cut_avals
 
@@ -513,7 +525,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     if tab.split:
       dx, e, cut = backward(pv, res, dy, v)
     else:
-      gp, dx = rebuild(pv, res)((dy, jnp.ones((), jnp.float32)))
+      gp, dx = saved.vjp_of(pv, res)((dy, jnp.ones((), jnp.float32)))
     first = (p == 0) & (v == 0) & valid
 
     def pre_grads():   # float32 like the accumulator, whatever the params' dtype
