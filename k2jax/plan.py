@@ -132,13 +132,17 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   sp = layout.split(m, stages, virtual_stages)
   tab = pipeline.schedule_table(m, stages, virtual_stages, M, schedule, mesh_shape["data"],
                                 mesh_shape["expert"], seq_len, platform)
-  cut = 0.0
+  cut = head_cut = 0.0
   if tab.split:
-    cut = pipeline.split_cost(m, mesh_shape["data"], mesh_shape["expert"], seq_len, platform)[1]
+    _, cut, head_cut = pipeline.split_cost(m, mesh_shape["data"], mesh_shape["expert"],
+                                           seq_len, platform)
   stage = layer(sp.stack.ffn, m.remat) * sp.per_stage
   buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
-  # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each
-  waiting = tab.sizes.get("cut", 0) * sp.per_stage * cut / seq_len
+  # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each, the
+  # head's cut (its f32 logits gradient) in `hcut` slots; the loop's buffers have the same
+  # shape on every pipeline device, so every device holds both.
+  waiting = (tab.sizes.get("cut", 0) * sp.per_stage * cut
+             + tab.sizes.get("hcut", 0) * head_cut) / seq_len
   return (tab.in_flight * stage + buffers + waiting + working) * seq_len * micro_batch, settings
 
 
@@ -227,8 +231,8 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
     split_note = "" if not tab.split else (
         f"; W takes {pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
         f"backward (k2jax.parallel.bwsplit), "
-        f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above; "
-        f"the head's cut on the last device is not counted)")
+        f"{tab.sizes['cut']} + {tab.sizes['hcut']} slots per device hold what B hands W "
+        f"and the head's cut (in activations above)")
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
                  f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
                  f"{tab.idle_fraction(costs):.1%} of device time by stage FLOPs "

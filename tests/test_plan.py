@@ -191,3 +191,22 @@ def schedules_1f1b_idle(c):
   c = c.copy_and_resolve_references()
   c.mesh.pipeline_schedule = "1f1b"
   return pipeline.table(c).idle_fraction(pipeline.costs(c))
+
+
+def test_plan_counts_what_zbh1_keeps_for_its_weight_gradients():
+  """zbh1's extra activations over 1f1b are at least what its W tasks must read, from the
+  math alone: a deferred head W needs the gradient of the logits (f32, seq_len x vocab per
+  sequence), and every pipeline device allocates the table's head-cut slots (the loop's
+  buffers have one shape); the layers' cut adds more. (The head's cut went uncounted.)"""
+  from k2jax import configs, plan
+  from k2jax.parallel import pipeline
+  c = configs.get_config("kimi_k2")
+  mesh = {a: c.mesh[a] for a in ("pipeline", "data", "expert")}
+  T = c.train.seq_len
+  act = {s: plan.activation_bytes(c.model, mesh, T, virtual_stages=2, microbatches=32,
+                                  schedule=s)[0] for s in ("1f1b", "zbh1")}
+  c.mesh.pipeline_schedule = "zbh1"
+  tab = pipeline.table(c)
+  logits_grad = T * c.model.vocab_size * 4
+  assert tab.sizes["hcut"] >= 1
+  assert act["zbh1"] - act["1f1b"] > tab.sizes["hcut"] * logits_grad, (act, tab.sizes)

@@ -67,8 +67,9 @@ def get_config():
   # that also run the embedding + dense layer and the head); interleaved 1F1B with 32
   # microbatches idles 21.9% of device time counted in each stage's FLOPs (19.0% were all
   # stages equal) and keeps at most 47 stage activations per device: `python -m k2jax.plan
-  # --config kimi_k2` reads both from k2jax.parallel.schedules. zbh1 would idle 19.2% but
-  # keeps what its W tasks need in 24 GB more per device (plan), so the preset stays 1f1b.
+  # --config kimi_k2` reads both from k2jax.parallel.schedules. zbh1 would idle 19.2%, all of
+  # it from deferring the head's weight gradient, whose cut (the f32 logits gradient)
+  # and the layers' take 70 GB more per device (plan), so the preset stays 1f1b.
   c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=2))
   c.train.grad_accum = 32
   return c

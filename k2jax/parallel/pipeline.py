@@ -109,7 +109,7 @@ def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
 
 
 @functools.lru_cache(maxsize=16)
-def _w_share(cfg_json: str, data: int, expert: int, seq_len: int, platform) -> float:
+def _w_share(cfg_json: str, data: int, expert: int, seq_len: int, platform):
   import ml_collections
   from k2jax.kernels import platform as kernel_platform
   cfg = _pipeline_model_cfg(ml_collections.ConfigDict(json.loads(cfg_json)))
@@ -120,17 +120,22 @@ def _w_share(cfg_json: str, data: int, expert: int, seq_len: int, platform) -> f
   x = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
   positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
   segments = jnp.ones((batch, seq_len), jnp.int32)
+  head = {k: jax.ShapeDtypeStruct(s.shape, jnp.dtype(cfg.param_dtype))
+          for k, s in transformer.param_specs(cfg).items() if k in ("final_norm", "lm_head")}
+  targets = jnp.zeros((batch, seq_len), jnp.int32)
   mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
   with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
     cut = _split_layer(cfg, sp.stack.ffn, specs, x, positions, segments, 1.0)[3]
+    head_cut = _split_head(cfg, head, x, targets, jnp.ones((batch, seq_len), jnp.float32))[2]
   unit = counting.layer_flops(cfg, sp.stack.ffn, seq_len) * batch * seq_len
-  cut_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in cut.cut_avals) / batch
-  return cut.flops["W"] / unit, cut_bytes
+  nbytes = lambda avals: sum(math.prod(a.shape) * a.dtype.itemsize for a in avals) / batch
+  return cut.flops["W"] / unit, nbytes(cut.cut_avals), nbytes(head_cut.cut_avals)
 
 
 def split_cost(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platform=None):
   """(w_share, bytes B hands W per layer and sequence: bwsplit's cut, what waits in the
-  zbh1 schedule's cut buffers)."""
+  zbh1 schedule's cut buffers; bytes per sequence of the head's cut, what waits in its
+  hcut buffers: at least the logits' f32 gradient, seq_len x vocab x 4)."""
   # Traced in a thread of its own: the trainer asks from inside its `jax.set_mesh` (a
   # pipeline x data x expert mesh), and an abstract mesh of another size cannot be entered
   # there; the mesh context is per thread.
@@ -273,6 +278,29 @@ def _split_layer(cfg, ffn, weights, x, positions, segment_ids, weight):
   return layer, saved, res, cut
 
 
+def _head_loss(cfg, hp, y, targets, loss_mask):
+  """Final norm, head and summed cross entropy of one microbatch (f32 logits)."""
+  h = rms_norm(y, hp["final_norm"], cfg.rms_norm_eps)
+  logits = jnp.einsum("btd,dv->btv", h, hp["lm_head"].astype(jnp.dtype(cfg.dtype)),
+                      preferred_element_type=jnp.float32)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return jnp.sum(ce * loss_mask.astype(jnp.float32))
+
+
+def _split_head(cfg, head, y, targets, loss_mask):
+  """The head's backward cut by k2jax.parallel.bwsplit (zbh1: the last stage's F takes the
+  loss and dh, its W the head's weight gradients), traced at the shapes of `head` and `y`
+  -> (the _Saved its forward uses, its residuals' shapes, the Split). Only the weights are
+  kept for W: the rest it needs (the logits' f32 gradient, [tokens, vocab]) is the cut."""
+  saved = _Saved()
+  fn = lambda a, b: _head_loss(cfg, a, b, targets, loss_mask)
+  res = jax.eval_shape(lambda hp, y: saved.vjp(fn, hp, y)[1], head, y)
+  w = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(head)]
+  cut = bwsplit.split(_split_fn(saved, head, len(res), 1), len(w), len(w), *w, *res,
+                      jax.ShapeDtypeStruct((), jnp.float32))
+  return saved, res, cut
+
+
 def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
   """Embedding and the leading (dense) stacks of one microbatch -> (stage-0 input, their
   max logits [dense layers, H])."""
@@ -329,11 +357,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     return _pre(cfg, sp, pp, mb["inputs"][m], mb["positions"][m], mb["segment_ids"][m])
 
   def head_loss(hp, y, m):
-    h = rms_norm(y, hp["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("btd,dv->btv", h, hp["lm_head"].astype(dt),
-                        preferred_element_type=jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"][m])
-    return jnp.sum(ce * mb["loss_mask"][m].astype(jnp.float32))
+    return _head_loss(cfg, hp, y, mb["targets"][m], mb["loss_mask"][m])
 
   at = lambda tree, v: jax.tree.map(lambda a: a[v], tree)
   saved = _Saved()     # the stage's vjp: its residuals minus the stage's own weights
@@ -371,11 +395,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     # layers wait for (dh), W the head's weight gradients (logits' cotangent and the normed
     # input reach it through the cut; only the weights are kept, nothing else of F).
     hw = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(head)]
-    saved_h = _Saved()
+    saved_h, _, head_cut = _split_head(cfg, head, x_aval, mb["targets"][0], mb["loss_mask"][0])
     head_fwd = lambda hp, y, m: saved_h.vjp(lambda a, b: head_loss(a, b, m), hp, y)
-    head_res = jax.eval_shape(lambda hp, y: head_fwd(hp, y, 0)[1], head, x_aval)
-    head_cut = bwsplit.split(_split_fn(saved_h, head, len(head_res), 1), len(hw), len(hw),
-                             *hw, *head_res, jax.ShapeDtypeStruct((), jnp.float32))
     head_early = [i for i in range(len(hw)) if i not in head_cut.late]
     hcut_shapes = head_cut.cut_avals
 
