@@ -3,11 +3,15 @@
 TPU Pallas pipelines HBM <-> VMEM over a grid whose last axis may be a reduction: each kernel
 keeps its running state in VMEM scratch across that axis and writes its outputs on the last
 step. Arrays are head-major [B, H, T, D] so every block's last two dims are (rows, D) (TPU
-tiles are (8, 128)); per-row vectors are [B, H, T, 1].
+tiles are (8, 128)). A per-query vector is a [B, H, T, 1] column where a kernel holds it
+once per q block (the forward's outputs, dq's inputs), and a [B, H, 1, T] row where it
+changes every step (dk / dv's inputs): a column pads each value to 128 lanes, so a
+(128, 1) block copies 64 KB, more than that step's q block.
 
   forward   grid (b, h, q block, kv block): online softmax over the kv axis; writes out,
             log-sum-exp and the final running max (S_max per row, reduced outside).
-  dk, dv    grid (b, h, kv block, q block): accumulates dk, dv over the q axis.
+  dk, dv    grid (b, h, kv block, q block): accumulates dk, dv over the q axis, on the
+            transposed scores k q^T so lse and delta broadcast as rows.
   dq        grid (b, h, q block, kv block): accumulates dq over the kv axis.
 
 Fully masked block pairs are skipped with `pl.when`: above the causal diagonal, and pairs
@@ -48,13 +52,17 @@ def _run_pair(qi, kj, bq, bk, seg_q, seg_k, causal):
   return run
 
 
-def _scores(q, k, scale, seg_q, seg_k, qi, kj, bq, bk, causal):
-  s = _qkT(q, k) * scale
-  valid = seg_q == seg_k                                                 # [bq, 1] == [1, bk]
+def _scores(q, k, scale, seg_q, seg_k, qi, kj, bq, bk, causal, kv_rows=False):
+  """The block pair's scaled logits, masked: [bq, bk] (seg_q a [bq, 1] column, seg_k a
+  [1, bk] row), or transposed, [bk, bq] = k q^T, with kv_rows (seg_k the column, seg_q the
+  row): then per-query vectors broadcast as [1, bq] rows, lane-major."""
+  s = (_qkT(k, q) if kv_rows else _qkT(q, k)) * scale
+  valid = seg_q == seg_k
   if causal:
-    rows = qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    cols = kj * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    valid = valid & (rows >= cols)
+    shape, (q_axis, k_axis) = ((bk, bq), (1, 0)) if kv_rows else ((bq, bk), (0, 1))
+    qpos = qi * bq + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    kpos = kj * bk + jax.lax.broadcasted_iota(jnp.int32, shape, k_axis)
+    valid = valid & (qpos >= kpos)
   return jnp.where(valid, s, NEG_INF)
 
 
@@ -101,16 +109,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  seg_q, seg_k = sq_ref[...], sk_ref[...]
+  seg_q, seg_k = sq_ref[...], sk_ref[...]                     # [1, bq] row, [bk, 1] column
 
   @pl.when(_run_pair(qi, kj, bq, bk, seg_q, seg_k, causal))
   def _():
+    # Transposed (k q^T): lse and delta, which change every inner step, arrive as [1, bq]
+    # rows, and both products are plain matmuls (p^T do, ds^T q without a transpose).
     q, do = q_ref[...], do_ref[...]
-    s = _scores(q, k_ref[...], scale, seg_q, seg_k, qi, kj, bq, bk, causal)
-    p = jnp.exp(s - lse_ref[...])
-    dv_sc[...] += _mm(p.astype(do.dtype), do, contract_a=0)            # p^T do
-    ds = p * (_qkT(do, v_ref[...]) - delta_ref[...])
-    dk_sc[...] += _mm(ds.astype(q.dtype), q, contract_a=0)             # ds^T q
+    st = _scores(q, k_ref[...], scale, seg_q, seg_k, qi, kj, bq, bk, causal, kv_rows=True)
+    pt = jnp.exp(st - lse_ref[...])                                    # [bk, bq]
+    dv_sc[...] += _mm(pt.astype(do.dtype), do)                         # p^T do
+    dst = pt * (_qkT(v_ref[...], do) - delta_ref[...])                 # (do v^T)^T
+    dk_sc[...] += _mm(dst.astype(q.dtype), q)                          # ds^T q
 
   @pl.when(qi == pl.num_programs(3) - 1)
   def _():
@@ -166,13 +176,26 @@ def _spec(n, d, axis, clamp=None):
                       lambda b, h, x, y: (b, h, _visible(x, y, axis, clamp), 0))
 
 
-def _seg_specs(bq, bk, q_axis, clamp=None):
+def _row(n, axis, clamp=None):
+  """Block [1, n] of a [B, H, 1, T] array of per-query values (lane-major: a [B, H, T, 1]
+  column pads every value to 128 lanes in HBM and in each copy)."""
+  return pl.BlockSpec((None, None, 1, n),
+                      lambda b, h, x, y: (b, h, 0, _visible(x, y, axis, clamp)))
+
+
+def _seg_specs(bq, bk, q_axis, clamp=None, kv_rows=False):
+  """Segment-id blocks: q ids as a [bq, 1] column of seg[:, :, None] and k ids as a [1, bk]
+  row of seg[:, None, :]; with kv_rows the other way round (q row, k column)."""
   k_axis = 5 - q_axis
   cq = clamp if clamp and clamp[2] == "q" else None
   ck = clamp if clamp and clamp[2] == "kv" else None
-  sq = pl.BlockSpec((None, bq, 1), lambda b, h, x, y: (b, _visible(x, y, q_axis, cq), 0))
-  sk = pl.BlockSpec((None, 1, bk), lambda b, h, x, y: (b, 0, _visible(x, y, k_axis, ck)))
-  return sq, sk
+  col = lambda n, axis, c: pl.BlockSpec((None, n, 1),
+                                        lambda b, h, x, y: (b, _visible(x, y, axis, c), 0))
+  row = lambda n, axis, c: pl.BlockSpec((None, 1, n),
+                                        lambda b, h, x, y: (b, 0, _visible(x, y, axis, c)))
+  if kv_rows:
+    return row(bq, q_axis, cq), col(bk, k_axis, ck)
+  return col(bq, q_axis, cq), row(bk, k_axis, ck)
 
 
 def _params(interpret, semantics):
@@ -213,21 +236,25 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
   do = cts[0]
   B, H, Tp, D = q.shape
   Dv = v.shape[-1]
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1, keepdims=True)
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)      # [B, H, Tp]
   segs = (seg[:, :, None], seg[:, None, :])
   sem = ("parallel", "parallel", "parallel", "arbitrary")
   qc = (bq, bk, "q") if causal else None
-  sq, sk = _seg_specs(bq, bk, 3, qc)              # grid (b, h, kv block, q block)
+  # grid (b, h, kv block, q block): lse and delta change every inner step, so they come as
+  # [1, bq] rows (splash attention's dkv kernel reads its logsumexp the same way); the
+  # forward's [.., T, 1] lse becomes a row once, here, outside the kernel.
+  sq, sk = _seg_specs(bq, bk, 3, qc, kv_rows=True)
   dk, dv = pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
       grid=(B, H, Tp // bk, Tp // bq),
       in_specs=[_spec(bq, D, 3, qc), _spec(bk, D, 2), _spec(bk, Dv, 2), _spec(bq, Dv, 3, qc),
-                _spec(bq, 1, 3, qc), _spec(bq, 1, 3, qc), sq, sk],
+                _row(bq, 3, qc), _row(bq, 3, qc), sq, sk],
       out_specs=[_spec(bk, D, 2), _spec(bk, Dv, 2)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)],
       compiler_params=_params(interpret, sem), interpret=interpret,
-      name="mla_flash_dkdv_tpu")(q, k, v, do, lse, delta, *segs)
+      name="mla_flash_dkdv_tpu")(q, k, v, do, jnp.swapaxes(lse, 2, 3), delta[:, :, None, :],
+                                 segs[1], segs[0])
   kv = (bq, bk, "kv") if causal else None
   sq, sk = _seg_specs(bq, bk, 2, kv)              # grid (b, h, q block, kv block)
   dq = pallas_call(
@@ -239,7 +266,7 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32)],
       compiler_params=_params(interpret, sem), interpret=interpret,
-      name="mla_flash_dq_tpu")(q, k, v, do, lse, delta, *segs)
+      name="mla_flash_dq_tpu")(q, k, v, do, lse, delta[..., None], *segs)
   return dq, dk, dv, None
 
 
