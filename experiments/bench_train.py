@@ -86,12 +86,14 @@ def ceilings():
   return mm, 2 * big.nbytes / t / 1e9
 
 
-def make_config(model_kw, batch, seq, attention_impl, moe_impl, grad_accum=1):
+def make_config(model_kw, batch, seq, attention_impl, moe_impl, grad_accum=1,
+                ns_dtype="float32"):
   from k2jax import configs
   c = configs.get_config("tiny")
   c.model.update(model_kw)
   c.model.update(dict(attention_impl=attention_impl, moe_impl=moe_impl))
-  c.optimizer.update(dict(name="muonclip", tau=100.0, learning_rate=1e-4, warmup_steps=10))
+  c.optimizer.update(dict(name="muonclip", tau=100.0, learning_rate=1e-4, warmup_steps=10,
+                          ns_dtype=ns_dtype))
   c.train.update(dict(batch_size=batch, seq_len=seq, grad_accum=grad_accum))
   return c
 
@@ -188,8 +190,11 @@ def breakdown(config, params, state_opt, tx, step_s, reps):
     f = jax.jit(lambda g, s, p: tx.update(g, s, p, max_logits=max_logits, expert_load=load)[0])
     return timeit(f, grads, s, params, reps=reps)
   sched = optim.learning_rate_schedule(config)
-  t_muon = upd(optim.muon(m, sched))
+  t_muon = upd(optim.muon(m, sched, ns_dtype=config.optimizer.ns_dtype))
   t_clip = upd(optim.qk_clip(m, tau=100.0))
+  # the other Newton-Schulz dtype (optimizer.ns_dtype), for comparison: not in the step
+  other = "float32" if config.optimizer.ns_dtype == "bfloat16" else "bfloat16"
+  t_other = upd(optim.muon(m, sched, ns_dtype=other))
   parts = [("attention core (flash, S_max)", core, L),
            ("MLA projections", max(full_mla - core, 0.0), L),
            ("routed experts", routed, n_moe), ("shared experts", shared, n_moe),
@@ -201,6 +206,8 @@ def breakdown(config, params, state_opt, tx, step_s, reps):
   rest = step_s - sum(t * c for _, t, c in parts)
   rows.append(dict(part="rest (norms, embedding, recompute, gaps)", ms_each=1e3 * rest, count=1,
                    ms=1e3 * rest, share=rest / step_s))
+  rows.append(dict(part=f"(not in the step) the optimizer with Newton-Schulz in {other}",
+                   ms_each=1e3 * t_other, count=1, ms=1e3 * t_other, share=t_other / step_s))
   return rows
 
 
@@ -223,6 +230,8 @@ def main():
   p.add_argument("--grad-accum", type=int, default=1,
                  help="microbatches per optimizer step (--batch is the whole step's)")
   p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="optimizer.ns_dtype: Newton-Schulz's dtype in the step")
   p.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
   p.add_argument("--no-breakdown", action="store_true")
   p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
@@ -242,7 +251,7 @@ def main():
     batch = args.batch
     while True:
       config = make_config(model_kw, batch, args.seq, attn_impl, moe_impl,
-                           min(args.grad_accum, batch))
+                           min(args.grad_accum, batch), args.ns_dtype)
       try:
         step_s, state, metrics = step_time(config, args.reps)
         break
@@ -263,7 +272,7 @@ def main():
     flops = model.flops_per_token(m, args.seq) * tokens
     tf = flops / step_s / 1e12
     rows.append(dict(kernels=name, attention_impl=attn_impl, moe_impl=moe_impl,
-                     grad_accum=config.train.grad_accum,
+                     grad_accum=config.train.grad_accum, ns_dtype=args.ns_dtype,
                      activated_B=counts["activated"] / 1e9, total_B=counts["total"] / 1e9,
                      batch=batch, seq=args.seq, step_ms=1e3 * step_s, tokens_per_s=tokens / step_s,
                      model_TFLOPs=tf, MFU_datasheet=tf / peak if peak else float("nan"),

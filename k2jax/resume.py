@@ -52,6 +52,7 @@ RESUMABLE = (
     ("optimizer.nesterov", "optimizer value"),
     ("optimizer.rms_scale", "optimizer value"),
     ("optimizer.ns_steps", "optimizer value"),
+    ("optimizer.ns_dtype", "optimizer value"),
     ("optimizer.adam_", "optimizer value"),
     ("optimizer.grad_clip_norm", "gradient clipping value"),
     ("optimizer.host_state", "where optimizer states live (host or device memory)"),

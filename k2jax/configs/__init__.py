@@ -152,5 +152,7 @@ def validate(cfg: config_dict.ConfigDict) -> None:
       _fail(f"optimizer.{k}", o[k], "must be >= 0")
   if not 0 <= o.momentum < 1:
     _fail("optimizer.momentum", o.momentum, "must be in [0, 1)")
+  if o.get("ns_dtype", "float32") not in ("float32", "bfloat16"):
+    _fail("optimizer.ns_dtype", o.ns_dtype, "must be float32 or bfloat16")
   if not 0 <= cfg.data.eval_fraction < 1:
     _fail("data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")

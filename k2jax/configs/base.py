@@ -84,6 +84,8 @@ def optimizer_config():
       nesterov=False,                 # Algorithm 1 uses plain momentum
       rms_scale=0.2,                  # match AdamW update RMS (Moonlight)
       ns_steps=5,
+      ns_dtype="float32",             # Newton-Schulz's dtype: float32 (optax's) | bfloat16
+                                      # (Moonlight's: the bf16 matmul rate on GPU / TPU)
       adam_b1=0.9,
       adam_b2=0.95,
       adam_eps=1e-8,

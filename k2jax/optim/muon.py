@@ -21,6 +21,7 @@ gradients at all (it follows k2jax.model.balance).
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
@@ -156,13 +157,51 @@ def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.Gra
   return optax.GradientTransformation(inner.init, update_fn)
 
 
+def scale_by_muon_in(ns_dtype, *, ns_steps: int = 5, weight_dimension_numbers=None,
+                     eps: float = 1e-8, **kwargs) -> optax.GradientTransformation:
+  """optax.contrib.scale_by_muon with its Newton-Schulz iterations run in `ns_dtype`.
+
+      U = M / (|M|_F + eps)                       (float32: momentum, bias correction)
+      X_0 = U in ns_dtype;  X_{k+1} = a X_k + (b A + c A^2) X_k,  A = X_k X_k^T
+      O = X_ns_steps in float32
+
+  Moonlight's Muon, which K2's MuonClip builds on, runs the quintic iteration in bfloat16:
+  on GPUs and TPUs its matmuls then run at the bf16 rate instead of float32's (TF32 on
+  NVIDIA), and the iteration, which only has to bring singular values near 1, tolerates the
+  rounding. optax iterates in its input's dtype and exposes no Newton-Schulz function, so
+  this chains two of its scale_by_muon: one with ns_steps=0 (momentum, bias correction,
+  normalisation; its state is the state, so checkpoints do not depend on ns_dtype), then,
+  on the cast update, one with beta=0 and a fresh state, which is exactly Newton-Schulz of
+  its input.
+
+  Args:
+    ns_dtype: the iteration's dtype (None or float32: scale_by_muon unchanged).
+    ns_steps, weight_dimension_numbers, eps, **kwargs: optax.contrib.scale_by_muon's.
+  """
+  if ns_dtype is None or jnp.dtype(ns_dtype) == jnp.float32:
+    return scale_by_muon(ns_steps=ns_steps, weight_dimension_numbers=weight_dimension_numbers,
+                         eps=eps, **kwargs)
+  inner = scale_by_muon(ns_steps=0, weight_dimension_numbers=weight_dimension_numbers,
+                        eps=eps, **kwargs)
+  orthogonalize = scale_by_muon(ns_steps=ns_steps, beta=0.0, nesterov=False, eps=eps,
+                                weight_dimension_numbers=weight_dimension_numbers)
+
+  def update_fn(updates, state, params=None):
+    updates, state = inner.update(updates, state, params)
+    low = jax.tree.map(lambda u: u.astype(ns_dtype), updates)
+    out, _ = orthogonalize.update(low, orthogonalize.init(low))
+    return jax.tree.map(lambda o, u: o.astype(u.dtype), out, updates), state
+
+  return optax.GradientTransformation(inner.init, update_fn)
+
+
 def _as_tuple(a):
   return (a,) if isinstance(a, int) else tuple(a)
 
 
 def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
          rms_scale=0.2, ns_steps=5, adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8,
-         adam_learning_rate=None, mu_dtype=None) -> optax.GradientTransformation:
+         adam_learning_rate=None, mu_dtype=None, ns_dtype=None) -> optax.GradientTransformation:
   """Muon on matrices + AdamW elsewhere + nothing for the router bias (report 2.1).
 
   For every Muon matrix W (each layer's and each expert's separately) with gradient G:
@@ -179,6 +218,7 @@ def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
     weight_decay: decoupled and scaled by the learning rate, as in Algorithm 1.
     momentum, nesterov, ns_steps, mu_dtype: Muon's mu, Nesterov flag, Newton-Schulz
       iterations and momentum dtype (optax.contrib.scale_by_muon).
+    ns_dtype: the dtype Newton-Schulz iterates in (`scale_by_muon_in`; None: float32).
     rms_scale: update RMS after matching (scale_by_rms_match).
     adam_b1, adam_b2, adam_eps, adam_learning_rate: the AdamW group's settings.
   Returns:
@@ -187,8 +227,8 @@ def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
   dims = _align(dimension_numbers(cfg))
   muon_chain = optax.chain(
       whole_matrix_momentum(
-          scale_by_muon(ns_steps=ns_steps, beta=momentum, nesterov=nesterov, mu_dtype=mu_dtype,
-                        weight_dimension_numbers=dims), cfg),
+          scale_by_muon_in(ns_dtype, ns_steps=ns_steps, beta=momentum, nesterov=nesterov,
+                           mu_dtype=mu_dtype, weight_dimension_numbers=dims), cfg),
       scale_by_rms_match(dims, rms_scale),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),

@@ -24,7 +24,7 @@ def muonclip(cfg, learning_rate, *, tau: float = 100.0, weight_decay: float = 0.
              momentum: float = 0.95, nesterov: bool = False, rms_scale: float = 0.2,
              ns_steps: int = 5, adam_b1: float = 0.9, adam_b2: float = 0.95,
              adam_eps: float = 1e-8, adam_learning_rate=None,
-             mu_dtype=None) -> optax.GradientTransformationExtraArgs:
+             mu_dtype=None, ns_dtype=None) -> optax.GradientTransformationExtraArgs:
   """Muon (matrices) + AdamW (embedding, head, router, norms), then per-head QK-Clip.
 
   For every Muon matrix W with gradient G (Algorithm 1):
@@ -45,6 +45,7 @@ def muonclip(cfg, learning_rate, *, tau: float = 100.0, weight_decay: float = 0.
     nesterov: Nesterov momentum for Muon (Algorithm 1 uses plain momentum).
     rms_scale: Muon update RMS after matching (Moonlight's 0.2, AdamW-like).
     ns_steps: Newton-Schulz iterations (5).
+    ns_dtype: the dtype Newton-Schulz iterates in (None: float32; Moonlight's bfloat16).
     adam_b1, adam_b2, adam_eps: AdamW's moments for the non-matrix parameters.
     adam_learning_rate: a separate learning rate for the AdamW group.
     mu_dtype: dtype of the momenta (None: the parameters').
@@ -55,7 +56,8 @@ def muonclip(cfg, learning_rate, *, tau: float = 100.0, weight_decay: float = 0.
   return optax.chain(
       muon(cfg, learning_rate, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
            rms_scale=rms_scale, ns_steps=ns_steps, adam_b1=adam_b1, adam_b2=adam_b2,
-           adam_eps=adam_eps, adam_learning_rate=adam_learning_rate, mu_dtype=mu_dtype),
+           adam_eps=adam_eps, adam_learning_rate=adam_learning_rate, mu_dtype=mu_dtype,
+           ns_dtype=ns_dtype),
       qk_clip(cfg, tau))
 
 
@@ -69,7 +71,7 @@ def learning_rate_schedule(config) -> optax.Schedule:
 def _muon_kwargs(o) -> dict:
   return dict(weight_decay=o.weight_decay, momentum=o.momentum, nesterov=o.nesterov,
               rms_scale=o.rms_scale, ns_steps=o.ns_steps, adam_b1=o.adam_b1,
-              adam_b2=o.adam_b2, adam_eps=o.adam_eps)
+              adam_b2=o.adam_b2, adam_eps=o.adam_eps, ns_dtype=o.get("ns_dtype", "float32"))
 
 
 def _adamw_kwargs(o) -> dict:
