@@ -12,7 +12,12 @@ Tables (printed, and CSV under experiments/results/pipeline/):
                loop (weights, gradients, statistics) and inside it (stage activations and
                their cotangents), against the pipelined stack's parameter bytes
                (experiments/pipeline_hlo.py; run it on an older commit for the "before" row);
+  zero_bubble  zbh1 against 1f1b: idle time at equal stages and at K2's stage costs (the
+               head's W deferred or not), residual / cut / head-cut slots, plan's activations;
   plan_vs_xla  plan's per-device states against the compiled step's argument bytes;
+  plan_vs_xla_activations  what zbh1 keeps beyond 1f1b (cut and head-cut buffers) as plan
+               counts it and as the compiled steps' temp bytes differ (XLA's difference
+               also holds the W phase's own temporaries);
   step_time    the pipelined step's wall time over the same model and batch on pipeline=1 x
                data=8 (8 simulated devices share 2 cores: wall time is total work, so
                skipped work shows up), for both ways of skipping idle phases;
@@ -179,6 +184,30 @@ def plan_vs_xla():
   write("plan_vs_xla.csv", rows)
 
 
+def plan_vs_xla_activations():
+  """What zbh1 keeps beyond 1f1b for its W tasks (the cut and the head's cut), as plan counts
+  it (activation_bytes) and as XLA allocates it: the temp bytes of the two compiled train
+  steps (pipeline 4 x 2 virtual x expert 2, 8 microbatches of 4 sequences per device).
+  Their absolute temp bytes also hold the gradient buffers and the update's temporaries,
+  which plan counts as states, so the rows compare the difference."""
+  from k2jax import plan
+  rows = []
+  for remat in ("none", "full"):
+    got = {}
+    for sched in ("1f1b", "zbh1"):
+      compiled = pipeline_hlo.build((4, 1, 2), schedule=sched, remat=remat)[0]
+      c = pipeline_hlo.tiny_config((4, 1, 2), schedule=sched, remat=remat)
+      act = plan.activation_bytes(c.model, dict(pipeline=4, data=1, expert=2), c.train.seq_len,
+                                  micro_batch=4, virtual_stages=2, microbatches=8,
+                                  schedule=sched, platform="cpu")[0]
+      got[sched] = (compiled.memory_analysis().temp_size_in_bytes, act)
+    dx, dp = (got["zbh1"][i] - got["1f1b"][i] for i in (0, 1))
+    rows.append(dict(remat=remat, xla_temp_1f1b=got["1f1b"][0], xla_temp_zbh1=got["zbh1"][0],
+                     plan_activations_1f1b=got["1f1b"][1], plan_activations_zbh1=got["zbh1"][1],
+                     xla_zbh1_extra=dx, plan_zbh1_extra=dp, plan_over_xla=dp / dx))
+  write("plan_vs_xla_activations.csv", rows)
+
+
 def step_time():
   """Same model (1 dense + 8 MoE layers), batch and microbatches on 8 devices."""
   rows = []
@@ -286,15 +315,15 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--loss-steps", type=int, default=200)
   ap.add_argument("--only",
-                  default="params,bubble,zero_bubble,collectives,plan_vs_xla,step_time,memory,"
-                          "storage,loss")
+                  default="params,bubble,zero_bubble,collectives,plan_vs_xla,"
+                          "plan_vs_xla_activations,step_time,memory,storage,loss")
   a = ap.parse_args()
   only = a.only.split(",")
   print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
         "GFLOP/s on this machine\n")
   steps = {"params": param_bytes, "bubble": bubbles, "zero_bubble": zero_bubble,
            "collectives": collectives,
-           "plan_vs_xla": plan_vs_xla,
+           "plan_vs_xla": plan_vs_xla, "plan_vs_xla_activations": plan_vs_xla_activations,
            "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}
   for name in only:

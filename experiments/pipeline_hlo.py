@@ -125,13 +125,15 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
 
 
 def tiny_config(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
-                param_dtype="float32", schedule=None):
+                param_dtype="float32", schedule=None, remat=None):
   """The tiny model with `layers` layers (1 dense) on a (pipeline, data, expert) mesh."""
   from k2jax import configs
   c = configs.get_config("tiny")
   c.model.num_hidden_layers = layers
   c.model.aux_loss_alpha = 0.01
   c.model.param_dtype = param_dtype
+  if remat:
+    c.model.remat = remat
   c.train.update(dict(batch_size=batch, seq_len=seq, grad_accum=grad_accum))
   c.mesh.update(dict(zip(("pipeline", "data", "expert"), mesh_shape)))
   c.mesh.virtual_stages = virtual if mesh_shape[0] > 1 else 1
@@ -143,7 +145,7 @@ def tiny_config(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32,
 
 
 def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=None,
-          param_dtype="float32", schedule=None):
+          param_dtype="float32", schedule=None, remat=None):
   """(compiled train step, mesh, state, batch, ticks, stack parameter bytes) of
   `tiny_config(...)` on 8 devices, as this checkout's k2jax.train builds it."""
   from k2jax import model, optim, parallel
@@ -153,7 +155,7 @@ def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=
   except ImportError:
     layout = None
   c = tiny_config(mesh_shape, virtual, layers, grad_accum, batch, seq, skip, param_dtype,
-                  schedule)
+                  schedule, remat)
   mesh = parallel.make_mesh(c.mesh)
   stored = layout.stored_config(c) if layout else c
   tx = optim.optimizer(stored)
