@@ -46,8 +46,8 @@ def get_config():
       # Report 2.4.3: selective recomputation, FP8 (E4M3, 1 x 128 tiles) storage of the MoE
       # up-projection and SwiGLU inputs, and the saved activations offloaded to host memory:
       # on a pipeline (this layout) offload does not apply yet and a warning says so: the
-      # stage residuals live in the schedule's loop-carried buffers, which XLA's host
-      # offloading does not take (plan's 41 GB of activations are on the device).
+      # stage residuals live in the schedule's loop-carried device buffers, and host-memory
+      # buffers for them are not built (plan's 41 GB of activations are on the device).
       remat="selective",
       activation_storage="fp8",
       offload=True,
