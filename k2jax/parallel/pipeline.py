@@ -109,7 +109,7 @@ def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
 
 
 @functools.lru_cache(maxsize=16)
-def _w_share(cfg_json: str, data: int, expert: int, seq_len: int, platform):
+def _traced_split(cfg_json: str, data: int, expert: int, seq_len: int, platform):
   import ml_collections
   from k2jax.kernels import platform as kernel_platform
   cfg = _pipeline_model_cfg(ml_collections.ConfigDict(json.loads(cfg_json)))
@@ -140,7 +140,8 @@ def split_cost(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platfor
   # pipeline x data x expert mesh), and an abstract mesh of another size cannot be entered
   # there; the mesh context is per thread.
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    return pool.submit(_w_share, cfg.to_json(), data, expert, seq_len, platform).result()
+    return pool.submit(_traced_split, cfg.to_json(), data, expert, seq_len,
+                       platform).result()
 
 
 def w_share(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platform=None) -> float:
@@ -464,6 +465,10 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     log.info("pipeline: a stage keeps %.3g MB for its backward (model.remat=%s; its %.3g MB "
              "of weights are not copied), %d slots per device", nbytes(res_shapes) / 1e6,
              cfg.remat, nbytes(at(params, 0)) / 1e6, slots["res"])
+    if tab.split:
+      log.info("pipeline (zbh1): what B hands W waits in %d slots of %.3g MB per device, the "
+               "head's cut in %d of %.3g MB (every device holds both)", slots["cut"],
+               nbytes(cut_shapes) / 1e6, slots["hcut"], nbytes(hcut_shapes) / 1e6)
 
   def branch(pred, tick_pred, yes, no, *operands):
     """lax.cond on this device's own predicate ("device") or on the tick's ("tick")."""
