@@ -198,9 +198,7 @@ def _stage_fn(cfg, ffn, skip_padding: bool):
     def skip(x):
       return x, (jnp.full((H,), -jnp.inf, jnp.float32), jnp.zeros((E if moe else 0,)),
                  jnp.zeros((), jnp.float32))
-    if skip_padding:
-      return jax.lax.cond(on, run, skip, x)
-    return _where(on, run(x), skip(x))
+    return _if_real(on, run, skip, skip_padding, x)
 
   policy = remat_policy(cfg.remat, cfg.offload)
   if policy is not None:
@@ -321,6 +319,20 @@ def _where(c, a, b):
   return jax.tree.map(lambda u, w: jnp.where(c, u, w), a, b)
 
 
+def _if_real(on, real, pad, skip_padding: bool, *operands):
+  """real(*operands) for a real layer, pad(*operands) for a padding row: skipped with a
+  lax.cond (`skip_padding`, per device) or both computed and one kept (CPU's per-tick
+  mode, module docstring)."""
+  if skip_padding:
+    return jax.lax.cond(on, real, pad, *operands)
+  return _where(on, real(*operands), pad(*operands))
+
+
+def _zeros(avals):
+  """Zeros shaped like a tree of arrays / ShapeDtypeStructs."""
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
+
+
 def _put(buf, slot, value):
   """buf[slot] = value where slot >= 0 (a tree of buffers [slots, ...])."""
   def one(b, x):
@@ -363,14 +375,14 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   at = lambda tree, v: jax.tree.map(lambda a: a[v], tree)
   saved = _Saved()     # the stage's vjp: its residuals minus the stage's own weights
 
-  def forward(pv, x, v, m):
-    """-> (y, aux), stats, stored residual leaves."""
-    if not grads:
-      out, stats = stage_out(pv, x, v, m)
-      return out, stats, []
-    return saved.vjp(lambda a, b: stage_out(a, b, v, m), pv, x, has_aux=True)
-
-  if grads and tab.split:
+  if not (grads and tab.split):
+    def forward(pv, x, v, m):
+      """-> (y, aux), stats, stored residual leaves."""
+      if not grads:
+        out, stats = stage_out(pv, x, v, m)
+        return out, stats, []
+      return saved.vjp(lambda a, b: stage_out(a, b, v, m), pv, x, has_aux=True)
+  else:
     # zbh1: each layer's backward cut into B (input gradient) and W (weight gradients) by
     # k2jax.parallel.bwsplit; F keeps every layer's vjp residuals ([L, ...] per leaf), B
     # hands W the cut ([L, ...]), W reads both.
@@ -401,10 +413,6 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     head_early = [i for i in range(len(hw)) if i not in head_cut.late]
     hcut_shapes = head_cut.cut_avals
 
-    def masked(on_l, real, pad, *operands):
-      return jax.lax.cond(on_l, real, pad, *operands) if per_device else _where(
-          on_l, real(*operands), pad(*operands))
-
     def forward(pv, x, v, m):
       def body(x, xs):
         pl, on_l = xs
@@ -416,8 +424,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
         def pad(x):
           return (x, jnp.zeros((), jnp.float32), jnp.full((H,), -jnp.inf, jnp.float32),
                   jnp.zeros((E if moe else 0,), jnp.float32),
-                  [jnp.zeros(a.shape, a.dtype) for a in layer_res])
-        y, aux, ml, load, res = masked(on_l, real, pad, x)
+                  _zeros(layer_res))
+        y, aux, ml, load, res = _if_real(on_l, real, pad, per_device, x)
         return y, (aux, ml, load, res)
       y, (aux, ml, load, res) = jax.lax.scan(body, x, (pv, on[v]))
       return (y, jnp.sum(aux)), (ml, load), res
@@ -432,9 +440,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
           return dx[0].astype(dt), [e[i] for i in early], cut
 
         def pad(dy):
-          return (dy, [jnp.zeros(w_avals[i].shape, w_avals[i].dtype) for i in early],
-                  [jnp.zeros(a.shape, a.dtype) for a in cut_fn.cut_avals])
-        dx, e, cut = masked(on_l, real, pad, dy)
+          return dy, _zeros([w_avals[i] for i in early]), _zeros(cut_fn.cut_avals)
+        dx, e, cut = _if_real(on_l, real, pad, per_device, dy)
         return dx, (e, cut)
       dx, (e, cut) = jax.lax.scan(body, dy, (pv, on[v], res), reverse=True)
       return dx, e, cut
@@ -449,8 +456,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
           return [g[i] for i in cut_fn.late]
 
         def pad():
-          return [jnp.zeros(w_avals[i].shape, w_avals[i].dtype) for i in cut_fn.late]
-        return None, masked(on_l, real, pad)
+          return _zeros([w_avals[i] for i in cut_fn.late])
+        return None, _if_real(on_l, real, pad, per_device)
       return jax.lax.scan(body, None, (pv, on[v], res, cut))[1]
 
   # Shapes of one F phase's outputs, for the buffers and the idle branch.
@@ -502,7 +509,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     def no_head_split():
       return (jnp.zeros((), jnp.float32),
               [jnp.zeros(hw[i].shape, jnp.float32) for i in head_early], jnp.zeros_like(y),
-              [jnp.zeros(a.shape, a.dtype) for a in hcut_shapes])
+              _zeros(hcut_shapes))
     hcut = []
     if grads and tab.split:
       ce, gh, dh, hcut = branch(last, flags["head"], head_split, no_head_split)
@@ -525,9 +532,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
 
   def f_idle(args):
     acc = args[-1]
-    hcut = ([jnp.zeros(a.shape, a.dtype) for a in hcut_shapes] if grads and tab.split
-            else [])
-    return (x0, x0, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), res_shapes), hcut,
+    hcut = _zeros(hcut_shapes) if grads and tab.split else []
+    return (x0, x0, _zeros(res_shapes), hcut,
             acc)
 
   def add_leaves(tree, idx, values, where):
@@ -570,7 +576,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
 
   def b_idle(args):
     if tab.split:
-      return x0, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cut_shapes), args[-1]
+      return x0, _zeros(cut_shapes), args[-1]
     return x0, args[-1]
 
   def w_phase(args):
@@ -580,7 +586,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     last = (p == Pn - 1) & (v == V - 1) & valid
     gh = branch(last, flags["head"],
                 lambda: [head_cut.w(jax.tree.leaves(head), hcut)[i] for i in head_cut.late],
-                lambda: [jnp.zeros(hw[i].shape, hw[i].dtype) for i in head_cut.late])
+                lambda: _zeros([hw[i] for i in head_cut.late]))
     return dict(acc, g_head=add_leaves(acc["g_head"], head_cut.late, gh, last))
 
   def w_idle(args):

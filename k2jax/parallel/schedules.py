@@ -157,8 +157,6 @@ def _orders(name, P, V, M):
   # stage 0, then 1, ...; backwards in the same groups, virtual stages last to first.
   f = [(v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
   b = [(V - 1 - v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
-  if name == "zbh1":
-    return {"F": f, "B": b, "W": b}
   return {"F": f, "B": b}
 
 
@@ -189,11 +187,11 @@ def build(name: str, P: int, V: int, M: int, costs=None) -> Table:
   t = 0
   total = M * V
   limit = 10 * (M * V + S) + 10
-  while any(nxt[k][p] < total for k in ("F", "B") for p in range(P)):
+  while any(nxt[k][p] < total for k in kinds for p in range(P)):
     if t > limit:
       raise RuntimeError(f"schedule {name} P={P} V={V} M={M} does not finish")
     row = {k: [(-1, -1)] * P for k in kinds}
-    for k in ("F", "B"):
+    for k in kinds:
       for p in range(P):
         i = nxt[k][p]
         if i >= total:
@@ -216,24 +214,22 @@ def build(name: str, P: int, V: int, M: int, costs=None) -> Table:
       rows[k].append(row[k])
     t += 1
   task = {k: np.asarray(rows[k], np.int32) for k in kinds}
-  if "W" in kinds:
+  if name == "zbh1":          # the W's, placed into the finished F / B table
     task["W"] = _place_w(task, P, costs and dict(costs))
   slots, sizes = _slots(task, P, V)
   return Table(name, P, V, M, task, slots, sizes)
 
 
-def _place_w(task, P, costs=None, bound=None, lag=None):
+def _place_w(task, P, costs=None):
   """W tasks into an F / B table (task["W"]), one per device and tick.
 
   Each W starts in its B's tick, which costs what 1F1B's unsplit backward costs. Then a W
   on a device that sets its tick's length moves to the first later tick where it fits in
   time that tick's slowest device spends anyway, while the residuals it keeps alive stay
-  within `bound` per device (the 1F1B peak: memory as 1F1B). No move lengthens a tick, so
-  the table is never slower than 1F1B; the W's that move fill the warm-up and cool-down.
-  costs: per-stage task costs (`stage_costs`) or None (SPLIT_COST); lag: at most this many
-  W's waiting per device (the cut slots; None: no limit beyond `bound`). At K2's costs the
-  idle time falls about linearly with the lag: 21.6% at 1, 20.4% at 8, 19.2% unlimited (16
-  slots)."""
+  within the 1F1B peak per device (residual slots as 1F1B; what B hands W waits in cut
+  slots on top). No move lengthens a tick, so the table is never slower than 1F1B; the W's
+  that move fill the warm-up and cool-down. costs: per-stage task costs (`stage_costs`) or
+  None (SPLIT_COST)."""
   ticks = task["F"].shape[0]
 
   def of(k, v):          # cost of stage-task kind k for virtual stages v [ticks, P]
@@ -248,9 +244,7 @@ def _place_w(task, P, costs=None, bound=None, lag=None):
   fwd = np.cumsum(task["F"][..., 0] >= 0, axis=0)        # forwards issued by tick t
   done = np.cumsum(w[..., 0] >= 0, axis=0)               # W's finished by the end of t
   live = fwd - np.concatenate([np.zeros((1, P), int), done[:-1]])
-  bwd = np.cumsum(task["B"][..., 0] >= 0, axis=0)
-  owed = bwd - done                                      # W's waiting at the end of t
-  bound = live.max() if bound is None else bound
+  bound = live.max()
   eps = 1e-9
   for t in range(ticks):
     while True:
@@ -262,15 +256,12 @@ def _place_w(task, P, costs=None, bound=None, lag=None):
         for t2 in range(t + 1, ticks):
           if live[t + 1:t2 + 1, p].max() + 1 > bound:
             break
-          if lag is not None and owed[t:t2, p].max() + 1 > lag:
-            break
           if w[t2, p, 0] < 0 and cost[t2, p] + wc[t, p] <= cost[t2].max() + eps:
             w[t2, p], w[t, p] = w[t, p], -1
             wc[t2, p], cost[t2, p] = wc[t, p], cost[t2, p] + wc[t, p]
             cost[t, p] -= wc[t, p]
             wc[t, p] = 0.0
             live[t + 1:t2 + 1, p] += 1
-            owed[t:t2, p] += 1
             moved = True
             break
       if not moved or cost[t].max() >= top - eps:
