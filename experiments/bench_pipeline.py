@@ -122,17 +122,15 @@ def bubbles():
 def zero_bubble():
   """zbh1 (B/W split, k2jax.parallel.bwsplit) against interleaved 1F1B: idle device time
   with stages of equal work (F = B = W) and at K2's stage costs (W's share of a layer's
-  backward traced from the split on K2's mesh; the head's weight gradient in W, and, for
-  comparison, left in the head's F), the stage residuals alive per device, the slots for
-  what B hands W and for the head's cut, and plan's activation figure."""
+  backward traced from the split on K2's mesh; the head split over the pipeline devices),
+  the stage residuals alive per device, the slots for what B hands W, and plan's activation
+  figure. K2 at 2 and 4 virtual stages (stages of 2 and 1 layers)."""
   from k2jax import configs, plan
   from k2jax.parallel import layout, pipeline
   k2 = configs.get_config("kimi_k2")
   mesh = dict(pipeline=16, data=8, expert=16)
-  w, cut, head_cut = pipeline.split_cost(k2.model, mesh["data"], mesh["expert"],
-                                         k2.train.seq_len)
-  sp = layout.split(k2.model, 16, 2)
-  blank = dict(w_share=1.0, zbh1_layers_only_idle="", cut_gb_per_layer="", head_cut_gb="",
+  w, cut = pipeline.split_cost(k2.model, mesh["data"], mesh["expert"], k2.train.seq_len)
+  blank = dict(w_share=1.0, cut_gb_per_layer="",
                f1b_activations_gb="", zbh1_activations_gb="")
   rows = []
   for P, V, M in ((4, 1, 8), (4, 2, 8), (8, 1, 16), (16, 1, 32), (16, 2, 32)):
@@ -140,26 +138,22 @@ def zero_bubble():
     rows.append(dict(stages="equal", pipeline=P, virtual=V, microbatches=M,
                      f1b_idle=f1b.idle_fraction(), zbh1_idle=zb.idle_fraction(),
                      f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
-                     zbh1_cut_slots=zb.sizes["cut"], zbh1_hcut_slots=zb.sizes["hcut"], **blank))
-  plain = schedules.stage_costs(k2.model, sp, k2.train.seq_len)
-  split = schedules.stage_costs(k2.model, sp, k2.train.seq_len, w)
-  # the head's weight gradient back in its F phase: only the layers' W's move
-  head = np.zeros_like(split["F"])
-  head[-1] = plain["F"][-1] - split["F"][-1]
-  layers_only = dict(split, F=split["F"] + head, W=split["W"] - head)
-  f1b = schedules.build("1f1b", 16, 2, 32)
-  zb = schedules.build("zbh1", 16, 2, 32, schedules.frozen(split))
-  zb_layers = schedules.build("zbh1", 16, 2, 32, schedules.frozen(layers_only))
-  act = {s: plan.activation_bytes(k2.model, mesh, k2.train.seq_len, virtual_stages=2,
-                                  microbatches=32, schedule=s)[0] / 1e9
-         for s in ("1f1b", "zbh1")}
-  rows.append(dict(stages="k2", pipeline=16, virtual=2, microbatches=32,
-                   f1b_idle=f1b.idle_fraction(plain), zbh1_idle=zb.idle_fraction(split),
-                   f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
-                   zbh1_cut_slots=zb.sizes["cut"], zbh1_hcut_slots=zb.sizes["hcut"], w_share=w,
-                   zbh1_layers_only_idle=zb_layers.idle_fraction(layers_only),
-                   cut_gb_per_layer=cut / 1e9, head_cut_gb=head_cut / 1e9,
-                   f1b_activations_gb=act["1f1b"], zbh1_activations_gb=act["zbh1"]))
+                     zbh1_cut_slots=zb.sizes["cut"], **blank))
+  for V in (2, 4):
+    sp = layout.split(k2.model, 16, V)
+    plain = schedules.stage_costs(k2.model, sp, k2.train.seq_len)
+    split = schedules.stage_costs(k2.model, sp, k2.train.seq_len, w)
+    f1b = schedules.build("1f1b", 16, V, 32)
+    zb = schedules.build("zbh1", 16, V, 32, schedules.frozen(split))
+    act = {s: plan.activation_bytes(k2.model, mesh, k2.train.seq_len, virtual_stages=V,
+                                    microbatches=32, schedule=s)[0] / 1e9
+           for s in ("1f1b", "zbh1")}
+    rows.append(dict(stages="k2", pipeline=16, virtual=V, microbatches=32,
+                     f1b_idle=f1b.idle_fraction(plain), zbh1_idle=zb.idle_fraction(split),
+                     f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
+                     zbh1_cut_slots=zb.sizes["cut"], w_share=w,
+                     cut_gb_per_layer=cut / 1e9, f1b_activations_gb=act["1f1b"],
+                     zbh1_activations_gb=act["zbh1"]))
   write("zero_bubble.csv", rows)
 
 

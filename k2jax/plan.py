@@ -123,7 +123,9 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
     with kernel_platform.target(platform):
       return transformer.layer_residual_bytes(c, ffn, seq_len) / seq_len
   kinds = {st.ffn: st.size for st in model.stacks(m)}
-  working = max(layer(ffn, "none") for ffn in kinds) + 8 * m.vocab_size
+  # the f32 logits and their gradient of one sequence: each pipeline device has its own
+  # slice of the vocabulary (k2jax.parallel.pipeline._head)
+  working = max(layer(ffn, "none") for ffn in kinds) + 8 * -(-m.vocab_size // stages)
   if stages == 1:
     saved = sum(layer(ffn, m.remat) * n for ffn, n in kinds.items())
     return (saved + working) * seq_len * micro_batch, settings
@@ -132,17 +134,15 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   sp = layout.split(m, stages, virtual_stages)
   tab = pipeline.schedule_table(m, stages, virtual_stages, M, schedule, mesh_shape["data"],
                                 mesh_shape["expert"], seq_len, platform)
-  cut = head_cut = 0.0
+  cut = 0.0
   if tab.split:
-    _, cut, head_cut = pipeline.split_cost(m, mesh_shape["data"], mesh_shape["expert"],
-                                           seq_len, platform)
+    _, cut = pipeline.split_cost(m, mesh_shape["data"], mesh_shape["expert"], seq_len,
+                                 platform)
   stage = layer(sp.stack.ffn, m.remat) * sp.per_stage
   buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
-  # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each, the
-  # head's cut (its f32 logits gradient) in `hcut` slots; the loop's buffers have the same
-  # shape on every pipeline device, so every device holds both.
-  waiting = (tab.sizes.get("cut", 0) * sp.per_stage * cut
-             + tab.sizes.get("hcut", 0) * head_cut) / seq_len
+  # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each; the
+  # loop's buffers have the same shape on every pipeline device, so every device holds them.
+  waiting = tab.sizes.get("cut", 0) * sp.per_stage * cut / seq_len
   return (tab.in_flight * stage + buffers + waiting + working) * seq_len * micro_batch, settings
 
 
@@ -231,14 +231,15 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
     split_note = "" if not tab.split else (
         f"; W takes {pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
         f"backward (k2jax.parallel.bwsplit), "
-        f"{tab.sizes['cut']} + {tab.sizes['hcut']} slots per device hold what B hands W "
-        f"and the head's cut (in activations above)")
+        f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above)")
+    padded = (f", {sp.padded} padding row(s) stored, first on the stage with the embedding"
+              if sp.padded else "")
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
                  f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
                  f"{tab.idle_fraction(costs):.1%} of device time by stage FLOPs "
                  f"({tab.idle_fraction():.1%} if stages did equal work), {tab.in_flight} "
                  f"stage activations in flight per device"
-                 f"{f', {sp.padded} padding row(s) stored on the stages with the embedding / head' if sp.padded else ''}"
+                 f"{padded}"
                  f"{split_note}")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12

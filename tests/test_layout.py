@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from k2jax import configs, model, optim, parallel, plan
-from k2jax.parallel import layout
+from k2jax.parallel import layout, pipeline
 from k2jax.step import init_state
 
 
@@ -54,19 +54,20 @@ def test_layers_per_stage_cover_the_stack_for_every_split():
           assert all(sp.real()[p].any() for p in range(P)), (layers, P, V, n)
 
 
-def test_k2_padding_goes_where_the_embedding_and_head_run():
-  """K2's 60 MoE layers over 16 x 2 stages of 2: the 4 padding rows go to stage 0 (which also
-  runs the embedding and the dense layer) and the last stage (the head), so 1F1B with 32
-  microbatches idles 21.9% of device time by stage cost instead of 32.9% with them on the
-  last two stages (schedules.stage_costs: FLOPs of each stage's tasks)."""
+def test_k2_padding_goes_where_the_embedding_runs():
+  """K2's 60 MoE layers over 16 x 2 stages of 2: two of the 4 padding rows go to stage 0
+  (which also runs the embedding and the dense layer), two to the last stages (the head is
+  split over every device), so 1F1B with 32 microbatches idles 19.8% of device time by stage
+  cost (the best of every placement of the 4 rows, by brute force) instead of 32.4% with
+  them all on the last stages (schedules.stage_costs: FLOPs of each stage's tasks)."""
   from k2jax.parallel import schedules
   m = configs.get_config("kimi_k2").model
   sp = layout.split(m, 16, 2)
   n = sp.layers_per_stage()
-  assert n[0] == 0 and n[-1] == 0 and (n[1:-1] == 2).all()
+  assert n[0] == 0 and (n[1:-2] == 2).all() and (n[-2:] == 1).all()
   tab = schedules.build("1f1b", 16, 2, 32)
   tail = sp._replace(counts=())                       # the padding on the last stages
-  assert tab.idle_fraction(schedules.stage_costs(m, sp, 4096)) < 0.22
+  assert tab.idle_fraction(schedules.stage_costs(m, sp, 4096)) < 0.199
   assert tab.idle_fraction(schedules.stage_costs(m, tail, 4096)) > 0.32
   assert abs(tab.idle_fraction() - 0.19) < 0.001      # equal stages: GPipe's (P-1)/(MV+P-1)
 
@@ -127,7 +128,8 @@ def _k2_counts():
   sharding code: 4 of the 60 MoE layers (64 stored rows over 16 devices) with 24 of their
   384 experts, and every other weight of those layers split 16 ways over the expert group
   (FSDP) but the two small norms of the low-rank projections and the router bias; the dense
-  first layer whole; the embedding and head rows split 16 ways."""
+  first layer whole; the embedding's rows split 16 ways, the head's columns 256 ways (its
+  vocabulary slices over the pipeline, each over the expert group)."""
   m = configs.get_config("kimi_k2").model
   d, H, ep = m.hidden_size, m.num_attention_heads, 16
   small = m.q_lora_rank + m.kv_lora_rank                       # q_a_norm, kv_a_norm
@@ -138,7 +140,7 @@ def _k2_counts():
   moe_row = (m.n_routed_experts // ep * expert + small + m.n_routed_experts
              + (attn + m.n_shared_experts * expert + d * m.n_routed_experts) / ep)
   dense = small + attn + 3 * d * m.intermediate_size
-  return 4 * moe_row + dense + (2 * m.vocab_size * d + d) / ep
+  return 4 * moe_row + dense + (m.vocab_size * d + d) / ep + m.vocab_size * d / (16 * ep)
 
 
 def test_k2_states_per_device_from_the_trainers_shardings():
@@ -180,4 +182,8 @@ def test_k2_states_per_device_from_the_trainers_shardings():
                      ("optimizer", "optimizer on device"), ("optimizer_host", "host memory")):
     assert f"{label:<24}{st[key] / 1e9:>10.2f}" in text
   assert f"{'all states on device':<24}{total / 1e9:>10.2f}" in text
-  assert "idle 21.9% of device time by stage FLOPs (19.0% if stages did equal work)" in text
+  tab = pipeline.schedule_table(config.model, 16, 2, 32, "1f1b")
+  idle = tab.idle_fraction(pipeline.schedule_costs(config.model, 16, 2, "1f1b"))
+  assert idle < 0.199                 # the head split over the pipeline (21.9% on the last)
+  assert (f"idle {idle:.1%} of device time by stage FLOPs ({tab.idle_fraction():.1%} if "
+          "stages did equal work)") in text

@@ -27,7 +27,9 @@ def test_rules_split_experts_layers_vocabulary_and_the_model_dimension_over_the_
   assert piped["dense_layers"]["attn"]["o"].spec == P(None, None, None, None)
   assert piped["moe_layers"]["attn"]["o"].spec == P("pipeline", None, None, "expert")
   assert sh["embed"].spec == P("expert", None)             # vocabulary rows over the expert group
-  assert sh["lm_head"].spec == P(None, "expert")
+  # the head's columns over pipeline x expert: each pipeline device runs its vocabulary slice
+  assert sh["lm_head"].spec == P(None, ("pipeline", "expert"))
+  assert piped["lm_head"].spec == P(None, ("pipeline", "expert"))
   assert sh["final_norm"].spec == P("expert")
   # sizes the expert axis does not divide stay whole instead of failing (memory-only splits)
   odd = configs.get_config("tiny").model

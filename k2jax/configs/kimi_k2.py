@@ -56,8 +56,8 @@ def get_config():
   # 67M-token global batch (16384 x 4096) -> ~149k constant + ~82k decay steps. tau = 100.
   # Report 2.4.2: the optimizer states (Muon momentum, fp32 master weights; ZeRO-1 over
   # data) live in host memory and come to the device for the update only, so a device
-  # holds bf16 params + fp32 gradient buffer: 29.5 GB on the fullest device of PP16 x EP16
-  # x DP8 (`python -m k2jax.plan --config kimi_k2 --devices 2048`), 34.4 GB with them on it.
+  # holds bf16 params + fp32 gradient buffer: 29.0 GB on the fullest device of PP16 x EP16
+  # x DP8 (`python -m k2jax.plan --config kimi_k2 --devices 2048`), 33.9 GB with them on it.
   c.optimizer.update(dict(learning_rate=2e-4, end_learning_rate=2e-5, warmup_steps=500,
                           decay_steps=82_000, weight_decay=0.1, tau=100.0, host_state=True))
   # Logging reads metrics back from the device (device_get); every 10 steps keeps the
@@ -66,13 +66,15 @@ def get_config():
                       eval_every=1000, checkpoint_every=500))
   # Report 2.4.2: 16-way PP (virtual stages), 16-way EP, ZeRO-1 DP over the rest (data=1
   # here is the smallest layout, 256 devices; set mesh.data to the devices / 256 you have).
-  # 60 MoE layers over 16 x 2 stages of 2 (64 stored rows, 4 of them padding, on the stages
-  # that also run the embedding + dense layer and the head); interleaved 1F1B with 32
-  # microbatches idles 21.9% of device time counted in each stage's FLOPs (19.0% were all
+  # 60 MoE layers over 16 x 2 stages of 2 (64 stored rows, 4 of them padding: two on the
+  # stage that also runs the embedding + dense layer, one on each of the last two); the head
+  # is split over the 16 pipeline devices by vocabulary. Interleaved 1F1B with 32
+  # microbatches idles 19.8% of device time counted in each stage's FLOPs (19.0% were all
   # stages equal) and keeps at most 47 stage activations per device: `python -m k2jax.plan
-  # --config kimi_k2` reads both from k2jax.parallel.schedules. zbh1 would idle 19.2%, all of
-  # it from deferring the head's weight gradient, whose cut (the f32 logits gradient)
-  # and the layers' take 70 GB more per device (plan), so the preset stays 1f1b.
+  # --config kimi_k2` reads both from k2jax.parallel.schedules. zbh1 would idle 18.5% for
+  # 24 GB more activations per device (what B hands W), so the preset stays 1f1b.
+  # virtual_stages=4 (stages of 1 layer) idles 15.9% and holds 5 GB less (plan), for twice
+  # the ticks and stage-to-stage transfers per step; not measured on GPUs, so not the default.
   c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=2))
   c.train.grad_accum = 32
   return c

@@ -23,6 +23,10 @@ RULES = (
     ("batch", ("data", "expert")),   # tokens are split over every non-pipeline device
     ("experts", "expert"),           # expert parallelism (report 2.4.2)
     ("layers", "pipeline"),          # each pipeline stage holds its layers
+    ("head_vocab", ("pipeline", "expert")),  # the head's columns: also over the pipeline,
+                                     # whose devices each run one slice of it (vocabulary-
+                                     # parallel head and loss, k2jax.parallel.pipeline), so
+                                     # it is stored where it runs
     ("vocab", "expert"),             # embedding / head rows split over the expert group: at
                                      # K2's 163,840 x 7168 each would otherwise be 2.3 GB of
                                      # bf16 (+ 4.7 GB of fp32 gradient) on every device
@@ -47,7 +51,7 @@ def logical_spec(axes) -> P:
 
 # logical axes whose split only saves memory: kept whole where the mesh does not divide them
 # (instead of refusing the mesh)
-MEMORY_ONLY = ("vocab", "embed", "heads")
+MEMORY_ONLY = ("vocab", "head_vocab", "embed", "heads")
 
 
 def param_spec(axes, shape, mesh, whole: bool = False) -> P:

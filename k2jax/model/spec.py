@@ -3,7 +3,8 @@
 Initialisation, sharding (logical axes -> mesh axes), Muon's matrix view and parameter
 counts are all derived from it, so they cannot drift apart.
 
-Logical axis names: vocab, embed, heads, head_dim, q_lora, kv_lora, mlp, experts, layers.
+Logical axis names: vocab, head_vocab (the head's output columns), embed, heads, head_dim, q_lora,
+kv_lora, mlp, experts, layers.
 A matrix parameter is laid out [*batch, *in, *out]: its leading `layers` / `experts` axes
 are batch axes (Muon orthogonalizes each layer's and each expert's matrix separately), the
 next `n_in` axes are the input (fan-in) and the rest the output. Heads stay explicit

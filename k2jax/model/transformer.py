@@ -70,7 +70,7 @@ def param_specs(cfg):
   for st in stacks(cfg):
     s[st.name] = spec.stack(layer(st.ffn, ffn[st.ffn]()), st.size)
   s["final_norm"] = spec.vector(d, "embed")
-  s["lm_head"] = spec.ParamSpec(shape=(d, V), axes=("embed", "vocab"), group="adamw")
+  s["lm_head"] = spec.ParamSpec(shape=(d, V), axes=("embed", "head_vocab"), group="adamw")
   return s
 
 

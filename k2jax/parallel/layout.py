@@ -13,10 +13,11 @@ weight between pipeline devices:
 Stage s holds the next n_s layers (n_s <= L) in its first rows. Uneven splits pad storage
 (K2: 60 layers in 16 x 2 stages of 2 -> 64 rows, 4 of them padding that is never computed
 and keeps zero weights) instead of replicating the stack over the pipeline axis; the padding
-goes to the stages that also run the embedding or the head (`_balanced_counts`). Everything per-layer in the trainer follows the stored order: the optimizer
-(Muon per matrix, QK-Clip per layer and head, bias balancing per layer: all row-wise, so
-they are built from `stored_model`, the model config with the stack padded), the max logits
-and expert load the pipeline returns. Checkpoints, metrics and everything outside the
+goes first to the stage that also runs the embedding (`_balanced_counts`). Everything
+per-layer in the trainer follows the stored order: the optimizer (Muon per matrix, QK-Clip
+per layer and head, bias balancing per layer: all row-wise, so they are built from
+`stored_model`, the model config with the stack padded), the max logits and expert load the
+pipeline returns. Checkpoints, metrics and everything outside the
 trainer keep the logical [layers, ...] order (`to_logical` / `state_to_logical`), so a
 checkpoint restores on any pipeline size.
 """
@@ -78,17 +79,16 @@ class Split(NamedTuple):
             f"{self.virtual} virtual = {self.stages * self.virtual} stages of {self.per_stage} "
             f"row(s) (stage s on device s % {self.stages}"
             f"{f', {self.padded} padding row(s) in storage, never computed' if self.padded else ''}"
-            f"); {before} on the first stage, norm + head on the last")
+            f"); {before} on the first stage, norm + head split over the devices by vocabulary")
 
 
 def _balanced_counts(cfg, stack, P: int, V: int, L: int) -> tuple:
   """Real layers per stage when the split pads (S L > layers): each padding row goes where
   the work is largest. Stage 0 also runs the embedding and the layers before the stack
   (forward, then recomputed and differentiated in its backward: 4 / 3 of a forward + backward
-  in layer units), the last stage the head (forward and backward in its forward phase), so
-  they take the padding first; a device never loses its last layer. K2 (60 layers, 16 x 2
-  stages of 2): 1F1B idles 21.9% of device time by stage cost (schedules.stage_costs)
-  instead of 32.9% with the padding on the last stages."""
+  in layer units), so it takes the padding first (the head is split over every device,
+  k2jax.parallel.pipeline); a device never loses its last layer. K2 (60 layers, 16 x 2
+  stages of 2): stage 0 holds none, the last two one each."""
   from k2jax.model import counting
   S = P * V
   n = np.full(S, L)
@@ -97,7 +97,6 @@ def _balanced_counts(cfg, stack, P: int, V: int, L: int) -> tuple:
   extra = np.zeros(S)
   extra[0] += 4 / 3 * sum(counting.layer_flops(cfg, st.ffn, T) * st.size
                           for st in transformer.stacks(cfg) if st != stack) / unit
-  extra[S - 1] += counting.head_flops(cfg) / unit
   device = np.arange(S) % P
   for _ in range(S * L - stack.size):
     per_device = np.bincount(device, weights=n, minlength=P)

@@ -16,25 +16,29 @@ slots everything is kept in. The loop computes only what the table says:
     collectives inside the branch meet their peers; the ppermutes stay outside);
   - the embedding and the leading dense layers run in the F phase of stage 0 only, per
     microbatch, and are recomputed in its B phase (a dense layer of 61 for K2);
-  - the final norm, head and loss run in the F phase of the last stage only, their gradient
-    right after, and the cotangent waits in a buffer for that stage's B;
+  - the final norm, head and loss run once per microbatch, in a head phase after the F phase
+    of the tick that runs the last stage, on every device: the vocabulary is split over the
+    pipeline devices (`_head`; the head's columns are stored that way, sharding rule
+    `head_vocab`), so each does 1 / P of the head's work instead of the last device all of
+    it in one tick (K2: the head is 2.2 layer forwards, more than a stage of 2 layers);
+    its gradient is taken right there, and the cotangent waits in a buffer for that stage's B;
   - padding layers of an uneven split are skipped (`lax.cond` per layer);
   - F keeps what the stage's backward needs as `model.remat` decides (jax.vjp residuals of
     the layers under the remat policy: selective recomputation keeps what report 2.4.3
     keeps, "full" only layer inputs), in the table's residual slots; B rebuilds the vjp
     from them. Residuals that are the stage's weights are not copied into the buffers.
 
-With a split table (zbh1) each layer's backward, and the head's, is cut by
-k2jax.parallel.bwsplit: F keeps every layer's vjp residuals, B runs the input-gradient half
-and stores what the weight-gradient half needs (the cut) in the table's cut slots, and a W
-phase after B runs the weight gradients the table put in that tick; the last stage's F
-computes the loss and the head's input gradient, its W the head's weight gradient.
+With a split table (zbh1) each layer's backward is cut by k2jax.parallel.bwsplit: F keeps
+every layer's vjp residuals, B runs the input-gradient half and stores what the
+weight-gradient half needs (the cut) in the table's cut slots, and a W phase after B runs
+the weight gradients the table put in that tick. The head's weight gradient stays in its
+head phase: deferring it would keep the f32 gradient of every device's logits slice.
 
 That is `skip="device"`, the default on GPU / TPU. XLA:CPU's collective-permute waits for
 every device of the program, so a reshard the partitioner puts inside a branch that only
 some pipeline devices take deadlocks there (seen: pipeline 2 x data 2 x expert 2). On CPU
 (`skip="tick"`) a branch is skipped when no device of the tick needs it (the table says so
-statically: warm-up backwards, cool-down forwards, the head and embedding outside their
+statically: warm-up backwards, cool-down forwards, the embedding outside its
 ticks), and a device idle in a tick others work in computes a masked copy; in lockstep
 time (what the idle fraction counts) both are the same, since that device would wait at
 the tick's ppermute anyway.
@@ -51,7 +55,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
 from k2jax.configs.sharding_rules import logical_spec, param_spec
@@ -120,22 +123,17 @@ def _traced_split(cfg_json: str, data: int, expert: int, seq_len: int, platform)
   x = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
   positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
   segments = jnp.ones((batch, seq_len), jnp.int32)
-  head = {k: jax.ShapeDtypeStruct(s.shape, jnp.dtype(cfg.param_dtype))
-          for k, s in transformer.param_specs(cfg).items() if k in ("final_norm", "lm_head")}
-  targets = jnp.zeros((batch, seq_len), jnp.int32)
   mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
   with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
     cut = _split_layer(cfg, sp.stack.ffn, specs, x, positions, segments, 1.0)[3]
-    head_cut = _split_head(cfg, head, x, targets, jnp.ones((batch, seq_len), jnp.float32))[2]
   unit = counting.layer_flops(cfg, sp.stack.ffn, seq_len) * batch * seq_len
   nbytes = lambda avals: sum(math.prod(a.shape) * a.dtype.itemsize for a in avals) / batch
-  return cut.flops["W"] / unit, nbytes(cut.cut_avals), nbytes(head_cut.cut_avals)
+  return cut.flops["W"] / unit, nbytes(cut.cut_avals)
 
 
 def split_cost(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platform=None):
   """(w_share, bytes B hands W per layer and sequence: bwsplit's cut, what waits in the
-  zbh1 schedule's cut buffers; bytes per sequence of the head's cut, what waits in its
-  hcut buffers: at least the logits' f32 gradient, seq_len x vocab x 4)."""
+  zbh1 schedule's cut buffers)."""
   # Traced in a thread of its own: the trainer asks from inside its `jax.set_mesh` (a
   # pipeline x data x expert mesh), and an abstract mesh of another size cannot be entered
   # there; the mesh context is per thread.
@@ -277,27 +275,50 @@ def _split_layer(cfg, ffn, weights, x, positions, segment_ids, weight):
   return layer, saved, res, cut
 
 
-def _head_loss(cfg, hp, y, targets, loss_mask):
-  """Final norm, head and summed cross entropy of one microbatch (f32 logits)."""
-  h = rms_norm(y, hp["final_norm"], cfg.rms_norm_eps)
-  logits = jnp.einsum("btd,dv->btv", h, hp["lm_head"].astype(jnp.dtype(cfg.dtype)),
-                      preferred_element_type=jnp.float32)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  return jnp.sum(ce * loss_mask.astype(jnp.float32))
+def _head(cfg, hp, y, targets, loss_mask, grads: bool):
+  """Final norm, head and summed cross entropy of one microbatch, the vocabulary split over
+  the pipeline devices (inside shard_map; Megatron's vocabulary-parallel cross entropy, on
+  the pipeline axis). Device p holds columns [p V_p, (p + 1) V_p) of the head (hp["lm_head"]
+  [D, V_p]; columns past the vocabulary, padding, are masked) and every device gets the last
+  stage's output y. With z = h W_p (f32) and t the target:
 
+      lse = m + log psum_p sum_j exp(z_j - m),   m = pmax_p max_j z_j
+      ce  = sum over tokens of mask (lse - psum_p z_t)
+      dz  = mask (softmax(z) - onehot(t))        on the device's own columns
+      dh  = psum_p dz W_p^T,   dW_p = h^T dz     (the head's weight gradient stays local)
 
-def _split_head(cfg, head, y, targets, loss_mask):
-  """The head's backward cut by k2jax.parallel.bwsplit (zbh1: the last stage's F takes the
-  loss and dh, its W the head's weight gradients), traced at the shapes of `head` and `y`
-  -> (the _Saved its forward uses, its residuals' shapes, the Split). Only the weights are
-  kept for W: the rest it needs (the logits' f32 gradient, [tokens, vocab]) is the cut."""
-  saved = _Saved()
-  fn = lambda a, b: _head_loss(cfg, a, b, targets, loss_mask)
-  res = jax.eval_shape(lambda hp, y: saved.vjp(fn, hp, y)[1], head, y)
-  w = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(head)]
-  cut = bwsplit.split(_split_fn(saved, head, len(res), 1), len(w), len(w), *w, *res,
-                      jax.ShapeDtypeStruct((), jnp.float32))
-  return saved, res, cut
+  so a device does 1 / P of the head's matmuls, the lockstep tick that runs the head no
+  longer waits on one device doing all of them (idle at K2 16 x 2 x 32: 21.9% -> 19.8% by
+  stage FLOPs), and its weights and their gradient are split, not summed over the pipeline.
+  The gradient is written out, not taken with jax.grad through the psums (whose transpose
+  under shard_map without replication checking is not what this needs). dz is cast to the
+  compute dtype for the two backward matmuls (f32 accumulation; dh summed in f32), as a
+  bf16 head's backward does.
+  -> ce, or (ce, dy, {"final_norm": g, "lm_head": g_p}) with `grads`."""
+  dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
+  w = hp["lm_head"].astype(dt)
+  vp = w.shape[1]
+  lo = jax.lax.axis_index(AXIS) * vp
+  h, norm_vjp = jax.vjp(lambda y, g: rms_norm(y, g, cfg.rms_norm_eps), y, hp["final_norm"])
+  z = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=f32)
+  col = lo + jnp.arange(vp)
+  z = jnp.where(col < cfg.vocab_size, z, -jnp.inf)
+  m = jax.lax.pmax(jnp.max(z, axis=-1), AXIS)
+  lse = m + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1), AXIS))
+  local = targets - lo
+  mine = (local >= 0) & (local < vp)
+  zt = jnp.take_along_axis(z, jnp.clip(local, 0, vp - 1)[..., None], axis=-1)[..., 0]
+  zt = jax.lax.psum(jnp.where(mine, zt, 0.0), AXIS)
+  mask = loss_mask.astype(f32)
+  ce = jnp.sum((lse - zt) * mask)
+  if not grads:
+    return ce
+  onehot = jax.nn.one_hot(jnp.where(mine, local, -1), vp, dtype=f32)
+  dz = ((jnp.exp(z - lse[..., None]) - onehot) * mask[..., None]).astype(dt)
+  dh = jax.lax.psum(jnp.einsum("btv,dv->btd", dz, w, preferred_element_type=f32), AXIS)
+  g_w = jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=f32)
+  dy, g_norm = norm_vjp(dh.astype(h.dtype))
+  return ce, dy, {"final_norm": g_norm.astype(f32), "lm_head": g_w}
 
 
 def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
@@ -369,9 +390,6 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   def pre(pp, m):
     return _pre(cfg, sp, pp, mb["inputs"][m], mb["positions"][m], mb["segment_ids"][m])
 
-  def head_loss(hp, y, m):
-    return _head_loss(cfg, hp, y, mb["targets"][m], mb["loss_mask"][m])
-
   at = lambda tree, v: jax.tree.map(lambda a: a[v], tree)
   saved = _Saved()     # the stage's vjp: its residuals minus the stage's own weights
 
@@ -403,15 +421,6 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
       return saved_l.vjp(
           lambda a, b: layer_fn(a, b, mb["positions"][m], mb["segment_ids"][m], tokens[m]),
           pl, x, has_aux=True)
-
-    # The head's backward is cut too: F computes the loss and the cotangent the last stage's
-    # layers wait for (dh), W the head's weight gradients (logits' cotangent and the normed
-    # input reach it through the cut; only the weights are kept, nothing else of F).
-    hw = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(head)]
-    saved_h, _, head_cut = _split_head(cfg, head, x_aval, mb["targets"][0], mb["loss_mask"][0])
-    head_fwd = lambda hp, y, m: saved_h.vjp(lambda a, b: head_loss(a, b, m), hp, y)
-    head_early = [i for i in range(len(hw)) if i not in head_cut.late]
-    hcut_shapes = head_cut.cut_avals
 
     def forward(pv, x, v, m):
       def body(x, xs):
@@ -473,9 +482,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
              "of weights are not copied), %d slots per device", nbytes(res_shapes) / 1e6,
              cfg.remat, nbytes(at(params, 0)) / 1e6, slots["res"])
     if tab.split:
-      log.info("pipeline (zbh1): what B hands W waits in %d slots of %.3g MB per device, the "
-               "head's cut in %d of %.3g MB (every device holds both)", slots["cut"],
-               nbytes(cut_shapes) / 1e6, slots["hcut"], nbytes(hcut_shapes) / 1e6)
+      log.info("pipeline (zbh1): what B hands W waits in %d slots of %.3g MB per device",
+               slots["cut"], nbytes(cut_shapes) / 1e6)
 
   def branch(pred, tick_pred, yes, no, *operands):
     """lax.cond on this device's own predicate ("device") or on the tick's ("tick")."""
@@ -484,57 +492,41 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   def f_phase(args):
     v, m, valid, flags, act, acc = args
     pv = at(params, v)
-    first, last = (p == 0) & (v == 0), (p == Pn - 1) & (v == V - 1)
+    first = (p == 0) & (v == 0)
     x, pre_max = branch(
         first, flags["pre"], lambda: pre(pre_params, m),
         lambda: (act, jnp.full((n_pre, H), -jnp.inf, jnp.float32)))
     x = jnp.where(first, x, act)
     pre_max = jnp.where(first & valid, pre_max, -jnp.inf)
     (y, aux), (ml, load), res = forward(pv, x, v, m)
-    last = last & valid
-
-    def head_grads():
-      ce, (gh, dh) = jax.value_and_grad(head_loss, argnums=(0, 1))(head, y, m)
-      return ce, jax.tree.map(lambda g: g.astype(jnp.float32), gh), dh.astype(dt)
-
-    def no_head():
-      return (jnp.zeros((), jnp.float32),
-              jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head), jnp.zeros_like(y))
-
-    def head_split():      # zbh1: the loss, dh and the cut; W takes the weight gradients
-      ce, hres = head_fwd(head, y, m)
-      dys, e, hcut = head_cut.b(*jax.tree.leaves(head), *hres, jnp.ones((), jnp.float32))
-      return ce, [e[i].astype(jnp.float32) for i in head_early], dys[0].astype(dt), hcut
-
-    def no_head_split():
-      return (jnp.zeros((), jnp.float32),
-              [jnp.zeros(hw[i].shape, jnp.float32) for i in head_early], jnp.zeros_like(y),
-              _zeros(hcut_shapes))
-    hcut = []
-    if grads and tab.split:
-      ce, gh, dh, hcut = branch(last, flags["head"], head_split, no_head_split)
-    elif grads:
-      ce, gh, dh = branch(last, flags["head"], head_grads, no_head)
-    else:
-      ce = branch(last, flags["head"], lambda: head_loss(head, y, m),
-                  lambda: jnp.zeros((), jnp.float32))
-      gh, dh = None, jnp.zeros_like(y)
-    new = dict(ce=acc["ce"] + jnp.where(last, ce, 0.0), aux=acc["aux"] + aux,
-               mx=acc["mx"].at[v].max(ml), pre_max=jnp.maximum(acc["pre_max"], pre_max),
-               load=acc["load"].at[v].add(load))
+    new = dict(aux=acc["aux"] + aux, mx=acc["mx"].at[v].max(ml),
+               pre_max=jnp.maximum(acc["pre_max"], pre_max), load=acc["load"].at[v].add(load))
     if not per_device:   # this device may be idle in a tick others work in: keep its sums
       new = _where(valid, new, {k: acc[k] for k in new})
-    if grads and tab.split:
-      new["g_head"] = add_leaves(acc["g_head"], head_early, gh, last)
-    elif grads:
-      new["g_head"] = jax.tree.map(lambda a, g: a + jnp.where(last, g, 0.0), acc["g_head"], gh)
-    return y, dh, res, hcut, dict(acc, **new)
+    return y, res, dict(acc, **new)
 
   def f_idle(args):
-    acc = args[-1]
-    hcut = _zeros(hcut_shapes) if grads and tab.split else []
-    return (x0, x0, _zeros(res_shapes), hcut,
-            acc)
+    return x0, _zeros(res_shapes), args[-1]
+
+  last_device = p == Pn - 1
+
+  def head_phase(args):
+    """Every device, in the ticks the last stage runs its F: the loss of that microbatch
+    over the vocabulary slices (`_head`) and the cotangent of the stage's output, which
+    the last device keeps for its B. A tick predicate: every device agrees, so the psums
+    inside meet their peers."""
+    y, m, acc = args
+    y = jax.lax.psum(jnp.where(last_device, y, jnp.zeros_like(y)), AXIS)
+    out = _head(cfg, head, y, mb["targets"][m], mb["loss_mask"][m], grads)
+    ce, dy, g = (out, jnp.zeros_like(y), None) if not grads else out
+    acc = dict(acc, ce=acc["ce"] + jnp.where(last_device, ce, 0.0))
+    if grads:    # the norm's gradient once (the last device's), each device its columns'
+      acc["g_norm"] = acc["g_norm"] + jnp.where(last_device, g["final_norm"], 0.0)
+      acc["g_lm"] = acc["g_lm"] + g["lm_head"]
+    return dy.astype(dt), acc
+
+  def head_idle(args):
+    return jnp.zeros_like(args[0]), args[-1]
 
   def add_leaves(tree, idx, values, where):
     """tree's leaves idx += values where `where` (a bool scalar)."""
@@ -580,14 +572,9 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     return x0, args[-1]
 
   def w_phase(args):
-    v, valid, flags, res, cut, hcut, acc = args
+    v, valid, res, cut, acc = args
     g = weights_grad(at(params, v), res, cut, v)
-    acc = dict(acc, g_stage=add_grads(acc["g_stage"], v, valid, g, cut_fn.late))
-    last = (p == Pn - 1) & (v == V - 1) & valid
-    gh = branch(last, flags["head"],
-                lambda: [head_cut.w(jax.tree.leaves(head), hcut)[i] for i in head_cut.late],
-                lambda: _zeros([hw[i] for i in head_cut.late]))
-    return dict(acc, g_head=add_leaves(acc["g_head"], head_cut.late, gh, last))
+    return dict(acc, g_stage=add_grads(acc["g_stage"], v, valid, g, cut_fn.late))
 
   def w_idle(args):
     return args[-1]
@@ -596,34 +583,33 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   slot = {k: jnp.asarray(a) for k, a in tab.slots.items()}
   # What some device of the tick needs (static, from the table): the "tick" predicates.
   busy = {k: jnp.asarray(tab.busy(k).any(axis=1)) for k in tab.task}
-  flags = {"F": dict(pre=(tab.task["F"][:, 0, 0] == 0),
-                     head=(tab.task["F"][:, Pn - 1, 0] == V - 1)),
+  flags = {"F": dict(pre=(tab.task["F"][:, 0, 0] == 0)),
            "B": dict(pre=(tab.task["B"][:, 0, 0] == 0))}
-  if tab.split:
-    flags["W"] = dict(head=(tab.task["W"][:, Pn - 1, 0] == V - 1))
   flags = jax.tree.map(jnp.asarray, flags)
+  head_tick = jnp.asarray(schedules.head_ticks(tab))
 
   def tick(carry, t):
-    st_f, st_b, act_buf, grad_buf, res_buf, (cut_buf, hcut_buf), acc = carry
+    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc = carry
     sl = {k: a[t, p] for k, a in slot.items()}
     act_buf = _put(act_buf, sl["act_in"], st_f)
     fv, fm = task["F"][t, p, 0], task["F"][t, p, 1]
     act = act_buf[jnp.maximum(sl["act_read"], 0)]
-    y, dh, res, hcut, acc = branch(
+    y, res, acc = branch(
         fv >= 0, busy["F"][t], f_phase, f_idle,
         (jnp.maximum(fv, 0), jnp.maximum(fm, 0), fv >= 0,
          {k: a[t] for k, a in flags["F"].items()}, act, acc))
+    # Every collective of a tick in one order on every device (F phase, head, B phase,
+    # then the two ring transfers): XLA:CPU may otherwise issue independent collectives in
+    # different orders on different devices and deadlock.
+    y, acc = jax.lax.optimization_barrier((y, acc))
+    dh, acc = jax.lax.cond(head_tick[t], head_phase, head_idle,
+                           (y, jnp.maximum(task["F"][t, Pn - 1, 1], 0), acc))
     if not grads:
       return (jax.lax.ppermute(y, AXIS, fwd_ring), st_b, act_buf, grad_buf, res_buf,
-              (cut_buf, hcut_buf), acc), None
+              cut_buf, acc), None
     res_buf = _put(res_buf, sl["res_write"], res)
-    if tab.split:
-      hcut_buf = _put(hcut_buf, sl["hcut_write"], hcut)
     grad_buf = _put(grad_buf, sl["grad_in"], st_b)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
-    # Every collective of a tick in one order on every device (F phase, B phase, then the
-    # two ring transfers): XLA:CPU may otherwise issue independent collectives in
-    # different orders on different devices and deadlock.
     y, grad_buf, res_buf, acc = jax.lax.optimization_barrier((y, grad_buf, res_buf, acc))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
@@ -637,55 +623,64 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
       wv = task["W"][t, p, 0]
       read = lambda buf, col: jax.tree.map(lambda b: b[jnp.maximum(sl[col], 0)], buf)
       acc = branch(wv >= 0, busy["W"][t], w_phase, w_idle,
-                   (jnp.maximum(wv, 0), wv >= 0, {k: a[t] for k, a in flags["W"].items()},
-                    read(res_buf, "res_wread"), read(cut_buf, "cut_read"),
-                    read(hcut_buf, "hcut_read"), acc))
+                   (jnp.maximum(wv, 0), wv >= 0, read(res_buf, "res_wread"),
+                    read(cut_buf, "cut_read"), acc))
     else:
       dx, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
     y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
     st_f = jax.lax.ppermute(y, AXIS, fwd_ring)
     st_f, dx = jax.lax.optimization_barrier((st_f, dx))
     st_b = jax.lax.ppermute(dx, AXIS, bwd_ring)
-    return (st_f, st_b, act_buf, grad_buf, res_buf, (cut_buf, hcut_buf), acc), None
+    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc), None
 
   f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
   acc = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
              mx=jnp.full((V, L, H), -jnp.inf, jnp.float32),
              pre_max=jnp.full((n_pre, H), -jnp.inf, jnp.float32),
              load=jnp.zeros((V, L, E if moe else 0), jnp.float32),
-             g_head=jax.tree.map(f32, head) if grads else {},
+             g_norm=f32(head["final_norm"]) if grads else {},
+             g_lm=f32(head["lm_head"]) if grads else {},
              g_pre=jax.tree.map(f32, pre_params) if grads else {},
              g_stage=jax.tree.map(f32, params) if grads else {})
   bufs = lambda n, shape: jnp.zeros((n,) + shape, dt)
   res_buf = jax.tree.map(lambda s: jnp.zeros((slots["res"],) + s.shape, s.dtype), res_shapes)
   ticks = tab.ticks if grads else int(max(i for i in range(tab.ticks)
                                           if (tab.task["F"][i, :, 0] >= 0).any())) + 1
-  cut_buf = hcut_buf = []
+  cut_buf = []
   if grads and tab.split:
     cut_buf = [jnp.zeros((slots["cut"],) + s.shape, s.dtype) for s in cut_shapes]
-    hcut_buf = [jnp.zeros((slots["hcut"],) + s.shape, s.dtype) for s in hcut_shapes]
   init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf,
-          (cut_buf, hcut_buf), acc)
+          cut_buf, acc)
   (_, _, _, _, _, _, acc), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
   # The gradient sums keep their parameters' sharding over the automatic axes (the vocab
   # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
   # pipeline 2 x data 2 x expert 2).
   mesh = jax.sharding.get_abstract_mesh()
-  specs = jax.tree.map(
-      lambda s: P(*[None if a == AXIS else a for a in param_spec(s.axes, s.shape, mesh)]),
-      transformer.param_specs(cfg), is_leaf=model_spec.is_spec)
+  specs = jax.tree.map(lambda s: _automatic(param_spec(s.axes, s.shape, mesh)),
+                       transformer.param_specs(cfg), is_leaf=model_spec.is_spec)
   keep = lambda g, names: {k: jax.tree.map(jax.lax.with_sharding_constraint, g[k], specs[k])
                            for k in names}
+  head_grads = {}
   if grads:
-    acc = dict(acc, g_pre=keep(acc["g_pre"], acc["g_pre"]),
-               g_head=keep(acc["g_head"], acc["g_head"]))
+    acc = dict(acc, g_pre=keep(acc["g_pre"], acc["g_pre"]))
+    head_grads = {"final_norm": acc["g_norm"][None],
+                  "lm_head": jax.lax.with_sharding_constraint(acc["g_lm"], specs["lm_head"])}
   psum = lambda a: jax.lax.psum(a, AXIS)
   flat = lambda a: a.reshape((V * L,) + a.shape[2:])
   return (psum(acc["ce"]), psum(acc["aux"]), flat(acc["mx"]), flat(acc["load"]),
-          jax.lax.pmax(acc["pre_max"], AXIS),
-          jax.tree.map(lambda a: a[None], acc["g_head"]),
+          jax.lax.pmax(acc["pre_max"], AXIS), head_grads,
           jax.tree.map(lambda a: a[None], acc["g_pre"]),
           jax.tree.map(flat, acc["g_stage"]))
+
+
+def _automatic(pspec):
+  """A parameter's PartitionSpec inside the shard_map: the automatic axes only."""
+  def drop(e):
+    if isinstance(e, tuple):
+      e = tuple(a for a in e if a != AXIS)
+      return e if len(e) > 1 else (e[0] if e else None)
+    return None if e == AXIS else e
+  return P(*[drop(e) for e in pspec])
 
 
 def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, skip=None):
@@ -702,21 +697,33 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   stack = params[sp.stack.name]
   pre_names = ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]
   pre_params = {k: params[k] for k in pre_names}
-  head = {k: params[k] for k in ("final_norm", "lm_head")}
+  # The head's columns, one slice per pipeline device (`_head`); padded to a multiple of P
+  # where the vocabulary is not (then the head is stored whole: param_spec, and each device
+  # cuts its slice locally).
+  vocab = cfg.vocab_size
+  pad = -vocab % tab.P
+  head = {"final_norm": params["final_norm"],
+          "lm_head": jnp.pad(params["lm_head"], ((0, 0), (0, pad))) if pad else params["lm_head"]}
   on = jnp.asarray(sp.real().reshape(-1))
   spec = jax.tree.map(lambda _: P(AXIS), stack)
+  head_spec = {"final_norm": P(), "lm_head": P(None, AXIS)}
+  head_out = ({"final_norm": P(AXIS), "lm_head": P(None, AXIS)} if grads else P())
   run = jax.shard_map(
       lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), *a),
-      in_specs=(spec, P(AXIS), P(), P(), P(), P()),
-      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), P(AXIS), P(AXIS), spec), axis_names={AXIS},
+      in_specs=(spec, P(AXIS), P(), head_spec, P(), P()),
+      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, P(AXIS), spec), axis_names={AXIS},
       check_vma=False)
   ce, aux, mx, load, pre_max, g_head, g_pre, g_stage = run(stack, on, pre_params, head, mb,
                                                            tokens)
   # Summed over the pipeline axis outside the shard_map: only stage 0 (embedding, dense
-  # layers) and the last stage (head) hold non-zeros. A psum inside it of arrays sharded
-  # over the automatic axes (the vocab over `expert`) crashes XLA's SPMD partitioner
-  # (jax 0.10, pipeline 2 x data 2 x expert 2).
-  g_head, g_pre = (jax.tree.map(lambda a: a.sum(0), g) for g in (g_head, g_pre))
+  # layers) and the last device (the final norm) hold non-zeros. A psum inside it of arrays
+  # sharded over the automatic axes (the vocab over `expert`) crashes XLA's SPMD
+  # partitioner (jax 0.10, pipeline 2 x data 2 x expert 2). The head's columns come out
+  # where they are stored.
+  g_pre = jax.tree.map(lambda a: a.sum(0), g_pre)
+  if grads:
+    g_head = {"final_norm": g_head["final_norm"].sum(0),
+              "lm_head": g_head["lm_head"][:, :vocab] if pad else g_head["lm_head"]}
   n = jnp.sum(mask)
   moe = sp.stack.ffn == "moe"
   stats = transformer.ForwardStats(

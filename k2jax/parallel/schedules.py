@@ -2,14 +2,15 @@
 
 A schedule is, per device, an ordered list of tasks on (virtual stage v, microbatch m):
 
-    F  forward of stage s = v P + p on microbatch m (stage 0 also embeds, the last stage also
-       runs the head and the loss)
+    F  forward of stage s = v P + p on microbatch m (stage 0 also embeds)
     B  backward of that stage: input gradient, and weight gradient unless W takes it
     W  the weight gradient alone (zbh1 only: k2jax.parallel.bwsplit cuts the backward)
 
 `build` turns the lists into a table by simulating the dependencies tick by tick (a tick has
 an F, a B and, for zbh1, a W phase on every device; a stage's output reaches the next
-device at the end of the tick, the head's gradient is ready within the tick). The jitted loop
+device at the end of the tick). Between F and B, the ticks whose F runs the last stage have
+a head phase on every device (`head_ticks`: the loss and its gradient, the vocabulary split
+over the pipeline devices), so the last stage's B may follow its F in the same tick. The jitted loop
 (k2jax.parallel.pipeline) reads its task and buffer slots from the table; the idle fraction,
 the buffers' sizes and `plan` read the same table. A new schedule is a new task order, not
 new index arithmetic.
@@ -50,12 +51,11 @@ class Table(NamedTuple):
     act_in    slot where the activation arriving this tick (sent at the end of the previous
               tick) is stored; act_read: slot the F task reads (-1 on stage 0: the embedding)
     grad_in   slot where the arriving cotangent is stored; grad_read: slot B reads (the last
-              stage's B reads the cotangent its own F phase wrote to head_write)
+              stage's B reads the cotangent the head phase of its F's tick wrote to
+              head_write)
     res_write slot F writes what the stage saves for its backward to; res_read: slot B reads
               (res_wread: the slot W reads, the same value)
     cut_write slot B writes what it hands W to (bwsplit's cut); cut_read: slot W reads
-    hcut_write slot the last stage's F writes what the head's weight gradient needs (the
-              head's cut) to; hcut_read: slot that stage's W reads
   """
   name: str
   P: int
@@ -88,6 +88,8 @@ class Table(NamedTuple):
       else:
         s = np.maximum(v, 0) * self.P + np.arange(self.P)[None, :]
         out[k] = np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
+    if costs is not None and "H" in costs:
+      out["H"] = np.outer(_head_ticks(self.task, self.P, self.V), np.full(self.P, costs["H"]))
     return out
 
   def time(self, costs=None) -> float:
@@ -100,9 +102,9 @@ class Table(NamedTuple):
     """1 - (work of every device) / (devices x lockstep time).
 
     costs: None (every forward 1, every backward 2 (split: B 1, W 1): stages of equal work)
-    or {"F": [S], "B": [S], "W": [S]}, the work of each stage's tasks (`stage_costs`:
-    padding layers cost nothing, the first stage also runs the embedding and dense layers,
-    the last the head)."""
+    or {"F": [S], "B": [S], "W": [S], "H": h}, the work of each stage's tasks and of a
+    device's head phase (`stage_costs`: padding layers cost nothing, the first stage also
+    runs the embedding and dense layers)."""
     work = sum(float(c.sum()) for c in self._phase_costs(costs).values())
     return 1.0 - work / (self.P * self.time(costs))
 
@@ -113,16 +115,16 @@ class Table(NamedTuple):
 
 
 def stage_costs(cfg, split, seq_len: int, w_share: float | None = None) -> dict:
-  """{"F": [S], "B": [S], "W": [S]}: the matmul work of each stage's forward, backward and
-  weight-gradient tasks as the pipeline runs them (k2jax.parallel.pipeline), in units of
-  one pipelined layer's forward, from the model's FLOPs per token (k2jax.model.layer_flops):
+  """{"F": [S], "B": [S], "W": [S], "H": h}: the matmul work of each stage's forward,
+  backward and weight-gradient tasks, and of one device's head phase, as the pipeline runs
+  them (k2jax.parallel.pipeline), in units of one pipelined layer's forward, from the
+  model's FLOPs per token (k2jax.model.layer_flops):
 
     F[s] = real layers of s   (+ the layers before the stack, on stage 0)
-                              (+ the head's forward and backward, on the last stage: its
-                                 gradient is taken in the F phase; split: its forward and
-                                 input gradient, the weight gradient in W)
     B[s] = (2 - w) x real layers  (+ the stage-0 prefix recomputed, then its backward: 3x)
-    W[s] = w x real layers    (+ the head's weight gradient, on the last stage, split)
+    W[s] = w x real layers
+    H    = 3 x head / P       (the head's forward and both gradients, 1 / P of its columns
+                               on every device, in the ticks of `head_ticks`)
 
   cfg: the model config; split: k2jax.parallel.layout.Split; w_share: None for a schedule
   without W tasks, else w, the part of a layer's backward (in forwards) its W task takes
@@ -132,20 +134,18 @@ def stage_costs(cfg, split, seq_len: int, w_share: float | None = None) -> dict:
   unit = counting.layer_flops(cfg, split.stack.ffn, seq_len)
   pre = sum(counting.layer_flops(cfg, st.ffn, seq_len) * st.size
             for st in transformer.stacks(cfg) if st != split.stack) / unit
-  head = counting.head_flops(cfg) / unit
   real = split.real().transpose(1, 0, 2).reshape(S, split.per_stage).sum(1)   # stage v P + p
   w = w_share or 0.0
   F, B, W = real.astype(float), (2.0 - w) * real, w * real
   F[0] += pre
   B[0] += 3 * pre
-  F[S - 1] += 3 * head if w_share is None else 2 * head
-  W[S - 1] += 0 if w_share is None else head
-  return {"F": F, "B": B, "W": W}
+  return {"F": F, "B": B, "W": W, "H": 3 * counting.head_flops(cfg) / unit / split.stages}
 
 
 def frozen(costs: dict):
   """`stage_costs` as a hashable argument of `build`."""
-  return tuple((k, tuple(float(c) for c in v)) for k, v in sorted(costs.items()))
+  return tuple((k, float(v) if np.ndim(v) == 0 else tuple(float(c) for c in v))
+               for k, v in sorted(costs.items()))
 
 
 def _orders(name, P, V, M):
@@ -238,6 +238,9 @@ def _place_w(task, P, costs=None):
     s = np.maximum(v, 0) * P + np.arange(P)
     return np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
   cost = of("F", task["F"][..., 0]) + of("B", task["B"][..., 0])
+  if costs is not None and "H" in costs:
+    V = int(task["F"][..., 0].max()) + 1
+    cost = cost + _head_ticks(task, P, V)[:, None] * costs["H"]
   w = task["B"].copy()                                   # each W with its B
   wc = of("W", w[..., 0])
   cost = cost + wc
@@ -267,6 +270,16 @@ def _place_w(task, P, costs=None):
       if not moved or cost[t].max() >= top - eps:
         break
   return w
+
+
+def _head_ticks(task, P, V) -> np.ndarray:
+  return task["F"][:, P - 1, 0] == V - 1
+
+
+def head_ticks(tab: Table) -> np.ndarray:
+  """[ticks] bool: the ticks with a head phase, those whose F phase runs the last stage
+  (device P - 1 on virtual stage V - 1); every device takes part (its vocabulary slice)."""
+  return _head_ticks(tab.task, tab.P, tab.V)
 
 
 def _colour(intervals):
@@ -301,14 +314,14 @@ def _slots(task, P, V):
   names = ["act_in", "act_read", "grad_in", "grad_read", "head_write", "res_write",
            "res_read"]
   if "W" in task:
-    names += ["res_wread", "cut_write", "cut_read", "hcut_write", "hcut_read"]
+    names += ["res_wread", "cut_write", "cut_read"]
   slots = {n: np.full((ticks, P), -1, np.int32) for n in names}
   sizes = {}
   for p in range(P):
     # (start tick, end tick, (v, m), {slot column: tick}) of everything device p keeps
     live = {"act": [], "grad": [], "res": []}
     if "W" in task:
-      live["cut"], live["hcut"] = [], []
+      live["cut"] = []
     for (q, v, m), tf in when["F"].items():
       s = v * P + q
       if s + 1 < S and (s + 1) % P == p:     # stage s's output, stored on arrival
@@ -324,11 +337,8 @@ def _slots(task, P, V):
         live["cut"].append((tb, tw, (v, m), {"cut_write": tb, "cut_read": tw}))
       else:
         live["res"].append((tf, tb, (v, m), {"res_write": tf, "res_read": tb}))
-      if s == S - 1:                          # the head's cotangent, from this F phase
+      if s == S - 1:                          # the head's cotangent, from this tick's head
         live["grad"].append((tf, tb, (v, m), {"head_write": tf, "grad_read": tb}))
-        if "W" in task:                       # and what the head's W reads
-          tw = when["W"][(p, v, m)]
-          live["hcut"].append((tf, tw, (v, m), {"hcut_write": tf, "hcut_read": tw}))
     for (q, v, m), tb in when["B"].items():
       s = v * P + q
       if s > 0 and (s - 1) % P == p:         # stage s's input cotangent, stored on arrival
