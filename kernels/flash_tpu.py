@@ -3,16 +3,18 @@
 TPU Pallas pipelines HBM <-> VMEM over a grid whose last axis may be a reduction: each kernel
 keeps its running state in VMEM scratch across that axis and writes its outputs on the last
 step. Arrays are head-major [B, H, T, D] so every block's last two dims are (rows, D) (TPU
-tiles are (8, 128)). A per-query vector is a [B, H, T, 1] column where a kernel holds it
-once per q block (the forward's outputs, dq's inputs), and a [B, H, 1, T] row where it
-changes every step (dk / dv's inputs): a column pads each value to 128 lanes, so a
-(128, 1) block copies 64 KB, more than that step's q block.
+tiles are (8, 128)). A per-query vector (log-sum-exp, running max, delta) lives in HBM as
+a [B, H, 1, T] row: as a [B, H, T, 1] column each value pads to 128 lanes, in HBM and in
+every copy (a (128, 1) block is 64 KB, more than a step's q block). Inside a kernel the
+online softmax keeps them as [bq, 1] columns (a row reduction of [bq, bk] scores gives
+one); `_to_row` / `_to_col` turn one into the other once per q block.
 
   forward   grid (b, h, q block, kv block): online softmax over the kv axis; writes out,
             log-sum-exp and the final running max (S_max per row, reduced outside).
   dk, dv    grid (b, h, kv block, q block): accumulates dk, dv over the q axis, on the
             transposed scores k q^T so lse and delta broadcast as rows.
-  dq        grid (b, h, q block, kv block): accumulates dq over the kv axis.
+  dq        grid (b, h, q block, kv block): accumulates dq over the kv axis; lse and delta
+            become columns once per q block.
 
 Fully masked block pairs are skipped with `pl.when`: above the causal diagonal, and pairs
 whose segment-id ranges are disjoint (different documents of a packed row).
@@ -42,6 +44,23 @@ def _mm(a, b, contract_a=1):
   prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return jax.lax.dot_general(a, b, (((contract_a,), (0,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)
+
+
+def _eye(n):
+  return jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(
+      jnp.int32, (n, n), 1)
+
+
+def _to_row(col):
+  """[n, 1] -> [1, n], exactly (a masked sum: one value and zeros; -inf stays -inf), with
+  broadcasts and a sublane reduction, which Mosaic lowers at any n (a transpose of an
+  unaligned [n, 1] it may not)."""
+  return jnp.sum(jnp.where(_eye(col.shape[0]), col, 0.0), axis=0, keepdims=True)
+
+
+def _to_col(row):
+  """[1, n] -> [n, 1], as `_to_row`."""
+  return jnp.sum(jnp.where(_eye(row.shape[1]), row, 0.0), axis=1, keepdims=True)
 
 
 def _run_pair(qi, kj, bq, bk, seg_q, seg_k, causal):
@@ -96,8 +115,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, m_ref, m_sc
     l = l_sc[...]
     l_safe = jnp.where(l == 0, 1.0, l)
     o_ref[...] = (acc_sc[...] / l_safe).astype(o_ref.dtype)
-    lse_ref[...] = m_sc[...] + jnp.log(l_safe)
-    m_ref[...] = m_sc[...]
+    lse_ref[...] = _to_row(m_sc[...] + jnp.log(l_safe))
+    m_ref[...] = _to_row(m_sc[...])
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, dk_ref,
@@ -129,12 +148,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, dq_ref, dq_sc,
-               *, scale, causal, bq, bk):
+               lse_sc, delta_sc, *, scale, causal, bq, bk):
   qi, kj = pl.program_id(2), pl.program_id(3)
 
   @pl.when(kj == 0)
   def _():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+    lse_sc[...] = _to_col(lse_ref[...])        # the q block's rows, as columns, once
+    delta_sc[...] = _to_col(delta_ref[...])
 
   seg_q, seg_k = sq_ref[...], sk_ref[...]
 
@@ -142,8 +163,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, 
   def _():
     k = k_ref[...]
     s = _scores(q_ref[...], k, scale, seg_q, seg_k, qi, kj, bq, bk, causal)
-    p = jnp.exp(s - lse_ref[...])
-    ds = p * (_qkT(do_ref[...], v_ref[...]) - delta_ref[...])
+    p = jnp.exp(s - lse_sc[...])
+    ds = p * (_qkT(do_ref[...], v_ref[...]) - delta_sc[...])
     dq_sc[...] += _mm(ds.astype(k.dtype), k)
 
   @pl.when(kj == pl.num_programs(3) - 1)
@@ -213,12 +234,12 @@ def _forward(q, k, v, seg, scale, causal, bq, bk, interpret):
   Dv = v.shape[-1]
   kv = (bq, bk, "kv") if causal else None
   sq, sk = _seg_specs(bq, bk, 2, kv)
-  rows = jax.ShapeDtypeStruct((B, H, Tp, 1), jnp.float32)
+  rows = jax.ShapeDtypeStruct((B, H, 1, Tp), jnp.float32)
   return pallas_call(
       functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
       grid=(B, H, Tp // bq, Tp // bk),
       in_specs=[_spec(bq, D, 2), _spec(bk, D, 3, kv), _spec(bk, Dv, 3, kv), sq, sk],
-      out_specs=[_spec(bq, Dv, 2), _spec(bq, 1, 2), _spec(bq, 1, 2)],
+      out_specs=[_spec(bq, Dv, 2), _row(bq, 2), _row(bq, 2)],
       out_shape=[jax.ShapeDtypeStruct((B, H, Tp, Dv), v.dtype), rows, rows],
       scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                       pltpu.VMEM((bq, Dv), jnp.float32)],
@@ -240,9 +261,8 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
   segs = (seg[:, :, None], seg[:, None, :])
   sem = ("parallel", "parallel", "parallel", "arbitrary")
   qc = (bq, bk, "q") if causal else None
-  # grid (b, h, kv block, q block): lse and delta change every inner step, so they come as
-  # [1, bq] rows (splash attention's dkv kernel reads its logsumexp the same way); the
-  # forward's [.., T, 1] lse becomes a row once, here, outside the kernel.
+  # grid (b, h, kv block, q block): lse and delta change every inner step and are read as
+  # [1, bq] rows, as splash attention's dkv kernel reads its logsumexp.
   sq, sk = _seg_specs(bq, bk, 3, qc, kv_rows=True)
   dk, dv = pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
@@ -253,20 +273,20 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)],
       compiler_params=_params(interpret, sem), interpret=interpret,
-      name="mla_flash_dkdv_tpu")(q, k, v, do, jnp.swapaxes(lse, 2, 3), delta[:, :, None, :],
-                                 segs[1], segs[0])
+      name="mla_flash_dkdv_tpu")(q, k, v, do, lse, delta[:, :, None, :], segs[1], segs[0])
   kv = (bq, bk, "kv") if causal else None
   sq, sk = _seg_specs(bq, bk, 2, kv)              # grid (b, h, q block, kv block)
   dq = pallas_call(
       functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
       grid=(B, H, Tp // bq, Tp // bk),
       in_specs=[_spec(bq, D, 2), _spec(bk, D, 3, kv), _spec(bk, Dv, 3, kv), _spec(bq, Dv, 2),
-                _spec(bq, 1, 2), _spec(bq, 1, 2), sq, sk],
+                _row(bq, 2), _row(bq, 2), sq, sk],
       out_specs=_spec(bq, D, 2),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                      pltpu.VMEM((bq, 1), jnp.float32)],
       compiler_params=_params(interpret, sem), interpret=interpret,
-      name="mla_flash_dq_tpu")(q, k, v, do, lse, delta[..., None], *segs)
+      name="mla_flash_dq_tpu")(q, k, v, do, lse, delta[:, :, None, :], *segs)
   return dq, dk, dv, None
 
 
@@ -283,4 +303,4 @@ def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False,
   seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash.PAD_SEGMENT)
   hm = lambda a: jnp.swapaxes(jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), 1, 2)
   out, m = _attn(hm(q), hm(k), hm(v), seg, float(scale), bool(causal), bq, bk, bool(interpret))
-  return flash.finish(out, m[..., 0], seg, T)
+  return flash.finish(out, m[:, :, 0, :], seg, T)
