@@ -140,8 +140,20 @@ def pipeline_collectives():
   import pipeline_hlo
   from k2jax import model
   from k2jax.model import spec
-  compiled, _, _, _, ticks, stack = pipeline_hlo.build((4, 1, 2))
+  from k2jax import step as step_lib
+  from k2jax.parallel import layout
+  compiled, mesh, state, batch, ticks, stack = pipeline_hlo.build((4, 1, 2))
   out, loop, rows = pipeline_hlo.pipeline_collectives(compiled.as_text(), (4, 1, 2), ticks)
+  # evaluation (the pipeline's F phases and head phases only) against the unpipelined loss
+  # of the same params, their stack back in logical order
+  c = pipeline_hlo.tiny_config((4, 1, 2))
+  with jax.set_mesh(mesh):
+    ce, n = jax.jit(functools.partial(step_lib.eval_step, c))(state.params, batch)
+  sp = layout.of(c)
+  logical = dict(jax.device_get(state.params))
+  logical["moe_layers"] = jax.tree.map(lambda a: layout.to_logical(sp, a), logical["moe_layers"])
+  host = {k: np.asarray(v) for k, v in jax.device_get(batch).items()}
+  ref, ref_n, _ = step_lib.lm_loss(c.model, logical, host)
   pipeline_hlo.build((4, 1, 2), param_dtype="bfloat16")   # K2's bf16 params compile too
   # f32 bytes of the parameters outside the pipelined stack that every pipeline device holds
   # (embedding, dense layers, final norm; not the head, whose columns are split over them)
@@ -149,6 +161,8 @@ def pipeline_collectives():
   rest = sum(4 * spec.size(s) for k, v in specs.items() if k not in ("moe_layers", "lm_head")
              for s in jax.tree.leaves(v, is_leaf=spec.is_spec))
   print("RESULT " + json.dumps({"outside": out, "loop": loop, "stack": stack, "ticks": ticks,
+                                "eval": [float(ce), float(n)], "eval_ref": [float(ref),
+                                                                            float(ref_n)],
                                 "rest": rest, "outside_ops": sorted({r[1] for r in rows
                                                                      if not r[0]}),
                                 "loop_ops": sorted({r[1] for r in rows if r[0]})}))

@@ -198,7 +198,8 @@ def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_run
 
 
 def test_no_weight_moves_between_pipeline_devices():
-  """The compiled step of pipeline 4 x 2 virtual x expert 2 (stack stored in schedule order):
+  """(And evaluation through the pipeline, which did not run before, equals the unpipelined
+  loss of the same params.) The compiled step of pipeline 4 x 2 virtual x expert 2 (stack stored in schedule order):
   outside the tick loop, what crosses pipeline devices is the gradient reduction of the
   parameters every pipeline device holds (embedding, dense layer, final norm; the head's
   columns are split over them) and statistics, never the stack (0.80x its bytes per step
@@ -206,6 +207,8 @@ def test_no_weight_moves_between_pipeline_devices():
   cotangents, and the head phase's sums (the last stage's output to every device, the
   log-sum-exp's pieces, the cotangent back)."""
   r = worker(8, "pipeline_collectives")
+  # evaluation through the pipeline (forward phases only) = the unpipelined loss
+  np.testing.assert_allclose(r["eval"], r["eval_ref"], rtol=1e-5)
   assert r["outside"] <= 1.02 * r["rest"], r
   assert r["outside"] < 0.1 * r["stack"], r
   assert r["loop_ops"] == ["all-reduce", "collective-permute"], r

@@ -711,7 +711,8 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   run = jax.shard_map(
       lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), *a),
       in_specs=(spec, P(AXIS), P(), head_spec, P(), P()),
-      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, P(AXIS), spec), axis_names={AXIS},
+      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, P(AXIS), spec if grads else P()),
+      axis_names={AXIS},
       check_vma=False)
   ce, aux, mx, load, pre_max, g_head, g_pre, g_stage = run(stack, on, pre_params, head, mb,
                                                            tokens)
