@@ -366,8 +366,9 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
          pre_params, head, mb, tokens):
   """Inside shard_map (pipeline manual). stage_params: this device's [V L, ...] stored rows;
   on [V L] bool (real layers); pre_params {"embed", dense stacks}; head {"final_norm",
-  "lm_head"}; mb: microbatches [M, mb, T]; tokens [M]: each microbatch's loss tokens (the
-  weight of its aux loss, as in k2jax.step's accumulation)."""
+  "lm_head": this device's [D, vocab / P] columns}; mb: microbatches [M, mb, T]; tokens [M]:
+  each microbatch's loss tokens (the weight of its aux loss, as in k2jax.step's
+  accumulation)."""
   Pn, V, L = sp.stages, sp.virtual, sp.per_stage
   p = jax.lax.axis_index(AXIS)
   H, E = cfg.num_attention_heads, cfg.n_routed_experts
