@@ -10,10 +10,10 @@ A schedule is, per device, an ordered list of tasks on (virtual stage v, microba
 an F, a B and, for zbh1, a W phase on every device; a stage's output reaches the next
 device at the end of the tick). Between F and B, the ticks whose F runs the last stage have
 a head phase on every device (`head_ticks`: the loss and its gradient, the vocabulary split
-over the pipeline devices), so the last stage's B may follow its F in the same tick. The jitted loop
-(k2jax.parallel.pipeline) reads its task and buffer slots from the table; the idle fraction,
-the buffers' sizes and `plan` read the same table. A new schedule is a new task order, not
-new index arithmetic.
+over the pipeline devices), so the last stage's B may follow its F in the same tick. The
+jitted loop (k2jax.parallel.pipeline) reads its task and buffer slots from the table; the
+idle fraction, the buffers' sizes and `plan` read the same table. A new schedule is a new
+task order, not new index arithmetic.
 
 The idle fraction counts time, not slots: a phase no device of a tick works in costs nothing
 (the loop skips it with a condition every device of a stage agrees on), so a tick costs the
@@ -215,12 +215,12 @@ def build(name: str, P: int, V: int, M: int, costs=None) -> Table:
     t += 1
   task = {k: np.asarray(rows[k], np.int32) for k in kinds}
   if name == "zbh1":          # the W's, placed into the finished F / B table
-    task["W"] = _place_w(task, P, costs and dict(costs))
+    task["W"] = _place_w(task, P, V, costs and dict(costs))
   slots, sizes = _slots(task, P, V)
   return Table(name, P, V, M, task, slots, sizes)
 
 
-def _place_w(task, P, costs=None):
+def _place_w(task, P, V, costs=None):
   """W tasks into an F / B table (task["W"]), one per device and tick.
 
   Each W starts in its B's tick, which costs what 1F1B's unsplit backward costs. Then a W
@@ -239,7 +239,6 @@ def _place_w(task, P, costs=None):
     return np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
   cost = of("F", task["F"][..., 0]) + of("B", task["B"][..., 0])
   if costs is not None and "H" in costs:
-    V = int(task["F"][..., 0].max()) + 1
     cost = cost + _head_ticks(task, P, V)[:, None] * costs["H"]
   w = task["B"].copy()                                   # each W with its B
   wc = of("W", w[..., 0])
