@@ -8,9 +8,13 @@ through the router (random init, then with a trained-like balanced bias) and rep
 transport (padded / bucketed / ragged):
   bytes     sent per device per layer, there and back (k2jax.model.expert_parallel.bytes_moved)
   x ideal   over the ideal 2 * (N k / devices) * d * itemsize
+  saved     what the backward pass keeps from the forward, per device: the smallest
+            capacity's residuals (`kept`, the default) or none (`recomputed`: every
+            backward pass runs its exchange again; keep=False)
   fwd+bwd   time of the layer's routed experts under shard_map, relative to `padded`
-            (simulated devices share this machine's cores: ratios show the work each
-            transport does, not network time; ragged is emulated here, XLA:CPU has none).
+            recomputed (simulated devices share this machine's cores: ratios show the
+            work each transport does, not network time; ragged is emulated here, XLA:CPU
+            has none).
 Writes experiments/results/ep/ep.csv.
 """
 
@@ -58,29 +62,42 @@ def child(args):
   e_loc = E // e_
   rows = []
   ideal = 2 * (N * k // devices) * d * 4
+  balance = 0.0
+  for g in range(d_):
+    group = idx_np[g * e_:(g + 1) * e_]
+    counts = np.stack([np.bincount(a.reshape(-1) // e_loc, minlength=e_) for a in group])
+    balance = max(balance, counts.sum(0).max() / (N * k / devices))
   for transport in ("padded", "bucketed", "ragged"):
     worst = 0
     for g in range(d_):
       group = idx_np[g * e_:(g + 1) * e_]
       counts = np.stack([np.bincount(a.reshape(-1) // e_loc, minlength=e_) for a in group])
       worst = max(worst, xp.bytes_moved(counts, d, 4, transport))
-    fn = functools.partial(xp.experts_all_to_all, moe._expert_mlp, axis="expert",
-                           sync_axes=("data",), transport=transport,
-                           ragged_all_to_all=emulated_ragged_all_to_all)
-    batch = P(("data", "expert"))
-    run = jax.shard_map(lambda pe, x, i, w: fn(pe, x, i, w), mesh=mesh,
-                        in_specs=(P("expert"), batch, batch, batch), out_specs=batch)
-    loss = jax.jit(jax.value_and_grad(lambda pe, x: jnp.sum(run(pe, x, idx, w) ** 2),
-                                      argnums=(0, 1)))
-    jax.block_until_ready(loss(p["experts"], x))
-    times = []
-    for _ in range(args.repeats):
-      t0 = time.perf_counter()
+    for keep in (True, False):
+      fn = functools.partial(xp.experts_all_to_all, axis="expert",
+                             sync_axes=("data",), transport=transport, keep=keep,
+                             ragged_all_to_all=emulated_ragged_all_to_all)
+      batch = P(("data", "expert"))
+      run = jax.shard_map(lambda pe, x, i, w: fn(pe, x, i, w), mesh=mesh,
+                          in_specs=(P("expert"), batch, batch, batch), out_specs=batch)
+      loss = jax.jit(jax.value_and_grad(lambda pe, x: jnp.sum(run(pe, x, idx, w) ** 2),
+                                        argnums=(0, 1)))
+      # what the backward pass keeps from the forward: the vjp's leaves besides its inputs
+      ins = {id(a) for a in jax.tree.leaves((p["experts"], x))}
+      kept = jax.eval_shape(lambda pe, x: [a for a in jax.tree.leaves(
+          jax.vjp(lambda pe, x: run(pe, x, idx, w), pe, x)[1]) if id(a) not in ins],
+          p["experts"], x)
       jax.block_until_ready(loss(p["experts"], x))
-      times.append(time.perf_counter() - t0)
-    rows.append(dict(transport=transport, bytes_per_device=worst, x_ideal=worst / ideal,
-                     fwd_bwd_ms=1e3 * float(np.median(times))))
-  print("RESULT " + json.dumps(dict(rows=rows, ideal=ideal)))
+      times = []
+      for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loss(p["experts"], x))
+        times.append(time.perf_counter() - t0)
+      rows.append(dict(transport=transport, residuals="kept" if keep else "recomputed",
+                       bytes_per_device=worst, x_ideal=worst / ideal,
+                       saved_MB_per_device=sum(a.size * a.dtype.itemsize for a in kept)
+                       / devices / 1e6, fwd_bwd_ms=1e3 * float(np.median(times))))
+  print("RESULT " + json.dumps(dict(rows=rows, ideal=ideal, balance=balance)))
 
 
 def main():
@@ -100,20 +117,25 @@ def main():
   if p.returncode:
     sys.exit(p.stderr[-3000:])
   res = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
-  base = next(r["fwd_bwd_ms"] for r in res["rows"] if r["transport"] == "padded")
+  base = next(r["fwd_bwd_ms"] for r in res["rows"]
+              if r["transport"] == "padded" and r["residuals"] == "recomputed")
   os.makedirs(OUT, exist_ok=True)
   with open(os.path.join(OUT, "ep.csv"), "w", newline="") as fh:
-    wr = csv.DictWriter(fh, fieldnames=["transport", "bytes_per_device", "x_ideal", "fwd_bwd_ms",
-                                        "time_vs_padded"])
+    wr = csv.DictWriter(fh, fieldnames=["transport", "residuals", "bytes_per_device",
+                                        "x_ideal", "saved_MB_per_device", "fwd_bwd_ms",
+                                        "time_vs_padded_recomputed"])
     wr.writeheader()
     print(f"mesh data x expert = {args.mesh}, {args.tokens} tokens, {args.experts} experts top-2,"
-          f" ideal {res['ideal'] / 1e6:.2f} MB per device per layer (there and back)")
-    print(f"{'transport':<10}{'MB/device':>11}{'x ideal':>9}{'fwd+bwd ms':>12}{'vs padded':>11}")
+          f" ideal {res['ideal'] / 1e6:.2f} MB per device per layer (there and back); the "
+          f"busiest shard receives {res['balance']:.2f}x the balanced load")
+    print(f"{'transport':<10}{'residuals':>12}{'MB/device':>11}{'x ideal':>9}{'saved MB':>10}"
+          f"{'fwd+bwd ms':>12}{'vs padded':>11}")
     for r in res["rows"]:
-      r["time_vs_padded"] = r["fwd_bwd_ms"] / base
+      r["time_vs_padded_recomputed"] = r["fwd_bwd_ms"] / base
       wr.writerow(r)
-      print(f"{r['transport']:<10}{r['bytes_per_device'] / 1e6:>11.2f}{r['x_ideal']:>9.2f}"
-            f"{r['fwd_bwd_ms']:>12.1f}{r['time_vs_padded']:>11.2f}")
+      print(f"{r['transport']:<10}{r['residuals']:>12}{r['bytes_per_device'] / 1e6:>11.2f}"
+            f"{r['x_ideal']:>9.2f}{r['saved_MB_per_device']:>10.2f}{r['fwd_bwd_ms']:>12.1f}"
+            f"{r['time_vs_padded_recomputed']:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 
 import functools
 import json
+import os
 import sys
 
 import jax
@@ -86,49 +87,112 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 
 def ep_transports():
-  """Every expert-parallel transport on a data=2 x expert=4 mesh equals a float64 per-token
-  reference, for balanced, skewed and all-to-one routings."""
+  """Every expert-parallel transport on a data=2 x expert=4 mesh against a float64 per-token
+  reference: the output and the gradients of sum(y r) for x, the combine weights and the
+  three expert matrices, for an even routing (every shard receives the balanced load: the
+  residuals the forward kept), random, skewed and all-to-one routings (larger buffers: the
+  backward recomputes the exchange); with the layer's remat policies around it and FP8
+  storage. Returns the largest relative error per case."""
   import functools
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
   from k2jax import configs, parallel
-  from k2jax.model import expert_parallel, moe
+  from k2jax.model import expert_parallel
+  from k2jax.model.remat import remat_policy
   cfg = configs.get_config("tiny")
   cfg.mesh.update(dict(data=2, expert=4))
   m = cfg.model
   mesh = parallel.make_mesh(cfg.mesh)
   E, d, f, k, N = m.n_routed_experts, m.hidden_size, m.moe_intermediate_size, 2, 8 * 12
-  keys = jax.random.split(jax.random.key(0), 6)
+  seed = int.from_bytes(os.urandom(4), "little")     # fresh inputs every run
+  keys = jax.random.split(jax.random.key(seed), 7)
   p = {n: 0.2 * jax.random.normal(kk, s) for n, kk, s in
        (("gate", keys[0], (E, d, f)), ("up", keys[1], (E, d, f)), ("down", keys[2], (E, f, d)))}
   x = jax.random.normal(keys[3], (N, d))
   w = jax.random.uniform(keys[4], (N, k))
+  r = jax.random.normal(keys[6], (N, d))
   routings = {
-      "balanced": jax.random.randint(keys[5], (N, k), 0, E),
+      "even": (jnp.arange(N * k, dtype=jnp.int32) % E).reshape(N, k),
+      "random": jax.random.randint(keys[5], (N, k), 0, E),
       "skewed": jnp.stack([jnp.zeros((N,), jnp.int32) + 3, jnp.arange(N) % E], 1),
       "all_to_one": jnp.full((N, k), 13, jnp.int32).at[:, 1].set(12),
   }
   p64 = {n: np.asarray(v, np.float64) for n, v in p.items()}
-  silu = lambda a: a / (1 + np.exp(-a))
+  x64, w64, r64 = (np.asarray(a, np.float64) for a in (x, w, r))
+
+  def e4m3(v):
+    """v rounded through FP8-E4M3 in tiles of 128 of the last dim, scale max |tile| / 448
+    (ml_dtypes' float8, not ours)."""
+    import ml_dtypes
+    t = np.pad(v, [(0, 0), (0, -v.shape[1] % 128)]).reshape(v.shape[0], -1, 128)
+    sc = np.max(np.abs(t), -1, keepdims=True) / 448
+    sc = np.where(sc > 0, sc, 1.0)
+    return ((t / sc).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sc).reshape(
+        v.shape[0], -1)[:, :v.shape[1]]
+
+  def reference(idx, fp8=False):
+    """y and the gradients of sum(y r), written out per assignment in float64; with `fp8`
+    the backward pass reads the expert inputs and SwiGLU inputs rounded through E4M3."""
+    tok, e = np.repeat(np.arange(N), k), np.asarray(idx).reshape(-1)
+    a, wa = x64[tok], w64.reshape(-1)
+    g = np.einsum("ad,adf->af", a, p64["gate"][e])
+    u = np.einsum("ad,adf->af", a, p64["up"][e])
+    sig = 1 / (1 + np.exp(-g))
+    o = np.einsum("af,afd->ad", g * sig * u, p64["down"][e])
+    y = np.zeros((N, d))
+    np.add.at(y, tok, wa[:, None] * o)
+    if fp8:
+      a, g, u = e4m3(a), e4m3(g), e4m3(u)
+      sig = 1 / (1 + np.exp(-g))
+    h = g * sig * u
+    do = wa[:, None] * r64[tok]
+    dh = np.einsum("ad,afd->af", do, p64["down"][e])
+    du, dg = dh * g * sig, dh * u * sig * (1 + g * (1 - sig))
+    grads = {"w": np.sum(np.einsum("af,afd->ad", h, p64["down"][e]) * r64[tok],
+                         -1).reshape(N, k), "x": np.zeros((N, d))}
+    np.add.at(grads["x"], tok, np.einsum("af,adf->ad", dg, p64["gate"][e])
+              + np.einsum("af,adf->ad", du, p64["up"][e]))
+    for name, outer in (("gate", np.einsum("ad,af->adf", a, dg)),
+                        ("up", np.einsum("ad,af->adf", a, du)),
+                        ("down", np.einsum("af,ad->afd", h, do))):
+      grads[name] = np.zeros_like(p64[name])
+      np.add.at(grads[name], e, outer)
+    return y, grads
+
+  def rel(got, want):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+
+  def fro(got, want):
+    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
+
   out = {}
+  stored = [(t, "none", False) for t in ("padded", "bucketed", "ragged")]
+  stored += [("ragged", "selective", False), ("bucketed", "full", False),
+             ("bucketed", "selective", True)]
+  recomputed = [("padded", "none", False), ("bucketed", "none", False),
+                ("ragged", "selective", False)]
   for name, idx in routings.items():
-    x64, idx_np, w64 = np.asarray(x, np.float64), np.asarray(idx), np.asarray(w, np.float64)
-    want = np.zeros((N, d))
-    for n in range(N):
-      for j in range(k):
-        e = idx_np[n, j]
-        h = silu(x64[n] @ p64["gate"][e]) * (x64[n] @ p64["up"][e])
-        want[n] += w64[n, j] * (h @ p64["down"][e])
-    for transport in ("padded", "bucketed", "ragged"):
-      fn = functools.partial(expert_parallel.experts_all_to_all, moe._expert_mlp, axis="expert",
-                             sync_axes=("data",), transport=transport,
+    y64, g64 = reference(idx)
+    for transport, remat, fp8 in stored if name == "even" else recomputed:
+      fn = functools.partial(expert_parallel.experts_all_to_all, axis="expert",
+                             sync_axes=("data",), transport=transport, fp8_storage=fp8,
                              ragged_all_to_all=emulated_ragged_all_to_all)
-      run = jax.jit(jax.shard_map(lambda p, x, i, w: fn(p, x, i, w),
-                                  mesh=mesh, in_specs=(P("expert"), P(("data", "expert")),
-                                                       P(("data", "expert")), P(("data", "expert"))),
-                                  out_specs=P(("data", "expert"))))
-      got = np.asarray(run(p, x, idx, w), np.float64)
-      out[f"{name}/{transport}"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+      batch = P(("data", "expert"))
+      run = jax.shard_map(lambda p, x, i, w: fn(p, x, i, w), mesh=mesh,
+                          in_specs=(P("expert"), batch, batch, batch), out_specs=batch)
+      policy = remat_policy(remat)
+      if policy is not None:
+        run = jax.checkpoint(run, policy=policy)
+      def both(p, x, w):
+        y, vjp = jax.vjp(lambda p, x, w: run(p, x, idx, w), p, x, w)
+        return y, vjp(r)
+      y, grads = jax.jit(both)(p, x, w)
+      got = dict(grads[0], x=grads[1], w=grads[2])
+      case = f"{name}/{transport}/{remat}/{'fp8' if fp8 else 'exact'}"
+      out[case] = dict(y=rel(y, y64), **{n: rel(got[n], g64[n]) for n in g64})
+      if fp8:     # against the E4M3-rounded reference (Frobenius: a value the two round
+        rounded = reference(idx, fp8=True)[1]   # to neighbouring E4M3 numbers moves little)
+        out[case + "/rounded"] = {n: fro(got[n], rounded[n]) for n in g64}
   print("RESULT " + json.dumps(out))
 
 

@@ -2,11 +2,12 @@
 
 Runs inside `shard_map`, on one device's tokens. Experts are sharded over the axis, E_loc
 per shard, so expert e lives on shard e // E_loc. Every token-expert assignment travels to
-its expert's shard, is processed there by a grouped matmul over the shard's local experts,
-and travels back:
+its expert's shard, is processed there by SwiGLU experts (grouped matmuls over the shard's
+local experts), scaled by its combine weight, and travels back:
 
     sort assignments by expert (hence by destination) -> exchange per-destination counts ->
-    send rows -> grouped matmul over local experts -> send results back -> unsort -> combine
+    send rows and weights -> w_a down_e(silu(x_a gate_e) * (x_a up_e)) per received row a ->
+    send results back -> unsort -> sum over each token's k experts
 
 Static shapes and droplessness pull against each other: a device may receive anything from
 0 to all ep x A assignments of its group (A = N k local assignments per device). The counts
@@ -19,19 +20,41 @@ are exchanged first, and the transport buffers take the smallest of a few static
   bucketed  `lax.all_to_all` of [ep, C, d] slots, C the smallest capacity >= the largest
             (source, destination) count: ~ep C / A x the ideal (1.25x when balanced).
   padded    every slot sized for the worst case (C = A): ep x the ideal; the reference.
+
+The backward pass is written out (`_exchange`, a custom VJP) because autodiff of the switch
+cannot keep what it needs at a sensible size: differentiating a switch materializes the
+residuals of every branch (here up to ep x A rows each, 8.4 GB per K2 layer and sequence
+under selective recomputation on 16 shards), and checkpointed branches instead recompute
+the whole exchange (two all-to-alls and three grouped matmuls) in every backward pass. Here
+the forward keeps, padded to one static size, what report 2.4.3 keeps of the experts: the
+received rows (checkpoint name `moe_input`) and the SwiGLU inputs (`swiglu_input`), in
+FP8-E4M3 with `fp8_storage`, for the smallest capacity (1.25x the balanced load). The
+remat policy sees those names (k2jax.model.remat): under `full` they are recomputed like
+everything else. The backward then runs the six grouped matmuls of the experts' gradients
+and one all-to-all each way, and recomputes neither SwiGLU's output in a matmul nor the
+down-projection (report 2.4.3 recomputes both): with o = h W_d the down-projection and w_a
+the combine weight of row a,
+
+    dh_u = dy_a W_d^T,   d w_a = <dh_u, h_a>  (= <dy_a, o_a>),   dh = w_a dh_u,
+    dW_d = (w h)^T dy,   then SwiGLU's and the up-projections' gradients as usual.
+
+A step whose routing needs a larger buffer than the saved size recomputes its exchange in
+the backward pass (correct, slower; rare once the router bias balances the load).
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from k2jax.kernels import platform
+from k2jax.kernels import grouped_matmul, platform
 from k2jax.kernels.buckets import capacities, choose
+from k2jax.kernels.fp8 import dequantize, quantize
+from k2jax.kernels.pallas_utils import cotangent_for, varying_like
 
 TRANSPORTS = ("ragged", "bucketed", "padded")
-
-
 def auto_transport() -> str:
   return "bucketed" if platform.backend() == "cpu" else "ragged"
 
@@ -40,66 +63,217 @@ def _exclusive_cumsum(x, axis=-1):
   return jnp.cumsum(x, axis=axis) - x
 
 
-def _run_local(expert_mlp, p_local, rows, local, e_loc):
-  """Local experts on received rows; `local` = local expert id, e_loc marks padding."""
-  by_expert = jnp.argsort(local, stable=True)            # padding (id e_loc) sorts last
-  sizes = jnp.bincount(local, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-  out = expert_mlp(p_local, rows[by_expert], sizes)      # rows past sum(sizes) come back 0
-  return out[jnp.argsort(by_expert)]
+class _Plan(NamedTuple):
+  """What is static about one exchange (hashable: the custom VJP's non-differentiable
+  argument)."""
+  transport: str
+  axis: str
+  caps: tuple          # per branch: slot rows (bucketed, padded) or received rows (ragged)
+  saved: int           # rows of the residual buffers; branches receiving more recompute
+  fp8: bool
+  a2a: object          # lax.ragged_all_to_all or a stand-in (CPU tests)
+
+  def received(self, c: int, ep: int) -> int:
+    """Rows a device receives into with capacity c."""
+    return c if self.transport == "ragged" else ep * c
 
 
-def _slots(ep, cap, d, dest, rank, rows, local, e_loc):
-  send_x = jnp.zeros((ep, cap, d), rows.dtype).at[dest, rank].set(rows, mode="drop")
-  send_e = jnp.full((ep, cap), e_loc, jnp.int32).at[dest, rank].set(local, mode="drop")
-  return send_x, send_e
+class _Route(NamedTuple):
+  """Where each of this device's A sorted assignments goes (int arrays), and the branch."""
+  token: jax.Array     # [A] token of each assignment, in sorted (by expert) order
+  dest: jax.Array      # [A] destination shard
+  rank: jax.Array      # [A] row within the destination's slot (bucketed, padded)
+  local: jax.Array     # [A] expert id on the destination shard
+  counts: jax.Array    # [ep_src, ep_dst] assignments of the group
+  branch: jax.Array    # index into _Plan.caps
 
 
-def _padded_exchange(expert_mlp, p_local, rows, local, dest, rank, e_loc, axis, cap):
-  """[ep, cap] slots per device: all_to_all there, local experts, all_to_all back."""
-  ep = jax.lax.axis_size(axis)
-  d = rows.shape[-1]
-  send_x, send_e = _slots(ep, cap, d, dest, rank, rows, local, e_loc)
-  recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=True)   # slot j: rows from shard j
-  recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=True)
-  out = _run_local(expert_mlp, p_local, recv_x.reshape(ep * cap, d), recv_e.reshape(-1), e_loc)
-  back = jax.lax.all_to_all(out.reshape(ep, cap, d), axis, 0, 0, tiled=True)
-  return back[dest, rank]
+def _send(plan, route, c, a, fill):
+  """a [A, ...] (sorted by destination) -> what this device receives, [received(c), ...];
+  rows not received hold `fill`."""
+  ep = route.counts.shape[0]
+  rest = a.shape[1:]
+  if plan.transport != "ragged":
+    slots = jnp.full((ep, c) + rest, fill, a.dtype).at[route.dest, route.rank].set(
+        a, mode="drop")
+    return jax.lax.all_to_all(slots, plan.axis, 0, 0, tiled=True).reshape((ep * c,) + rest)
+  me = jax.lax.axis_index(plan.axis)
+  send, recv = route.counts[me], route.counts[:, me]
+  # my slice lands on each receiver after the slices of lower-numbered senders
+  land = _exclusive_cumsum(route.counts, axis=0)[me]
+  return plan.a2a(a, jnp.full((c,) + rest, fill, a.dtype), _exclusive_cumsum(send), send,
+                  land, recv, axis_name=plan.axis)
 
 
-def _ragged_exchange(expert_mlp, p_local, rows, local, counts, e_loc, axis, cap, a2a):
-  """Only the real rows move. counts [ep_src, ep_dst] of this expert group; receive buffers
-  hold `cap` rows. `a2a` is lax.ragged_all_to_all (tests pass an emulation on CPU)."""
-  me = jax.lax.axis_index(axis)
-  d = rows.shape[-1]
-  send = counts[me]                                   # rows I send to each shard
-  recv = counts[:, me]                                # rows each shard sends me
-  send_off = _exclusive_cumsum(send)                  # rows are sorted by destination
-  # Where my slice lands on each receiver: after the slices of lower-numbered senders.
-  land_off = _exclusive_cumsum(counts, axis=0)[me]
-  recv_off = _exclusive_cumsum(recv)
-  recv_x = a2a(rows, jnp.zeros((cap, d), rows.dtype), send_off, send, land_off, recv,
-               axis_name=axis)
-  recv_e = a2a(local, jnp.full((cap,), e_loc, jnp.int32), send_off, send, land_off, recv,
-               axis_name=axis)
-  out = _run_local(expert_mlp, p_local, recv_x, recv_e, e_loc)
-  # Back: my received slices return to where each sender's rows started on its side.
-  home_off = _exclusive_cumsum(counts, axis=1)[:, me]
-  return a2a(out, jnp.zeros_like(rows), recv_off, recv, home_off, send, axis_name=axis)
+def _back(plan, route, c, a):
+  """The inverse route: received rows [received(c), ...] -> their senders' [A, ...] order."""
+  ep = route.counts.shape[0]
+  rest = a.shape[1:]
+  if plan.transport != "ragged":
+    back = jax.lax.all_to_all(a.reshape((ep, c) + rest), plan.axis, 0, 0, tiled=True)
+    return back[route.dest, route.rank]
+  me = jax.lax.axis_index(plan.axis)
+  send, recv = route.counts[me], route.counts[:, me]
+  home = _exclusive_cumsum(route.counts, axis=1)[:, me]
+  A = route.token.shape[0]
+  return plan.a2a(a, jnp.zeros((A,) + rest, a.dtype), _exclusive_cumsum(recv), recv, home,
+                  send, axis_name=plan.axis)
 
 
-def experts_all_to_all(expert_mlp, p_local, x, idx, w, axis: str, *, sync_axes=(),
-                       transport: str = "auto", ragged_all_to_all=None):
+def _swiglu(g, u):
+  return jax.nn.silu(g) * u
+
+
+def _experts(p, xs, ws, sizes):
+  """Weighted SwiGLU experts on rows sorted by local expert -> (out, (g, u))."""
+  dt = xs.dtype
+  mm = lambda a, w: grouped_matmul(a, w.astype(dt), sizes)
+  g, u = mm(xs, p["gate"]), mm(xs, p["up"])
+  o = mm(_swiglu(g, u), p["down"])
+  return (ws[:, None] * o.astype(jnp.float32)).astype(dt), (g, u)
+
+
+def _branch(plan, c, p, x, w, route, save: bool):
+  """The exchange with capacity c -> (y_sorted [A, d], residuals padded to plan.saved rows
+  or None). y_sorted[a] = w_a expert(x[token_a]) for this device's sorted assignments."""
+  ep = route.counts.shape[0]
+  e_loc = p["gate"].shape[0]
+  recv = _send(plan, route, c, x[route.token], 0)
+  recv_e = _send(plan, route, c, route.local, e_loc)      # padding rows: id e_loc, sort last
+  recv_w = _send(plan, route, c, w.astype(jnp.float32), 0)
+  by_expert = jnp.argsort(recv_e, stable=True)
+  sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
+  xs, ws = recv[by_expert], recv_w[by_expert]
+  out, (g, u) = _experts(p, xs, ws, sizes)
+  y = _back(plan, route, c, jnp.zeros_like(out).at[by_expert].set(out))
+  if not save:
+    return y, None
+  n = plan.received(c, ep)
+  if n > plan.saved:            # too large to keep: the backward recomputes this branch
+    res = _zeros(_residual_shapes(plan, p, x))
+  else:
+    pad = lambda a: jnp.pad(a, [(0, plan.saved - n)] + [(0, 0)] * (a.ndim - 1))
+    res = _store(plan, pad(xs), pad(g), pad(u), pad(ws), pad(by_expert), sizes)
+  # every branch's residuals of one type (under shard_map: varying over the token shards)
+  return y, jax.tree.map(lambda a: varying_like(a, x), res)
+
+
+def _store(plan, xs, g, u, ws, by_expert, sizes):
+  """The saved residuals, FP8 where asked (report 2.4.3: up-projection and SwiGLU inputs)."""
+  keep = (lambda a: quantize(a)) if plan.fp8 else (lambda a: a)
+  return dict(xs=keep(xs), g=keep(g), u=keep(u), ws=ws, by_expert=by_expert, sizes=sizes)
+
+
+def _load(plan, res, dt):
+  get = (lambda a: dequantize(*a, dt)) if plan.fp8 else (lambda a: a)
+  return get(res["xs"]), get(res["g"]), get(res["u"])
+
+
+def _residual_shapes(plan, p, x):
+  f, d = p["gate"].shape[-1], x.shape[-1]
+  S = plan.saved
+  z = lambda *shape, dt=x.dtype: jax.ShapeDtypeStruct(shape, dt)
+  return jax.eval_shape(functools.partial(_store, plan), z(S, d), z(S, f), z(S, f),
+                        z(S, dt=jnp.float32), z(S, dt=jnp.int32),
+                        z(p["gate"].shape[0], dt=jnp.int32))
+
+
+def _zeros(shapes):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _cotangents(cts, primals):
+  """Each cotangent in its primal's dtype and with its primal's manual-axis type (under
+  shard_map): summed over the shards the primal does not vary over (the expert weights are
+  the same on every data shard: their gradient is the sum of the shards'), and marked
+  varying where the primal is, so every branch of the backward returns one type."""
+  return jax.tree.map(lambda c, p: cotangent_for(varying_like(c.astype(p.dtype), p), p),
+                      cts, primals)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _exchange(plan, p, x, w, route):
+  """y_sorted [A, d] for x [N, d] (this device's tokens), w [A] (combine weights of the
+  sorted assignments), p this shard's experts; the capacity is route.branch's."""
+  branches = [functools.partial(_branch, plan, c, save=False) for c in plan.caps]
+  return jax.lax.switch(route.branch, [lambda *a, b=b: b(*a)[0] for b in branches],
+                        p, x, w, route)
+
+
+def _exchange_fwd(plan, p, x, w, route):
+  y, res = jax.lax.switch(
+      route.branch, [functools.partial(_branch, plan, c, save=True) for c in plan.caps],
+      p, x, w, route)
+  # Named for the remat policy (k2jax.model.remat): the received rows and the routing (a few
+  # integers per row) as `moe_input`, the up-projection outputs as `swiglu_input`.
+  res = {k: jax.tree.map(functools.partial(
+      checkpoint_name, name="swiglu_input" if k in ("g", "u") else "moe_input"), v)
+         for k, v in res.items()}
+  route = jax.tree.map(functools.partial(checkpoint_name, name="moe_input"), route)
+  return y, (p, x, w, route, res)
+
+
+def _exchange_bwd(plan, saved, dy):
+  p, x, w, route, res = saved
+  ep = route.counts.shape[0]
+
+  def recompute(c):     # the branch again under autodiff: for buffers too large to keep
+    def bwd(dy):
+      _, vjp = jax.vjp(lambda p, x, w: _branch(plan, c, p, x, w, route, False)[0], p, x, w)
+      return _cotangents(vjp(dy), (p, x, w))
+    return bwd
+
+  def stored(c):
+    def bwd(dy):
+      n = plan.received(c, ep)
+      dt = x.dtype
+      xs, g, u = (a[:n] for a in _load(plan, res, dt))
+      ws, by_expert, sizes = res["ws"][:n], res["by_expert"][:n], res["sizes"]
+      # _send and _back move rows along the same routes in opposite directions, so each is
+      # the other's transpose (padding rows carry nothing either way).
+      d_o = _send(plan, route, c, dy, 0)[by_expert]
+      mm_vjp = lambda a, wt, ct: jax.vjp(
+          lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(dt))[1](ct)
+      h = _swiglu(g, u)
+      # one matmul gives both: d(w h) W_d^T and the weight gradient (w h)^T dy
+      dh_u, d_down = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o)
+      d_ws = jnp.sum(dh_u.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
+      dh = (ws[:, None] * dh_u.astype(jnp.float32)).astype(dt)
+      dg, du = jax.vjp(_swiglu, g, u)[1](dh)
+      dxs_g, d_gate = mm_vjp(xs, p["gate"], dg)
+      dxs_u, d_up = mm_vjp(xs, p["up"], du)
+      unsort = lambda a: jnp.zeros_like(a).at[by_expert].set(a)
+      d_x = _back(plan, route, c, unsort(dxs_g + dxs_u))
+      d_w = _back(plan, route, c, unsort(d_ws))
+      d_x = jnp.zeros_like(x).at[route.token].add(d_x)
+      dp = {"gate": d_gate, "up": d_up, "down": d_down}
+      return _cotangents((dp, d_x, d_w), (p, x, w))
+    return bwd
+
+  branches = [stored(c) if plan.received(c, ep) <= plan.saved else recompute(c)
+              for c in plan.caps]
+  dp, dx, dw = jax.lax.switch(route.branch, branches, dy)
+  return dp, dx, dw, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport: str = "auto",
+                       fp8_storage: bool = False, keep: bool = True, ragged_all_to_all=None):
   """Routed-expert output for local tokens x [N, d] with global expert ids idx [N, k].
 
   Args:
-    expert_mlp: expert_mlp(p_local, rows, group_sizes) runs the shard's experts on rows
-      grouped by local expert.
-    p_local: this shard's E_loc experts.
+    p_local: this shard's E_loc SwiGLU experts {"gate", "up": [E_loc, d, f], "down":
+      [E_loc, f, d]}.
     x, idx, w: local tokens [N, d], their expert ids [N, k] and combine weights [N, k].
     axis: the mesh axis experts are split over.
     sync_axes: every other manual mesh axis of the enclosing shard_map: all devices agree on
       the buffer size, so they all take the same compiled branch.
     transport: "ragged" | "bucketed" | "padded" | "auto" (ragged off CPU).
+    fp8_storage: keep the saved expert inputs and SwiGLU inputs in FP8-E4M3 (report 2.4.3).
+    keep: keep the smallest capacity's residuals for the backward pass; False: every
+      backward pass recomputes its exchange (the least memory, the most work).
     ragged_all_to_all: override for lax.ragged_all_to_all (a CPU emulation in tests).
   Returns:
     [N, d]: sum_k w[n, k] * expert_{idx[n, k]}(x[n]).
@@ -109,7 +283,7 @@ def experts_all_to_all(expert_mlp, p_local, x, idx, w, axis: str, *, sync_axes=(
     raise ValueError(f"transport = {transport!r}: must be one of {', '.join(TRANSPORTS)}, auto")
   N, k = idx.shape
   ep = jax.lax.axis_size(axis)
-  e_loc = jax.tree.leaves(p_local)[0].shape[0]
+  e_loc = p_local["gate"].shape[0]
   A = N * k
   flat = idx.reshape(-1)
   order = jnp.argsort(flat, stable=True)                 # grouped by expert, hence by shard
@@ -117,36 +291,25 @@ def experts_all_to_all(expert_mlp, p_local, x, idx, w, axis: str, *, sync_axes=(
   dest = expert // e_loc
   count = jnp.bincount(dest, length=ep).astype(jnp.int32)
   rank = jnp.arange(A) - _exclusive_cumsum(count)[dest]  # row within the destination slot
-  rows, local = x[order // k], (expert % e_loc).astype(jnp.int32)
   counts = jax.lax.all_gather(count, axis)               # [ep_src, ep_dst], ep^2 integers
   agree = lambda v: jax.lax.pmax(v, (axis, *sync_axes))
-
   if transport == "padded":
-    y_sorted = _padded_exchange(expert_mlp, p_local, rows, local, dest, rank, e_loc, axis, A)
-    return _combine(y_sorted, order, w)
-  if transport == "bucketed":
-    caps = capacities(A, ep)
-    need = jnp.max(counts)                               # largest (source, destination) slice
-    exchange = lambda c, p, r: _padded_exchange(expert_mlp, p, r, local, dest, rank, e_loc,
-                                                axis, c)
+    caps, need = (A,), jnp.int32(A)
+  elif transport == "bucketed":
+    caps, need = capacities(A, ep), jnp.max(counts)      # largest (source, dest) slice
   else:
-    a2a = ragged_all_to_all or jax.lax.ragged_all_to_all
-    caps = capacities(ep * A, ep)                        # receive buffer: up to ep x A rows
-    need = jnp.max(jnp.sum(counts, 0))                   # most rows any shard receives
-    exchange = lambda c, p, r: _ragged_exchange(expert_mlp, p, r, local, counts, e_loc, axis,
-                                                c, a2a)
-  # Differentiating a switch materializes every branch's residuals (zeros where not taken);
-  # checkpointed branches keep only their inputs and recompute the taken one backwards
-  # (experiments/bench_ep.py, 8 simulated CPU devices: 0.51x the padded time, 1.43x without).
-  branches = [jax.checkpoint(functools.partial(exchange, c)) for c in caps]
-  y_sorted = jax.lax.switch(choose(agree(need), caps), branches, p_local, rows)
-  return _combine(y_sorted, order, w)
-
-
-def _combine(y_sorted, order, w):
-  """Back to token order and the weighted sum over each token's k experts."""
-  y = y_sorted[jnp.argsort(order)].reshape(w.shape + (-1,))
-  return jnp.einsum("nkd,nk->nd", y, w.astype(y.dtype))
+    caps, need = capacities(ep * A, ep), jnp.max(jnp.sum(counts, 0))  # most rows received
+  plan = _Plan(transport, axis, caps, 0, fp8_storage, ragged_all_to_all
+               or jax.lax.ragged_all_to_all)
+  # The smallest capacity keeps its residuals (kernels/buckets.py: 1.25x the balanced load,
+  # what a balanced router needs); the larger ones recompute.
+  plan = plan._replace(saved=plan.received(caps[0], ep) if keep else 0)
+  route = _Route(order // k, dest, rank, (expert % e_loc).astype(jnp.int32), counts,
+                 choose(agree(need), caps))
+  y_sorted = _exchange(plan, p_local, x, w.reshape(-1)[order], route)
+  # back to token order; the k weighted expert outputs of a token summed in float32
+  y = y_sorted[jnp.argsort(order)].reshape(N, k, -1)
+  return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
 
 
 def bytes_moved(counts, d: int, itemsize: int, transport: str) -> int:

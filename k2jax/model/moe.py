@@ -19,15 +19,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from k2jax.configs import sharding_rules as rules
-from k2jax.kernels import grouped_matmul, routed_experts
-from k2jax.kernels.fp8 import fp8_saved
+from k2jax.kernels import routed_experts
 from k2jax.model import spec
 from k2jax.model.expert_parallel import experts_all_to_all
-from k2jax.model.layers import mlp, mlp_specs, swiglu
+from k2jax.model.layers import mlp, mlp_specs
 
 
 def moe_specs(cfg):
@@ -67,19 +65,6 @@ def route(cfg, p, x):
   return w * cfg.routed_scaling_factor, idx, scores
 
 
-def _expert_mlp(p, rows, group_sizes, fp8_storage=False):
-  """SwiGLU experts on `rows` sorted by expert (group_sizes rows each; the rest give 0)."""
-  dt = rows.dtype
-  matmul = lambda a, b, sizes: grouped_matmul(a, b.astype(dt), sizes)
-  up, sw = matmul, swiglu
-  if fp8_storage:   # report 2.4.3: these inputs wait for the backward pass in E4M3
-    up, sw = fp8_saved(matmul, 1), fp8_saved(swiglu, 2)
-  rows = checkpoint_name(rows, "moe_input")
-  h = sw(up(rows, p["gate"], group_sizes), up(rows, p["up"], group_sizes))
-  matmul = functools.partial(matmul, sizes=group_sizes)
-  return checkpoint_name(matmul(h, p["down"]), "moe_down")
-
-
 def balance_loss(scores, idx, num_experts, batch, valid=None):
   """DeepSeek-V3's complementary sequence-wise balance loss (without its alpha).
 
@@ -111,11 +96,10 @@ def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
   if ep_axis:
-    fp8 = cfg.activation_storage == "fp8"
-    y = experts_all_to_all(functools.partial(_expert_mlp, fp8_storage=fp8), p["experts"], x2d,
-                           idx, w, ep_axis,
+    y = experts_all_to_all(p["experts"], x2d, idx, w, ep_axis,
                            sync_axes=tuple(a for a in batch_axes if a != ep_axis),
-                           transport=cfg.ep_transport)
+                           transport=cfg.ep_transport,
+                           fp8_storage=cfg.activation_storage == "fp8")
   else:
     e = p["experts"]
     y = routed_experts(x2d, idx, w, e["gate"], e["up"], e["down"], impl=cfg.moe_impl,
