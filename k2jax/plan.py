@@ -100,8 +100,9 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   """Activation memory of the device holding the most.
 
   Per layer, what it keeps for its backward pass, measured by tracing the layer at abstract
-  shapes (k2jax.model.transformer.layer_residual_bytes: the remat policy, the attention and
-  MoE implementations `auto` picks on `platform`, the activation storage); plus the working
+  shapes on the mesh's data x expert devices (k2jax.model.transformer.layer_residual_bytes:
+  the remat policy, the attention and MoE implementations `auto` picks on `platform`, the
+  expert-parallel exchange, the activation storage); plus the working
   set of the layer being differentiated (what it keeps with no recomputation) and of the
   head (f32 logits and their gradient). Per device, micro_batch sequences of seq_len tokens
   (tokens are split over data x expert). With pipeline > 1, the schedule's table
@@ -121,7 +122,8 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
     c = m.copy_and_resolve_references()
     c.remat = remat
     with kernel_platform.target(platform):
-      return transformer.layer_residual_bytes(c, ffn, seq_len) / seq_len
+      return transformer.layer_residual_bytes(c, ffn, seq_len, 1, mesh_shape["data"],
+                                              mesh_shape["expert"]) / seq_len
   kinds = {st.ffn: st.size for st in model.stacks(m)}
   # the f32 logits and their gradient of one sequence: each pipeline device has its own
   # slice of the vocabulary (k2jax.parallel.pipeline._head)
@@ -240,7 +242,9 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
                  f"({tab.idle_fraction():.1%} if stages did equal work), {tab.in_flight} "
                  f"stage activations in flight per device"
                  f"{padded}"
-                 f"{split_note}")
+                 f"{split_note}; the tasks it runs are {tab.work_ratio(costs):.3f}x the "
+                 f"work of the model's forward + backward without a pipeline (stage 0 "
+                 f"recomputes the embedding and dense layers in its backward)")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "

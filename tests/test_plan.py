@@ -211,3 +211,23 @@ def test_plan_counts_what_zbh1_keeps_for_its_weight_gradients():
   per_layer = T * c.model.hidden_size * 2
   assert tab.sizes["cut"] >= 1
   assert act["zbh1"] - act["1f1b"] > tab.sizes["cut"] * 2 * per_layer, (act, tab.sizes)
+
+
+def test_an_expert_parallel_layer_keeps_what_report_2_4_3_keeps():
+  """K2's MoE layer on its expert-parallel path (16 shards, the preset's selective
+  recomputation and FP8 storage, traced as plan traces it): what the backward pass keeps is
+  the received rows and the SwiGLU inputs in FP8 at the smallest transport capacity (1.25x
+  the balanced load), their scales and routing, plus at most what the layer keeps without
+  expert parallelism. Differentiating the transport's lax.switch kept every capacity's
+  residuals (8.4 GB per sequence, 15x this bound)."""
+  from k2jax.kernels import platform
+  from k2jax.kernels.buckets import capacities
+  from k2jax.model import transformer
+  c = configs.get_config("kimi_k2").model
+  with platform.target("gpu"):
+    ep = transformer.layer_residual_bytes(c, "moe", 4096, 1, 1, 16)
+    local = transformer.layer_residual_bytes(c, "moe", 4096)
+  d, f = c.hidden_size, c.moe_intermediate_size
+  rows = capacities(16 * 4096 * c.num_experts_per_tok, 16)[0]
+  stored = rows * ((d + 2 * f) + 4 * (-(-d // 128) + 2 * -(-f // 128)) + 8)
+  assert stored <= ep <= stored + local, (ep, stored, local)

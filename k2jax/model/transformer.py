@@ -113,18 +113,32 @@ def _run_stack(cfg, ffn, stacked, x, positions, segment_ids, return_latents=Fals
   return jax.lax.scan(body, x, stacked)
 
 
-def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1) -> int:
+def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1, data: int = 1,
+                         expert: int = 1) -> int:
   """Bytes one `ffn` layer ("mlp" | "moe") keeps for its backward pass, for `batch`
-  sequences of `seq_len` tokens: what jax.vjp of the layer under the `model.remat` policy
-  closes over besides its weights (what a scan of layers, or a pipeline stage, holds per
-  layer until the backward pass).
+  sequences of `seq_len` tokens on each device of a data x expert mesh: what jax.vjp of the
+  layer under the `model.remat` policy closes over besides its weights (what a scan of
+  layers, or a pipeline stage, holds per layer until the backward pass).
 
   Measured, not modelled: the layer is traced at abstract shapes (jax.eval_shape; nothing is
   computed or allocated) with the kernels `impl="auto"` picks for the backend kernels target
-  (`k2jax.kernels.platform.target`), so it follows the policy, the attention and MoE
-  implementations and FP8 activation storage exactly. Activations that `model.offload`
-  would move to host memory are counted here (plan reports device memory without offload).
+  (`k2jax.kernels.platform.target`), on an abstract data x expert mesh when it has more than
+  one device (the MoE then takes its expert-parallel path, as training on that mesh does),
+  so it follows the policy, the attention and MoE implementations and FP8 activation
+  storage exactly. Activations that `model.offload` would move to host memory are counted
+  here (plan reports device memory without offload).
   """
+  if data * expert > 1:
+    # Traced in a thread of its own: a caller inside `jax.set_mesh` (the trainer) cannot
+    # enter an abstract mesh of another size, and the mesh context is per thread.
+    import concurrent.futures
+    mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
+
+    def on_mesh():
+      with jax.sharding.use_abstract_mesh(mesh):
+        return layer_residual_bytes(cfg, ffn, seq_len, batch * data * expert) // (data * expert)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      return pool.submit(on_mesh).result()
   st = next(s for s in stacks(cfg) if s.ffn == ffn)
   specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], jnp.dtype(cfg.param_dtype)),
                        param_specs(cfg)[st.name], is_leaf=spec.is_spec)
