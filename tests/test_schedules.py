@@ -152,3 +152,26 @@ def test_bad_shapes_say_what_to_change():
     schedules.build("1f1b", 4, 1, 6)
   with pytest.raises(ValueError, match="must be one of"):
     schedules.build("zigzag", 2, 1, 2)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbh1", "gpipe"])
+def test_work_ratio_counts_each_task_once_and_no_idle_slot(name):
+  """The pipelined step's work over the unpipelined model's: every (stage, microbatch) runs
+  one F, one B (and one W) and every microbatch one head phase per device, whatever the
+  table's idle slots; with K2's stage costs that is the model's 3 forwards per layer plus
+  stage 0 recomputing the embedding and dense layers (1 forward of them)."""
+  from k2jax import configs
+  from k2jax.model import counting, transformer
+  from k2jax.parallel.layout import split
+  c = configs.get_config("kimi_k2").model
+  P, V, M = 16, 2, 32
+  sp = split(c, P, V)
+  costs = schedules.stage_costs(c, sp, 4096, 0.3 if name == "zbh1" else None)
+  tab = schedules.build(name, P, V, M, schedules.frozen(costs) if name == "zbh1" else None)
+  unit = counting.layer_flops(c, "moe", 4096)
+  pre = sum(counting.layer_flops(c, st.ffn, 4096) * st.size
+            for st in transformer.stacks(c) if st.ffn != "moe") / unit
+  layers, head = 60.0, 3 * counting.head_flops(c) / unit      # 60 MoE layers, head's 3 products
+  want = (3 * layers + 4 * pre + head) / (3 * layers + 3 * pre + head)
+  assert tab.work_ratio(costs) == pytest.approx(want, rel=1e-9)
+  assert tab.work_ratio(costs) < 1.01

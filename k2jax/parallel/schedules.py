@@ -108,6 +108,16 @@ class Table(NamedTuple):
     work = sum(float(c.sum()) for c in self._phase_costs(costs).values())
     return 1.0 - work / (self.P * self.time(costs))
 
+  def work_ratio(self, costs: dict) -> float:
+    """The work of every task the table runs (`stage_costs` units, head phases included)
+    over the model's own forward + backward of the same M microbatches without a pipeline
+    (3 x every stage's forward, the head's three products once): what running the model
+    as this schedule costs beyond the model itself. Idle phases are skipped, so they do
+    not count; what the remat policy recomputes is in neither."""
+    done = sum(float(c.sum()) for c in self._phase_costs(costs).values())
+    plain = self.M * (3.0 * float(np.sum(costs["F"])) + self.P * costs.get("H", 0.0))
+    return done / plain
+
   @property
   def in_flight(self) -> int:
     """Most stage activations a device keeps for backward at once (= residual slots)."""
