@@ -278,7 +278,7 @@ def muon_local(*mesh_specs):
   relative difference from the single-device update (updates and momentum, two steps)."""
   import math
   import re
-  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
   from k2jax import model, parallel
   from k2jax.configs.sharding_rules import param_spec
   from k2jax.model import spec
@@ -291,8 +291,8 @@ def muon_local(*mesh_specs):
     specs = model.param_specs(mcfg)
     state = init_state(stored, tx, jax.random.key(0))
     keys = iter(jax.random.split(jax.random.key(1), 64))
-    grads = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), state.params)
-             for _ in range(2)]
+    grads = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype),
+                          state.params) for _ in range(2)]
     # one device: no mesh, so Muon's update runs as optax's, unsharded
     ref, o = [], state.opt_state
     upd = jax.jit(tx.update)
@@ -317,11 +317,8 @@ def muon_local(*mesh_specs):
     text = compiled.as_text()
     gathers = [math.prod(int(d) for d in dims.split(",") if d) for dims in
                re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather(?:-start)?\(", text)]
-    whole = max(math.prod(n // math.prod(mesh.shape[a] for a in
-                                         ((e,) if isinstance(e, str) else e or ()))
-                          for n, e in zip(s.shape, list(param_spec(s.axes, s.shape, mesh,
-                                                                   whole=True))
-                                          + [None] * len(s.shape)))
+    whole = max(math.prod(NamedSharding(mesh, param_spec(s.axes, s.shape, mesh, whole=True))
+                          .shard_shape(s.shape))
                 for s in jax.tree.leaves(specs, is_leaf=spec.is_spec) if s.group == "muon")
     ns = sorted({int(b) for b, r, c in re.findall(r"= f32\[(\d+),(\d+),(\d+)\]\{[^}]*\} dot\(",
                                                   text) if r == c == "40"})
