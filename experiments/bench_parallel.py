@@ -5,7 +5,8 @@
 Each mesh runs in its own subprocess (the simulated device count is fixed when JAX starts).
 Memory comes from XLA's compiled memory analysis of the train step (per device); ZeRO-1 is
 compared with the same mesh keeping optimizer state replicated over `data`. The optimizer
-update is also timed alone, to show what gathering Muon's momentum for Newton-Schulz costs.
+update is also timed alone, to show what the sharded Muon update costs (each device
+orthogonalizes its own matrices, split over data ranks: optim.muon.on_local_matrices).
 Simulated CPU devices share the machine's cores, so 8 "devices" are not 8x faster: the
 ratios show the overhead of the parallel program, not a speed-up.
 """

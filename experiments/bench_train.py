@@ -320,7 +320,9 @@ def main():
             f"{r['share']:>7.1%}")
   print(f"\nK2 (kimi_k2 preset, {ns['tokens_per_step']:,} tokens per step): Newton-Schulz "
         f"{ns['ns_PFLOP']:.1f} PFLOP per step = {ns['share']:.2%} of the step's "
-        f"{ns['step_PFLOP']:.0f} PFLOP (ZeRO-1 splits it over data; no replication)")
+        f"{ns['step_PFLOP']:.0f} PFLOP, in total over the devices: each orthogonalizes the "
+        f"matrices it holds (1 / data of them per data rank where data divides them); the "
+        f"non-expert matrices are repeated over the expert group")
 
 
 if __name__ == "__main__":

@@ -317,7 +317,84 @@ def attend_shards():
   print("RESULT " + json.dumps(errors))
 
 
+def _muon_setup(mesh_spec):
+  """(config as stored, mesh, tx) of the tiny model whose routed experts are [*, 128, 40]
+  (40 is no other matrix's smaller side, so Newton-Schulz's [B, 40, 40] products are theirs),
+  with two MoE layers on every device holding the stack: mesh PxDxE."""
+  from k2jax import configs, optim, parallel
+  from k2jax.parallel import layout
+  sizes = [int(s) for s in mesh_spec.split("x")]
+  c = configs.get_config("tiny")
+  c.model.update(dict(moe_intermediate_size=40, n_shared_experts=2,
+                      num_hidden_layers=1 + 2 * sizes[0]))
+  c.mesh.update(dict(zip(("pipeline", "data", "expert"), sizes)))
+  stored = layout.stored_config(c)
+  return stored, parallel.make_mesh(c.mesh), optim.muon(stored.model, 0.01)
+
+
+def muon_local(*mesh_specs):
+  """Muon's update alone on each PxDxE mesh, compiled and run, against one device.
+
+  Per mesh: the compiled update's all-gathers (result elements) against the largest
+  matrix stack a device holds whole (its parameter shard, matrix dimensions gathered), the
+  batch sizes of the routed experts' Newton-Schulz products [B, 40, 40], the expert matrices
+  a device holds and the 1 / data share of them, XLA's temporary bytes; and the largest
+  relative difference from the single-device update (updates and momentum, two steps)."""
+  import math
+  import re
+  from jax.sharding import NamedSharding
+  from k2jax import model, parallel
+  from k2jax.configs.sharding_rules import param_spec
+  from k2jax.model import spec
+  from k2jax.step import init_state
+  out = {}
+  for ms in mesh_specs:
+    stored, mesh, tx = _muon_setup(ms)
+    P, D, E = mesh.devices.shape
+    mcfg = stored.model
+    specs = model.param_specs(mcfg)
+    state = init_state(stored, tx, jax.random.key(0))
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    grads = [jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype),
+                          state.params) for _ in range(2)]
+    # one device: no mesh, so Muon's update runs as optax's, unsharded
+    ref, o = [], state.opt_state
+    upd = jax.jit(tx.update)
+    for g in grads:
+      u, o = upd(g, o, state.params)
+      ref.append((u, o))
+    with jax.set_mesh(mesh):
+      ab = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
+      sh = parallel.state_shardings(specs, mesh, ab, tx)
+      f = jax.jit(tx.update, in_shardings=(sh.params, sh.opt_state, sh.params),
+                  out_shardings=(sh.params, sh.opt_state))
+      compiled = f.lower(ab.params, ab.opt_state, ab.params).compile()
+      o = jax.device_put(state.opt_state, sh.opt_state)
+      p = jax.device_put(state.params, sh.params)
+      err = 0.0
+      for g, (ru, ro) in zip(grads, ref):
+        u, o = compiled(jax.device_put(g, sh.params), o, p)
+        for a, b in zip(jax.tree.leaves((u, o)), jax.tree.leaves((ru, ro))):
+          a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+          if a.size:
+            err = max(err, float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)))
+    text = compiled.as_text()
+    gathers = [math.prod(int(d) for d in dims.split(",") if d) for dims in
+               re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather(?:-start)?\(", text)]
+    whole = max(math.prod(NamedSharding(mesh, param_spec(s.axes, s.shape, mesh, whole=True))
+                          .shard_shape(s.shape))
+                for s in jax.tree.leaves(specs, is_leaf=spec.is_spec) if s.group == "muon")
+    ns = sorted({int(b) for b, r, c in re.findall(r"= f32\[(\d+),(\d+),(\d+)\]\{[^}]*\} dot\(",
+                                                  text) if r == c == "40"})
+    held = mcfg.num_hidden_layers - mcfg.first_k_dense_replace
+    held = held // P * mcfg.n_routed_experts // E
+    out[ms] = {"all_gathers": gathers, "whole_local": whole, "ns_batches": ns, "held": held,
+               "share": held // D if held % D == 0 else held,
+               "temp": compiled.memory_analysis().temp_size_in_bytes, "rel_err": err}
+  print("RESULT " + json.dumps(out))
+
+
 if __name__ == "__main__":
   {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
    "pipeline_collectives": pipeline_collectives, "lower": lower,
-   "attend_shards": attend_shards}[sys.argv[1]](*sys.argv[2:])
+   "attend_shards": attend_shards, "muon_local": muon_local}[sys.argv[1]](*sys.argv[2:])

@@ -68,3 +68,25 @@ def test_zero1_splits_states_over_data_where_it_divides():
   # spread places several axes where each fits (the checkpoint view moves pipeline this way)
   assert parallel.mesh.spread(P(None, None), (6, 4), ("data", "expert"), m.shape) == P(
       "data", "expert")
+
+
+def test_muon_state_takes_data_on_the_stack_where_its_matrices_are_orthogonalized():
+  """A Muon stack's ZeRO-1 state takes `data` on its layers / experts dimensions where data
+  divides the device's slice, the same split Muon's Newton-Schulz works in (matrices whole),
+  so each data rank orthogonalizes the matrices whose momentum it holds; where data divides
+  no such dimension both fall back (the state as before, the work whole over data)."""
+  from k2jax.configs import sharding_rules as rules
+  m = mesh(pipeline=2, data=2, expert=4)
+  z = lambda pspec, shape, batch: parallel.zero1(jax.sharding.NamedSharding(m, pspec), shape,
+                                                 batch).spec
+  experts = (("layers", "experts", "embed", "mlp"), (4, 16, 128, 40))
+  assert z(P("pipeline", "expert", None, None), experts[1], 2) == P(
+      "pipeline", ("expert", "data"), None, None)
+  assert rules.muon_work_spec(*experts, m, 2) == P("pipeline", ("expert", "data"), None, None)
+  attn = (("layers", "embed", "q_lora"), (4, 128, 64))      # split over expert on embed (FSDP)
+  assert z(P("pipeline", "expert", None), attn[1], 1) == P(("pipeline", "data"), "expert", None)
+  assert rules.muon_work_spec(*attn, m, 1) == P(("pipeline", "data"), None, None)
+  odd = (("layers", "embed", "q_lora"), (2, 128, 64))       # one layer per pipeline device
+  assert z(P("pipeline", "expert", None), odd[1], 1) == P("pipeline", "expert", "data")
+  assert rules.muon_work_spec(*odd, m, 1) == P("pipeline", None, None)
+  assert z(P("pipeline", "expert", None), attn[1], 0) == P("pipeline", "expert", "data")

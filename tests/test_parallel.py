@@ -126,6 +126,21 @@ def test_zero1_shards_optimizer_state_not_params():
   assert r["opt_per_device"] < 0.2 * r["opt_total"]
 
 
+def test_muon_orthogonalizes_on_the_devices_holding_the_matrices_split_over_data():
+  """Issue 22: with two MoE layers on every device holding the stack (pipeline 2 x expert 4,
+  and data 4 x expert 2), Muon's compiled update gathers no expert stack (optax merges the
+  [layers, experts] batch axes, which cost a full stack on every device before): no
+  all-gather is larger than the largest whole-matrix stack a device holds; the routed
+  experts' Newton-Schulz runs on the device's own matrices, 1 / data of them per data rank
+  (ZeRO-1); and the sharded update equals the single-device one."""
+  r = worker(8, "muon_local", "2x1x4", "1x4x2")
+  for mesh, m in r.items():
+    assert max(m["all_gathers"], default=0) <= m["whole_local"], (mesh, m)
+    assert m["ns_batches"] == [m["share"]], (mesh, m)
+    assert m["rel_err"] < 1e-5, (mesh, m)
+  assert r["2x1x4"]["share"] == 8 and r["1x4x2"]["share"] == 4   # 2 layers x 4 or 8 / 4 experts
+
+
 def test_checkpoint_moves_between_meshes(tmp_path, runs):
   src = tmp_path / "2x4"
   finish(cli(8, src, "--config.train.checkpoint_every=2", "--config.mesh.data=2",

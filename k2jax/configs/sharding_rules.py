@@ -11,6 +11,8 @@ a contiguous slab of the batch. The table sits with the configs, below the model
 the model's expert-parallel dispatch reads it (dependencies run one way).
 """
 
+import math
+
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
@@ -97,3 +99,78 @@ def active_mesh_axes(logical: str, mesh) -> tuple[str, ...]:
   if mesh is None or mesh.empty:
     return ()
   return tuple(a for a in mesh_axes(logical) if mesh.shape.get(a, 1) > 1)
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spread(pspec, shape, axes, mesh_shape) -> P:
+  """`pspec` with mesh `axes` added where they divide the array, as many of them as fit.
+
+  Greedy: the largest product of a subset of `axes` (in their order) goes on the largest
+  dimension it divides, preferring an unsharded dimension over one already split (the split
+  then compounds, e.g. 384 experts over expert = 16 and data = 24); then the rest of the axes
+  the same way. Axes already used or of size 1 are skipped; axes nothing divides are left
+  out (the array is then whole over them).
+  """
+  spec = list(pspec) + [None] * (len(shape) - len(pspec))
+  used = {a for s in spec for a in entry_axes(s)}
+  left = [a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used]
+  while left:
+    best = None
+    for mask in range(1, 2 ** len(left)):
+      subset = tuple(a for i, a in enumerate(left) if mask >> i & 1)
+      n = math.prod(mesh_shape[a] for a in subset)
+      for d, size in enumerate(shape):
+        have = math.prod(mesh_shape[a] for a in entry_axes(spec[d]))
+        if size % (have * n) == 0:
+          key = (n, spec[d] is None, size // have)
+          if best is None or key > best[0]:
+            best = (key, subset, d)
+    if best is None:
+      break
+    _, subset, d = best
+    both = entry_axes(spec[d]) + subset
+    spec[d] = both[0] if len(both) == 1 else both
+    left = [a for a in left if a not in subset]
+  return P(*spec)
+
+
+def _on_batch_dims(pspec, shape, axes, mesh_shape, batch: int) -> P:
+  """`pspec` with mesh `axes` spread over its leading `batch` dimensions only."""
+  entries = list(pspec) + [None] * (len(shape) - len(pspec))
+  used = {a for e in entries[batch:] for a in entry_axes(e)}
+  head = spread(P(*entries[:batch]), shape[:batch], [a for a in axes if a not in used],
+                mesh_shape)
+  return P(*(list(head) + entries[batch:]))
+
+
+def opt_state_spec(pspec, shape, mesh_shape, batch: int = 0) -> P:
+  """ZeRO-1: the split of an optimizer state that mirrors a parameter split as `pspec`, with
+  the `opt_state` mesh axes added (`spread`).
+
+  A Muon matrix's state (`batch` > 0 leading `layers` / `experts` dimensions) takes them on
+  those dimensions where they divide them, so each data rank holds whole matrices: the share
+  it orthogonalizes (muon_work_spec), with no exchange of momentum before or after. Other
+  states, or where nothing there divides, take them where `spread` puts them.
+  """
+  axes = mesh_axes("opt_state")
+  if batch:
+    spec = _on_batch_dims(pspec, shape, axes, mesh_shape, batch)
+    used = {a for e in spec for a in entry_axes(e)}
+    if all(a in used for a in axes if mesh_shape.get(a, 1) > 1):
+      return spec
+  return spread(pspec, shape, axes, mesh_shape)
+
+
+def muon_work_spec(axes, shape, mesh, batch: int) -> P:
+  """Where Muon orthogonalizes the matrices of a parameter (logical `axes`, `shape`, `batch`
+  leading `layers` / `experts` dimensions): matrix dimensions whole, the batch dimensions
+  split as the parameter's (each device works on the layers and experts it holds) and, where
+  they divide that slice, over the `opt_state` axes too (ZeRO-1: each data rank takes 1 /
+  data of them, the share whose momentum it keeps, opt_state_spec)."""
+  entries = list(param_spec(axes, shape, mesh, whole=True)) + [None] * len(shape)
+  entries = entries[:batch] + [None] * (len(shape) - batch)
+  return _on_batch_dims(P(*entries), shape, mesh_axes("opt_state"), mesh.shape, batch)

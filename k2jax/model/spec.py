@@ -52,13 +52,22 @@ def is_spec(x):
   return isinstance(x, ParamSpec)
 
 
+def muon_batch(s: ParamSpec) -> int:
+  """How many leading batch axes (`layers` / `experts`) a Muon-trained spec has; 0 outside
+  Muon."""
+  if s.group != "muon":
+    return 0
+  nb = 0
+  while nb < len(s.axes) and s.axes[nb] in BATCH_AXES:
+    nb += 1
+  return nb
+
+
 def muon_dims(s: ParamSpec):
   """MuonDimensionNumbers for a Muon-trained spec, else None (optax uses AdamW / nothing)."""
   if s.group != "muon":
     return None
-  nb = 0
-  while nb < len(s.axes) and s.axes[nb] in BATCH_AXES:
-    nb += 1
+  nb = muon_batch(s)
   ndim = len(s.shape)
   return MuonDimensionNumbers(reduction_axis=tuple(range(nb, nb + s.n_in)),
                               output_axis=tuple(range(nb + s.n_in, ndim)))

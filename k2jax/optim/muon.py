@@ -11,7 +11,9 @@ the bias-corrected EMA (1 - mu) sum mu^(t-s) G_s, a positive multiple of M_t abo
 Newton-Schulz's Frobenius normalisation removes. `MuonDimensionNumbers` from the parameter
 table make stacked `layers` / `experts` axes batch axes: each layer's and each expert's
 matrix is orthogonalized on its own, and a per-head tensor such as q_b [q_lora, H, D] is
-seen as the published q_lora x (H D) matrix.
+seen as the published q_lora x (H D) matrix. On a mesh, each device orthogonalizes the
+matrices it holds, 1 / data of them per data rank where data divides them (ZeRO-1,
+`on_local_matrices`).
 
 Parameters outside Muon follow the Moonlight recipe: AdamW for the embedding, lm_head,
 router and norms (norms without weight decay); the router correction bias is not trained by
@@ -23,9 +25,10 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from k2jax.configs.sharding_rules import MEMORY_ONLY, active_mesh_axes, param_spec
+from k2jax.configs.sharding_rules import muon_work_spec
 from k2jax.model import param_specs, spec
 
 
@@ -54,9 +57,13 @@ def newton_schulz_flops(cfg, ns_steps: int = 5) -> float:
 
       flops = ns_steps * sum over matrices of (4 m^2 n + 2 m^3)
 
-  With ZeRO-1 each data-parallel rank orthogonalizes its own share of the matrices, so this
-  is the step's total, not any one device's (experiments/bench_train.py compares it with
-  the step's model FLOPs)."""
+  This is the step's total, not any one device's (experiments/bench_train.py compares it with
+  the step's model FLOPs). `on_local_matrices` splits it over the devices that hold the
+  matrices (pipeline stages, the expert group's experts) and, where data divides a device's
+  layers / experts, over data ranks (ZeRO-1); the rest is repeated: a matrix split over
+  `expert` on its model dimension (FSDP) is orthogonalized whole on every device of its
+  expert group, and every data rank repeats the matrices data does not divide (at K2's
+  widths the routed experts are 98% of these FLOPs; the other 2% are repeated so)."""
   total = 0.0
   for s in jax.tree.leaves(param_specs(cfg), is_leaf=spec.is_spec):
     dims = spec.muon_dims(s)
@@ -115,44 +122,59 @@ def scale_by_rms_match(weight_dimension_numbers, rms: float = 0.2):
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def whole_matrix_momentum(inner: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
-  """Run `inner` (optax's scale_by_muon) on momentum gathered to whole matrices (split only
-  over the axes of their layers and experts).
+def on_local_matrices(inner: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
+  """Run `inner` (optax's scale_by_muon) on the matrices each device holds, their work split
+  over data ranks (ZeRO-1, report 2.4.2).
 
-  ZeRO-1 splits Muon's momentum over the `opt_state` mesh axes, and the sharding rules split
-  non-expert weights over `expert` on their model dimension (FSDP), but Newton-Schulz needs
-  whole matrices. Left alone, XLA partitions its matmuls over the split momentum and exchanges
-  partial products in every iteration; constraining the momentum to the parameter sharding
-  instead all-gathers each matrix once, orthogonalizes it whole, and the train step's
-  output sharding keeps this rank's shard of the new momentum (report 2.4.2, ZeRO-1). (On a
-  pipeline, XLA also moved pieces of the FSDP-split matrices across pipeline devices to
-  partition Newton-Schulz; whole matrices keep the update on the device that holds them.)
-  A no-op without a mesh or when those axes have size 1.
+  A Muon stack W [L, E, n, m] (layers, experts, then the matrix) is split over the mesh on
+  its batch dimensions: device d holds layers L_d (pipeline) and experts E_d (expert). Each
+  update depends on its own matrix's gradient and momentum only,
+
+      M[l, e] = mu M[l, e] + G[l, e],   O[l, e] = NewtonSchulz5(M[l, e]),
+
+  so device d computes O[L_d, E_d] alone, and where data divides those |L_d| |E_d| matrices
+  each data rank computes 1 / data of them: the share whose momentum ZeRO-1 keeps there
+  (sharding_rules.opt_state_spec), so no momentum moves. The updates leave split so, and XLA
+  all-gathers them over data where the parameters need them (ZeRO-1's gather of the step's
+  result). Matrix dimensions split only to save memory (FSDP over `expert`) are gathered per
+  local matrix, never the stack; where data divides no batch dimension, every data rank
+  orthogonalizes all of its device's matrices.
+
+  Why shard_map (`inner` per device on its local blocks, specs from
+  sharding_rules.muon_work_spec) and not sharding constraints: optax's
+  orthogonalize_via_newton_schulz merges the batch dimensions [L, E] into one before its
+  vmap. A merged dimension keeps the split of its minor part (E over expert) only when the
+  major part (L) is not held several to a device, as it is on a pipeline stage or without a
+  pipeline; XLA's partitioner then replicated the whole stack on every device ("Involuntary
+  full rematerialization"; K2's widths, 2 MoE layers, expert = 8: a Newton-Schulz batch of
+  768 matrices of 2048 x 2048 per device instead of 96, 316 GB of temporaries). Inside
+  shard_map the merge is of the local block, and optax's math runs unchanged.
+
+  Without a mesh, or on one whose axes all have size 1, `inner` runs as it is: the
+  single-device update, bit for bit.
 
   Args:
-    inner: a transformation whose state has a `mu` field (optax.contrib.scale_by_muon).
-    cfg: the model config (parameter shardings come from its table and the rules).
+    inner: a transformation acting on each Muon matrix alone that ignores params, with a
+      state whose `mu` mirrors the updates and whose other leaves are replicated
+      (optax.contrib.scale_by_muon, scale_by_muon_in).
+    cfg: the model config (the parameter table and the sharding rules place the work).
   Returns:
-    `inner` with its momentum constrained before each update.
+    `inner`, run where the matrices are.
   """
   masked = lambda x: isinstance(x, optax.MaskedNode)
 
-  def gather(mu, mesh):  # mu mirrors the params tree, with MaskedNode outside the Muon group
-    pspecs = jax.tree.map(lambda s: param_spec(s.axes, s.shape, mesh, whole=True),
-                          param_specs(cfg), is_leaf=spec.is_spec)
-    return jax.tree.map(lambda x, p: x if masked(x) else jax.lax.with_sharding_constraint(x, p),
-                        mu, pspecs, is_leaf=masked)
-
   def update_fn(updates, state, params=None):
+    del params
     mesh = jax.sharding.get_abstract_mesh()
-    if not (active_mesh_axes("opt_state", mesh)
-            or any(active_mesh_axes(a, mesh) for a in MEMORY_ONLY)):
-      return inner.update(updates, state, params)
-    # gradient, momentum and the orthogonalized update all whole: left any freedom, XLA
-    # partitioned Newton-Schulz of the pipeline-replicated dense layer across pipeline devices
-    updates, new = inner.update(gather(updates, mesh), state._replace(mu=gather(state.mu, mesh)),
-                                params)
-    return gather(updates, mesh), new
+    if mesh.empty or all(n == 1 for n in mesh.shape.values()):
+      return inner.update(updates, state)
+    work = jax.tree.map(lambda s: muon_work_spec(s.axes, s.shape, mesh, spec.muon_batch(s)),
+                        param_specs(cfg), is_leaf=spec.is_spec)
+    u_specs = jax.tree.map(lambda u, w: u if masked(u) else w, updates, work, is_leaf=masked)
+    s_specs = jax.tree.map(lambda _: P(), state)._replace(mu=u_specs)
+    run = jax.shard_map(lambda u, s: inner.update(u, s), mesh=mesh, in_specs=(u_specs, s_specs),
+                        out_specs=(u_specs, s_specs))
+    return run(updates, state)
 
   return optax.GradientTransformation(inner.init, update_fn)
 
@@ -226,7 +248,7 @@ def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
   """
   dims = _align(dimension_numbers(cfg))
   muon_chain = optax.chain(
-      whole_matrix_momentum(
+      on_local_matrices(
           scale_by_muon_in(ns_dtype, ns_steps=ns_steps, beta=momentum, nesterov=nesterov,
                            mu_dtype=mu_dtype, weight_dimension_numbers=dims), cfg),
       scale_by_rms_match(dims, rms_scale),

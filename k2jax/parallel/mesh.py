@@ -11,7 +11,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k2jax.configs.sharding_rules import MESH_AXES, RULES, logical_spec, param_spec  # noqa: F401
+from k2jax.configs.sharding_rules import (MESH_AXES, RULES, entry_axes, logical_spec,  # noqa: F401
+                                          param_spec, spread)
 from k2jax.model import spec
 
 
@@ -27,11 +28,6 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
-def entry_axes(entry) -> tuple[str, ...]:
-  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model size"):
   for dim, (size, axes) in enumerate(zip(shape, pspec)):
     if axes is None:
@@ -41,38 +37,6 @@ def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model
     if size % n:
       raise ValueError(f"{name}: dim {dim} of size {size} is sharded over mesh axes "
                        f"{' x '.join(axes)} = {n}, which does not divide it: {fix}")
-
-
-def spread(pspec, shape, axes, mesh_shape) -> P:
-  """`pspec` with mesh `axes` added where they divide the array, as many of them as fit.
-
-  Greedy: the largest product of a subset of `axes` (in their order) goes on the largest
-  dimension it divides, preferring an unsharded dimension over one already split (the split
-  then compounds, e.g. 384 experts over expert = 16 and data = 24); then the rest of the axes
-  the same way. Axes already used or of size 1 are skipped; axes nothing divides are left
-  out (the array is then whole over them).
-  """
-  spec = list(pspec) + [None] * (len(shape) - len(pspec))
-  used = {a for s in spec for a in entry_axes(s)}
-  left = [a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used]
-  while left:
-    best = None
-    for mask in range(1, 2 ** len(left)):
-      subset = tuple(a for i, a in enumerate(left) if mask >> i & 1)
-      n = math.prod(mesh_shape[a] for a in subset)
-      for d, size in enumerate(shape):
-        have = math.prod(mesh_shape[a] for a in entry_axes(spec[d]))
-        if size % (have * n) == 0:
-          key = (n, spec[d] is None, size // have)
-          if best is None or key > best[0]:
-            best = (key, subset, d)
-    if best is None:
-      break
-    _, subset, d = best
-    both = entry_axes(spec[d]) + subset
-    spec[d] = both[0] if len(both) == 1 else both
-    left = [a for a in left if a not in subset]
-  return P(*spec)
 
 
 def param_shardings(specs, mesh: Mesh, spread_layers: bool = False):

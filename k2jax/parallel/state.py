@@ -4,28 +4,34 @@ Parameters follow the logical-axis rules (replicated over `data`). Optimizer-sta
 that mirror a parameter (Muon momentum, Adam moments, fp32 master weights; optax identifies
 them for us with `optax.tree_utils.tree_map_params`) take that parameter's sharding and are
 additionally split over the mesh axes of the logical `opt_state` axis
-(k2jax.configs.sharding_rules: `data`) on a dimension they divide (`mesh.spread`: preferring
-an unsharded one, compounding an existing split where needed, e.g. K2's 384 experts over
-expert = 16 x data = 24); everything else (counts, flags) is replicated. `k2jax.plan` reports
-any state `data` cannot split.
+(k2jax.configs.sharding_rules: `data`) on a dimension they divide (`sharding_rules.spread`:
+preferring an unsharded one, compounding an existing split where needed, e.g. K2's 384
+experts over expert = 16 x data = 24); everything else (counts, flags) is replicated.
+`k2jax.plan` reports any state `data` cannot split.
 
-Muon needs whole matrices: under jit the momentum shard of each data rank is gathered where
-Newton-Schulz needs it (k2jax.optim.muon.whole_matrix_momentum), the orthogonalized update is
-formed on the full matrix, and each rank keeps its shard of the new momentum;
-experiments/bench_parallel.py measures what it costs.
+Muon needs whole matrices, so the state of a Muon matrix stack (momentum, master weights)
+takes `data` on its `layers` / `experts` dimensions where data divides this device's slice of
+them (sharding_rules.opt_state_spec): each data rank then holds whole matrices, orthogonalizes
+exactly those (k2jax.optim.muon.on_local_matrices) and keeps their new momentum, with no
+momentum exchanged; only the updates are gathered over data. Where data divides no such
+dimension, the state is split like any other and the update gathers each matrix first.
 """
 
+import jax
 import optax
 from jax.sharding import NamedSharding
 
-from k2jax.configs.sharding_rules import mesh_axes
-from k2jax.parallel.mesh import param_shardings, replicated, spread
+from k2jax.configs.sharding_rules import opt_state_spec
+from k2jax.model import spec
+from k2jax.parallel.mesh import param_shardings, replicated
 
 
-def zero1(sharding: NamedSharding, shape) -> NamedSharding:
-  """`sharding` with the ZeRO-1 mesh axes added on the largest free divisible dimension."""
-  return NamedSharding(sharding.mesh, spread(sharding.spec, shape, mesh_axes("opt_state"),
-                                             sharding.mesh.shape))
+def zero1(sharding: NamedSharding, shape, batch: int = 0) -> NamedSharding:
+  """`sharding` with the ZeRO-1 mesh axes added on the largest free divisible dimension, or,
+  for the state of a Muon matrix with `batch` leading layers / experts dimensions, on those
+  where they divide (sharding_rules.opt_state_spec)."""
+  return NamedSharding(sharding.mesh, opt_state_spec(sharding.spec, shape, sharding.mesh.shape,
+                                                     batch))
 
 
 def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = True,
@@ -47,16 +53,17 @@ def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = Tru
     A TrainState of NamedShardings.
   """
   params = param_shardings(specs, mesh, spread_layers)
+  batch = jax.tree.map(spec.muon_batch, specs, is_leaf=spec.is_spec)
   rep = replicated(mesh)
 
-  def param_leaf(leaf, param_sharding):
+  def param_leaf(leaf, param_sharding, nb):
     if isinstance(leaf, optax.MaskedNode):  # partition() leaves holes for other groups
       return leaf
-    s = zero1(param_sharding, leaf.shape) if shard_optimizer else param_sharding
+    s = zero1(param_sharding, leaf.shape, nb) if shard_optimizer else param_sharding
     return s.with_memory_kind("pinned_host") if host_state else s
 
   opt = optax.tree_utils.tree_map_params(
-      tx, param_leaf, abstract_state.opt_state, params, transform_non_params=lambda _: rep,
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      tx, param_leaf, abstract_state.opt_state, params, batch,
+      transform_non_params=lambda _: rep, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   return abstract_state._replace(step=rep, params=params, opt_state=opt, nan_streak=rep,
                                  skipped=rep)
