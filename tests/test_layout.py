@@ -182,8 +182,15 @@ def test_k2_states_per_device_from_the_trainers_shardings():
                      ("optimizer", "optimizer on device"), ("optimizer_host", "host memory")):
     assert f"{label:<24}{st[key] / 1e9:>10.2f}" in text
   assert f"{'all states on device':<24}{total / 1e9:>10.2f}" in text
-  tab = pipeline.schedule_table(config.model, 16, 2, 32, "1f1b")
-  idle = tab.idle_fraction(pipeline.schedule_costs(config.model, 16, 2, "1f1b"))
-  assert idle < 0.199                 # the head split over the pipeline (21.9% on the last)
+  V = config.mesh.virtual_stages
+  tab = pipeline.schedule_table(config.model, 16, V, 32, "1f1b")
+  idle = tab.idle_fraction(pipeline.schedule_costs(config.model, 16, V, "1f1b"))
+  assert idle < 0.19                  # the bound (MaxText's circular pipeline: 19%)
   assert (f"idle {idle:.1%} of device time by stage FLOPs ({tab.idle_fraction():.1%} if "
           "stages did equal work)") in text
+  # and the whole device, activations of the configured schedule included, fits an 80 GB
+  # H800 (report 2.4: K2 was trained on them)
+  act = plan.activation_bytes(config.model, K2_LAYOUT, config.train.seq_len,
+                              virtual_stages=V, microbatches=32)[0]
+  assert total + act < 80e9, (total + act) / 1e9
+  assert f"{'total':<24}{(total + act) / 1e9:>10.2f}" in text

@@ -181,7 +181,7 @@ def test_plan_reports_the_zbh1_table_the_trainer_builds():
   mesh = {a: c.mesh[a] for a in ("pipeline", "data", "expert")}
   want = pipeline.table(c).idle_fraction(pipeline.costs(c))
   text = plan.report(c, mesh, name="kimi_k2")
-  assert f"pipeline (zbh1): 16 devices x 2 virtual stages" in text
+  assert f"pipeline (zbh1): 16 devices x {c.mesh.virtual_stages} virtual stages" in text
   assert f"idle {want:.1%} of device time by stage FLOPs" in text
   assert want < schedules_1f1b_idle(c)
 

@@ -47,7 +47,7 @@ def get_config():
       # up-projection and SwiGLU inputs, and the saved activations offloaded to host memory:
       # on a pipeline (this layout) offload does not apply yet and a warning says so: the
       # stage residuals live in the schedule's loop-carried device buffers, and host-memory
-      # buffers for them are not built (plan's 41 GB of activations are on the device).
+      # buffers for them are not built (plan's 47 GB of activations are on the device).
       remat="selective",
       activation_storage="fp8",
       offload=True,
@@ -66,15 +66,16 @@ def get_config():
                       eval_every=1000, checkpoint_every=500))
   # Report 2.4.2: 16-way PP (virtual stages), 16-way EP, ZeRO-1 DP over the rest (data=1
   # here is the smallest layout, 256 devices; set mesh.data to the devices / 256 you have).
-  # 60 MoE layers over 16 x 2 stages of 2 (64 stored rows, 4 of them padding: two on the
-  # stage that also runs the embedding + dense layer, one on each of the last two); the head
-  # is split over the 16 pipeline devices by vocabulary. Interleaved 1F1B with 32
-  # microbatches idles 19.8% of device time counted in each stage's FLOPs (19.0% were all
-  # stages equal) and keeps at most 47 stage activations per device: `python -m k2jax.plan
-  # --config kimi_k2` reads both from k2jax.parallel.schedules. zbh1 would idle 18.5% for
-  # 24 GB more activations per device (what B hands W), so the preset stays 1f1b.
-  # virtual_stages=4 (stages of 1 layer) idles 15.9% and holds 5 GB less (plan), for twice
-  # the ticks and stage-to-stage transfers per step; not measured on GPUs, so not the default.
-  c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=2))
+  # 60 MoE layers over 16 x 4 stages of 1 (64 stored rows, 4 of them padding: stage 0 runs
+  # the embedding + dense layer instead, the last three stages nothing: padding goes where
+  # the work is largest, layout._balanced_counts); the head is split over the 16 pipeline
+  # devices by vocabulary. Interleaved 1F1B with 32
+  # microbatches idles 15.8% of device time counted in each stage's FLOPs (10.5% were all
+  # stages equal) and keeps at most 79 one-layer stage activations per device: 47 GB, 76 GB
+  # with the states, within an 80 GB H800 (`python -m k2jax.plan --config kimi_k2` reads
+  # all of it from the code that runs it). 2 virtual stages of 2 layers idle 19.8% and keep
+  # 94 layers' activations (84.6 GB in all), for half the ticks and stage-to-stage
+  # transfers; zbh1 idles 15.2% for 12 GB more (what B hands W), so the preset stays 1f1b.
+  c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=4))
   c.train.grad_accum = 32
   return c
