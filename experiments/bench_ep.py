@@ -15,7 +15,9 @@ transport (padded / bucketed / ragged):
             recomputed (simulated devices share this machine's cores: ratios show the
             work each transport does, not network time; ragged is emulated here, XLA:CPU
             has none).
-Writes experiments/results/ep/ep.csv.
+Writes experiments/results/ep/ep.csv. `--part residuals`: XLA's temporary memory per MoE
+layer of the model's forward + backward on the mesh against plan's per-layer count
+(experiments/results/ep/residuals_vs_xla.csv).
 """
 
 import argparse
@@ -100,6 +102,52 @@ def child(args):
   print("RESULT " + json.dumps(dict(rows=rows, ideal=ideal, balance=balance)))
 
 
+def layer_growth(args):
+  """What one more MoE layer adds to XLA's temporary memory for the model's forward + backward
+  on the data x expert mesh (temp at 5 layers - temp at 3, over 2: a scanned stack's
+  residuals are [layers, ...] buffers) against what plan counts per layer
+  (transformer.layer_residual_bytes on the same mesh, the expert-parallel path)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  sys.path.insert(0, os.path.dirname(HERE))
+  from k2jax import configs, model, parallel
+  from k2jax.model import transformer
+
+  cfg = configs.get_config("tiny")
+  d_, e_ = map(int, args.mesh.split("x"))
+  cfg.mesh.update(dict(data=d_, expert=e_))
+  mesh = parallel.make_mesh(cfg.mesh)
+  m = cfg.model
+  T, b = 256, 2                                  # sequences per device
+  B = b * d_ * e_
+  rows = []
+  for remat in ("none", "selective", "full"):
+    temp = {}
+    for L in (3, 5):
+      m.update(dict(num_hidden_layers=L, remat=remat, max_position_embeddings=T))
+      specs = model.param_specs(m)
+      shard = parallel.param_shardings(specs, mesh)
+      params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(lambda: model.init(m, jax.random.key(0))), shard)
+      tokens = jax.ShapeDtypeStruct((B, T), jnp.int32,
+                                    sharding=NamedSharding(mesh, P(("data", "expert"))))
+
+      def loss(p, t):
+        logits, _ = model.forward(m, p, t)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()
+      with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+      temp[L] = compiled.memory_analysis().temp_size_in_bytes
+    xla = (temp[5] - temp[3]) / 2
+    planned = transformer.layer_residual_bytes(m, "moe", T, b, d_, e_)
+    rows.append(dict(remat=remat, xla_temp_per_layer=xla, plan_per_layer=planned,
+                     plan_over_xla=planned / xla))
+  return rows
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--devices", type=int, default=8)
@@ -108,8 +156,15 @@ def main():
   ap.add_argument("--experts", type=int, default=64)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--child", action="store_true")
+  ap.add_argument("--part", default="transports", choices=("transports", "residuals"),
+                  help="transports: bytes and time per transport (ep.csv); residuals: XLA's "
+                  "temp memory per MoE layer on the mesh against plan's count "
+                  "(residuals_vs_xla.csv)")
   args = ap.parse_args()
   if args.child:
+    if args.part == "residuals":
+      print("RESULT " + json.dumps(layer_growth(args)))
+      return
     return child(args)
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
   p = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env,
@@ -117,6 +172,19 @@ def main():
   if p.returncode:
     sys.exit(p.stderr[-3000:])
   res = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+  os.makedirs(OUT, exist_ok=True)
+  if args.part == "residuals":
+    with open(os.path.join(OUT, "residuals_vs_xla.csv"), "w", newline="") as fh:
+      wr = csv.DictWriter(fh, fieldnames=list(res[0]))
+      wr.writeheader()
+      print(f"tiny model, mesh data x expert = {args.mesh}, 2 x 256 tokens per device: one "
+            "more MoE layer adds")
+      print(f"{'remat':<11}{'XLA temp MB':>12}{'plan MB':>10}{'plan / XLA':>12}")
+      for r in res:
+        wr.writerow(r)
+        print(f"{r['remat']:<11}{r['xla_temp_per_layer'] / 1e6:>12.3f}"
+              f"{r['plan_per_layer'] / 1e6:>10.3f}{r['plan_over_xla']:>12.2f}")
+    return
   base = next(r["fwd_bwd_ms"] for r in res["rows"]
               if r["transport"] == "padded" and r["residuals"] == "recomputed")
   os.makedirs(OUT, exist_ok=True)
