@@ -55,6 +55,8 @@ from k2jax.kernels.fp8 import dequantize, quantize
 from k2jax.kernels.pallas_utils import cotangent_for, varying_like
 
 TRANSPORTS = ("ragged", "bucketed", "padded")
+
+
 def auto_transport() -> str:
   return "bucketed" if platform.backend() == "cpu" else "ragged"
 
