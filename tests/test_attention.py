@@ -45,34 +45,40 @@ def reference(q, k, v, do, scale, seg, causal):
   return out, smax, dq, dk, dv
 
 
-def segments(B, T, rng):
-  """Rows of 1-3 documents (ids 1, 2, ...) followed by padding (id 0), like packed rows."""
+def segments(B, T, rng, n_cuts=3):
+  """Packed rows: n_cuts random cuts make n_cuts + 1 documents of random lengths (ids 1, 2,
+  ...); odd rows turn their last document into padding (id 0)."""
   seg = np.zeros((B, T), np.int32)
   for b in range(B):
-    cuts = np.sort(rng.choice(np.arange(1, T), size=min(3, T - 1), replace=False))
+    cuts = np.sort(rng.choice(np.arange(1, T), size=min(n_cuts, T - 1), replace=False))
     ids = np.searchsorted(cuts, np.arange(T), side="right") + 1
     seg[b] = np.where(np.arange(T) < cuts[-1] if b % 2 else True, ids, 0)
   return seg
 
 
 CASES = {
-    # name: B, T, H, Dqk, Dv, segments, causal, dtype, block
-    "odd": (2, 37, 5, 48, 32, True, True, jnp.float32, 16),
-    "mla_dims": (1, 20, 1, 192, 128, False, True, jnp.float32, 16),
-    "t1": (2, 1, 1, 32, 16, False, True, jnp.float32, None),
-    "bidirectional": (2, 24, 2, 32, 32, True, False, jnp.float32, 16),
-    "bf16": (2, 33, 5, 48, 32, True, True, jnp.bfloat16, 16),
+    # name: B, T, H, Dqk, Dv, cuts between documents (None: no segment ids), causal, dtype,
+    # block
+    "odd": (2, 37, 5, 48, 32, 3, True, jnp.float32, 16),
+    "mla_dims": (1, 20, 1, 192, 128, None, True, jnp.float32, 16),
+    "t1": (2, 1, 1, 32, 16, None, True, jnp.float32, None),
+    "bidirectional": (2, 24, 2, 32, 32, 3, False, jnp.float32, 16),
+    "bf16": (2, 33, 5, 48, 32, 3, True, jnp.bfloat16, 16),
+    # many documents over many blocks: most block pairs belong to different documents (the
+    # Pallas kernels skip them)
+    "packed": (2, 75, 2, 32, 16, 8, True, jnp.float32, 8),
+    "packed_bidirectional": (2, 75, 2, 32, 16, 8, False, jnp.float32, 8),
 }
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_attention_matches_float64(impl, case):
-  B, T, H, D, Dv, with_seg, causal, dtype, block = CASES[case]
+  B, T, H, D, Dv, n_cuts, causal, dtype, block = CASES[case]
   rng = np.random.default_rng(abs(hash((impl, case))) % 2**32)   # fresh inputs per test
   q, k = (rng.standard_normal((B, T, H, D)) * 1.5 for _ in range(2))
   v, do = rng.standard_normal((B, T, H, Dv)), rng.standard_normal((B, T, H, Dv))
-  seg = segments(B, T, rng) if with_seg else None
+  seg = None if n_cuts is None else segments(B, T, rng, n_cuts)
   scale = D ** -0.5
   args = [jnp.asarray(a, dtype) for a in (q, k, v)]
   q, k, v = (np.asarray(a.astype(jnp.float32)) for a in args)     # what the kernel sees
