@@ -17,7 +17,9 @@ one); `_to_row` / `_to_col` turn one into the other once per q block.
             become columns once per q block.
 
 Fully masked block pairs are skipped with `pl.when`: above the causal diagonal, and pairs
-whose segment-id ranges are disjoint (different documents of a packed row).
+whose segment-id ranges (`_key`) are disjoint (different documents of a packed row). Their
+blocks are not copied either: each kernel's inner (reduction) axis is clamped into the band
+of blocks that run with the outer block (`_band`), which the index maps read from SMEM.
 """
 
 import functools
@@ -63,12 +65,43 @@ def _to_col(row):
   return jnp.sum(jnp.where(_eye(row.shape[1]), row, 0.0), axis=1, keepdims=True)
 
 
-def _run_pair(qi, kj, bq, bk, seg_q, seg_k, causal):
-  """Whether block pair (qi, kj) holds any valid pair."""
-  run = (jnp.max(seg_k) >= jnp.min(seg_q)) & (jnp.min(seg_k) <= jnp.max(seg_q))
+def _run_pair(qi, kj, bq, bk, ranges, causal):
+  """Whether block pair (qi, kj) may hold a valid pair: the ranges of its q and kv blocks'
+  segment keys (`_key`) overlap (min k <= max q and min q <= max k) and, causal, some kv
+  position kj bk + a <= qi bq + b (a, b in the block) exists, i.e. kj bk <= qi bq + bq - 1.
+  On every pair at once (`_band`, arrays) or on one inside a kernel."""
+  min_q, max_q, min_k, max_k = ranges
+  run = (max_k >= min_q) & (min_k <= max_q)
   if causal:
     run = run & (kj * bk <= qi * bq + bq - 1)
   return run
+
+
+def _key(seg):
+  """Segment ids as the keys whose [min, max] ranges `_run_pair` compares: ids > 0 as they
+  are, padding (0) and block padding (flash.PAD_SEGMENT) above every document.
+
+  Any key is sound (blocks that share an id share its key, so their ranges overlap); a row
+  whose keys never decrease makes the test exact (two blocks' ranges then overlap only at a
+  key both hold). A packed row, documents 1, 2, .. then padding then block padding, is one;
+  on the raw ids the block that ends the last document and starts the padding spans [0, n]
+  and overlaps every block of the row. Ids >= 2^31 - 2 share a key with padding: still
+  sound (the masks compare the ids themselves)."""
+  top = jnp.iinfo(jnp.int32).max
+  return jnp.where(seg > 0, seg, jnp.where(seg == 0, top - 1, top))
+
+
+def _ranges(seg_q, seg_k):
+  """(min q, max q, min k, max k) of a step's segment-id blocks' keys, for `_run_pair`."""
+  kq, kk = _key(seg_q), _key(seg_k)
+  return jnp.min(kq), jnp.max(kq), jnp.min(kk), jnp.max(kk)
+
+
+def _in_band(lo_ref, hi_ref, flat, i):
+  """Whether the inner block index i is inside its band, [lo, hi] at `flat` = b n + outer:
+  outside it every block was fetched at the clamped index (`_band`), not at i, so the step
+  must not run (a pair can only run inside the band, which holds every pair that may)."""
+  return (lo_ref[flat] <= i) & (i <= hi_ref[flat])
 
 
 def _scores(q, k, scale, seg_q, seg_k, qi, kj, bq, bk, causal, kv_rows=False):
@@ -85,9 +118,9 @@ def _scores(q, k, scale, seg_q, seg_k, qi, kj, bq, bk, causal, kv_rows=False):
   return jnp.where(valid, s, NEG_INF)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, m_ref, m_sc, l_sc, acc_sc,
-                *, scale, causal, bq, bk):
-  qi, kj = pl.program_id(2), pl.program_id(3)
+def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, m_ref, m_sc,
+                l_sc, acc_sc, *, scale, causal, bq, bk):
+  b, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
   @pl.when(kj == 0)
   def _():
@@ -96,8 +129,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, m_ref, m_sc
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
   seg_q, seg_k = sq_ref[...], sk_ref[...]
+  in_band = _in_band(lo_ref, hi_ref, b * pl.num_programs(2) + qi, kj)
 
-  @pl.when(_run_pair(qi, kj, bq, bk, seg_q, seg_k, causal))
+  @pl.when(in_band & _run_pair(qi, kj, bq, bk, _ranges(seg_q, seg_k), causal))
   def _():
     s = _scores(q_ref[...], k_ref[...], scale, seg_q, seg_k, qi, kj, bq, bk, causal)
     m = m_sc[...]
@@ -119,9 +153,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, m_ref, m_sc
     m_ref[...] = _to_row(m_sc[...])
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, dk_ref,
-                 dv_ref, dk_sc, dv_sc, *, scale, causal, bq, bk):
-  kj, qi = pl.program_id(2), pl.program_id(3)
+def _dkdv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref,
+                 dk_ref, dv_ref, dk_sc, dv_sc, *, scale, causal, bq, bk):
+  b, kj, qi = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
   @pl.when(qi == 0)
   def _():
@@ -129,8 +163,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
   seg_q, seg_k = sq_ref[...], sk_ref[...]                     # [1, bq] row, [bk, 1] column
+  in_band = _in_band(lo_ref, hi_ref, b * pl.num_programs(2) + kj, qi)
 
-  @pl.when(_run_pair(qi, kj, bq, bk, seg_q, seg_k, causal))
+  @pl.when(in_band & _run_pair(qi, kj, bq, bk, _ranges(seg_q, seg_k), causal))
   def _():
     # Transposed (k q^T): lse and delta, which change every inner step, arrive as [1, bq]
     # rows, and both products are plain matmuls (p^T do, ds^T q without a transpose).
@@ -147,9 +182,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, dq_ref, dq_sc,
-               lse_sc, delta_sc, *, scale, causal, bq, bk):
-  qi, kj = pl.program_id(2), pl.program_id(3)
+def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref,
+               dq_ref, dq_sc, lse_sc, delta_sc, *, scale, causal, bq, bk):
+  b, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
   @pl.when(kj == 0)
   def _():
@@ -158,8 +193,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, 
     delta_sc[...] = _to_col(delta_ref[...])
 
   seg_q, seg_k = sq_ref[...], sk_ref[...]
+  in_band = _in_band(lo_ref, hi_ref, b * pl.num_programs(2) + qi, kj)
 
-  @pl.when(_run_pair(qi, kj, bq, bk, seg_q, seg_k, causal))
+  @pl.when(in_band & _run_pair(qi, kj, bq, bk, _ranges(seg_q, seg_k), causal))
   def _():
     k = k_ref[...]
     s = _scores(q_ref[...], k, scale, seg_q, seg_k, qi, kj, bq, bk, causal)
@@ -172,51 +208,79 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sq_ref, sk_ref, 
     dq_ref[...] = (dq_sc[...] * scale).astype(dq_ref.dtype)
 
 
-def _visible(x, y, axis, clamp):
-  """The T block grid axis `axis` (2 or 3) indexes, clamped into the causal band.
+def _band(seg, bq, bk, causal):
+  """The blocks each block runs with: ((kv_lo, kv_hi), (q_lo, q_hi)), int32, flattened.
 
-  A pair the kernel skips (above the diagonal) still has its blocks copied HBM -> VMEM
-  unless the index repeats the previous step's: the pipeline only fetches on a change. So
-  `clamp` = (bq, bk, side) maps skipped steps onto the nearest visible block: the kv side of
-  a (q block, kv block) grid stops at the last block row q can see; the q side of a
-  (kv block, q block) grid starts at the first q block that sees kv."""
-  i = (x, y)[axis - 2]
-  if clamp is None:
-    return i
-  bq, bk, side = clamp
-  # lax.div (truncating) on these non-negative indices: `//` adds sign fix-ups Mosaic lowers
-  # through a TPU-info query; int32 divisors keep x64 runs from mixing widths.
-  if side == "kv":            # grid (.., q block x, kv block y)
-    return jnp.minimum(i, jax.lax.div(x * bq + bq - 1, jnp.int32(bk)))
-  return jnp.maximum(i, jax.lax.div(x * bk, jnp.int32(bq)))  # "q": grid (.., kv x, q y)
+  A pair the kernel skips still has its blocks copied HBM -> VMEM unless their index repeats
+  the previous grid step's: the TPU pipeline copies a block only when its index changes
+  (the Pallas TPU guide "Scalar Prefetch and Block-Sparse Computation" skips blocks this way).
+  So each kernel's inner axis is clamped into a band. With run(b, i, j) `_run_pair` of q block
+  i and kv block j of row b (causal band and overlapping key ranges),
+
+    kv_lo[b n_q + i] = min {j : run(b, i, j)},  kv_hi[b n_q + i] = max {j : run(b, i, j)}
+    q_lo[b n_k + j]  = min {i : run(b, i, j)},  q_hi[b n_k + j]  = max {i : run(b, i, j)}
+
+  and the index maps read block clamp(y, lo, hi) at step (outer x, inner y): before the band
+  they fetch its first block early (used again when y reaches it), after it they keep its
+  last. Every set is non-empty: q block i and the kv block holding position i bq share that
+  row's id and the causal band; a kv block and the q block holding its first row likewise.
+  In a row whose keys never decrease (a packed row: `_key`) each set is an interval and holds
+  exactly the blocks that share a document with the block, so only those are copied; ids out
+  of order leave skipped pairs inside [lo, hi] that are still copied (never computed: the
+  kernels run a step only when `_in_band` and `_run_pair`).
+
+  B n_q n_k booleans in XLA, outside the kernels (1 M at T 128K, 128-row blocks); each
+  kernel takes two flat [B n] int32 vectors into SMEM by scalar prefetch (8 KB per row of
+  T 128K), indexed b n + x."""
+  B, Tp = seg.shape
+  nq, nk = Tp // bq, Tp // bk
+  sq, sk = _key(seg).reshape(B, nq, bq), _key(seg).reshape(B, nk, bk)
+  ranges = (sq.min(-1)[:, :, None], sq.max(-1)[:, :, None], sk.min(-1)[:, None, :],
+            sk.max(-1)[:, None, :])
+  run = _run_pair(jnp.arange(nq)[:, None], jnp.arange(nk)[None, :], bq, bk, ranges, causal)
+  run = jnp.broadcast_to(run, (B, nq, nk))
+
+  def first_last(r):          # over the last axis, which holds a True in every row
+    n = r.shape[-1]
+    lo = jnp.argmax(r, axis=-1)
+    hi = n - 1 - jnp.argmax(r[..., ::-1], axis=-1)
+    return lo.astype(jnp.int32).reshape(-1), hi.astype(jnp.int32).reshape(-1)
+  return first_last(run), first_last(jnp.swapaxes(run, 1, 2))
 
 
-def _spec(n, d, axis, clamp=None):
-  """Block (n, d) of a [B, H, T, d] array, indexed along T by grid axis `axis` (2 or 3)."""
-  return pl.BlockSpec((None, None, n, d),
-                      lambda b, h, x, y: (b, h, _visible(x, y, axis, clamp), 0))
+def _index(b, x, y, axis, n, lo_ref, hi_ref):
+  """The T block of grid step (b, .., x, y): the outer index x (axis 2), or the inner y
+  (axis 3) clamped into x's band [lo, hi] (`_band`; n = the outer axis' size)."""
+  if axis == 2:
+    return x
+  return jnp.minimum(jnp.maximum(y, lo_ref[b * n + x]), hi_ref[b * n + x])
 
 
-def _row(n, axis, clamp=None):
+def _spec(n, d, axis, outer):
+  """Block (n, d) of a [B, H, T, d] array, indexed along T by grid axis `axis` (2 or 3) of a
+  grid whose outer block axis has `outer` blocks."""
+  return pl.BlockSpec((None, None, n, d), lambda b, h, x, y, lo, hi: (
+      b, h, _index(b, x, y, axis, outer, lo, hi), 0))
+
+
+def _row(n, axis, outer):
   """Block [1, n] of a [B, H, 1, T] array of per-query values (lane-major: a [B, H, T, 1]
   column pads every value to 128 lanes in HBM and in each copy)."""
-  return pl.BlockSpec((None, None, 1, n),
-                      lambda b, h, x, y: (b, h, 0, _visible(x, y, axis, clamp)))
+  return pl.BlockSpec((None, None, 1, n), lambda b, h, x, y, lo, hi: (
+      b, h, 0, _index(b, x, y, axis, outer, lo, hi)))
 
 
-def _seg_specs(bq, bk, q_axis, clamp=None, kv_rows=False):
+def _seg_specs(bq, bk, q_axis, outer, kv_rows=False):
   """Segment-id blocks: q ids as a [bq, 1] column of seg[:, :, None] and k ids as a [1, bk]
   row of seg[:, None, :]; with kv_rows the other way round (q row, k column)."""
   k_axis = 5 - q_axis
-  cq = clamp if clamp and clamp[2] == "q" else None
-  ck = clamp if clamp and clamp[2] == "kv" else None
-  col = lambda n, axis, c: pl.BlockSpec((None, n, 1),
-                                        lambda b, h, x, y: (b, _visible(x, y, axis, c), 0))
-  row = lambda n, axis, c: pl.BlockSpec((None, 1, n),
-                                        lambda b, h, x, y: (b, 0, _visible(x, y, axis, c)))
+  col = lambda n, axis: pl.BlockSpec((None, n, 1), lambda b, h, x, y, lo, hi: (
+      b, _index(b, x, y, axis, outer, lo, hi), 0))
+  row = lambda n, axis: pl.BlockSpec((None, 1, n), lambda b, h, x, y, lo, hi: (
+      b, 0, _index(b, x, y, axis, outer, lo, hi)))
   if kv_rows:
-    return row(bq, q_axis, cq), col(bk, k_axis, ck)
-  return col(bq, q_axis, cq), row(bk, k_axis, ck)
+    return row(bq, q_axis), col(bk, k_axis)
+  return col(bq, q_axis), row(bk, k_axis)
 
 
 def _params(interpret, semantics):
@@ -232,19 +296,21 @@ def _attn(q, k, v, seg, scale, causal, bq, bk, interpret):
 def _forward(q, k, v, seg, scale, causal, bq, bk, interpret):
   B, H, Tp, D = q.shape
   Dv = v.shape[-1]
-  kv = (bq, bk, "kv") if causal else None
-  sq, sk = _seg_specs(bq, bk, 2, kv)
+  nq = Tp // bq
+  (kv_lo, kv_hi), _ = _band(seg, bq, bk, causal)
+  sq, sk = _seg_specs(bq, bk, 2, nq)                 # grid (b, h, q block, kv block)
   rows = jax.ShapeDtypeStruct((B, H, 1, Tp), jnp.float32)
   return pallas_call(
       functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
-      grid=(B, H, Tp // bq, Tp // bk),
-      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3, kv), _spec(bk, Dv, 3, kv), sq, sk],
-      out_specs=[_spec(bq, Dv, 2), _row(bq, 2), _row(bq, 2)],
+      grid=(B, H, nq, Tp // bk), num_scalar_prefetch=2,
+      in_specs=[_spec(bq, D, 2, nq), _spec(bk, D, 3, nq), _spec(bk, Dv, 3, nq), sq, sk],
+      out_specs=[_spec(bq, Dv, 2, nq), _row(bq, 2, nq), _row(bq, 2, nq)],
       out_shape=[jax.ShapeDtypeStruct((B, H, Tp, Dv), v.dtype), rows, rows],
       scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                       pltpu.VMEM((bq, Dv), jnp.float32)],
       compiler_params=_params(interpret, ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=interpret, name="mla_flash_fwd_tpu")(q, k, v, seg[:, :, None], seg[:, None, :])
+      interpret=interpret, name="mla_flash_fwd_tpu")(kv_lo, kv_hi, q, k, v, seg[:, :, None],
+                                                    seg[:, None, :])
 
 
 def _attn_fwd(q, k, v, seg, scale, causal, bq, bk, interpret):
@@ -257,36 +323,37 @@ def _attn_bwd(scale, causal, bq, bk, interpret, res, cts):
   do = cts[0]
   B, H, Tp, D = q.shape
   Dv = v.shape[-1]
+  nq, nk = Tp // bq, Tp // bk
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)      # [B, H, Tp]
   segs = (seg[:, :, None], seg[:, None, :])
   sem = ("parallel", "parallel", "parallel", "arbitrary")
-  qc = (bq, bk, "q") if causal else None
+  (kv_lo, kv_hi), (q_lo, q_hi) = _band(seg, bq, bk, causal)
   # grid (b, h, kv block, q block): lse and delta change every inner step and are read as
   # [1, bq] rows, as splash attention's dkv kernel reads its logsumexp.
-  sq, sk = _seg_specs(bq, bk, 3, qc, kv_rows=True)
+  sq, sk = _seg_specs(bq, bk, 3, nk, kv_rows=True)
   dk, dv = pallas_call(
       functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
-      grid=(B, H, Tp // bk, Tp // bq),
-      in_specs=[_spec(bq, D, 3, qc), _spec(bk, D, 2), _spec(bk, Dv, 2), _spec(bq, Dv, 3, qc),
-                _row(bq, 3, qc), _row(bq, 3, qc), sq, sk],
-      out_specs=[_spec(bk, D, 2), _spec(bk, Dv, 2)],
+      grid=(B, H, nk, nq), num_scalar_prefetch=2,
+      in_specs=[_spec(bq, D, 3, nk), _spec(bk, D, 2, nk), _spec(bk, Dv, 2, nk),
+                _spec(bq, Dv, 3, nk), _row(bq, 3, nk), _row(bq, 3, nk), sq, sk],
+      out_specs=[_spec(bk, D, 2, nk), _spec(bk, Dv, 2, nk)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)],
       compiler_params=_params(interpret, sem), interpret=interpret,
-      name="mla_flash_dkdv_tpu")(q, k, v, do, lse, delta[:, :, None, :], segs[1], segs[0])
-  kv = (bq, bk, "kv") if causal else None
-  sq, sk = _seg_specs(bq, bk, 2, kv)              # grid (b, h, q block, kv block)
+      name="mla_flash_dkdv_tpu")(q_lo, q_hi, q, k, v, do, lse, delta[:, :, None, :], segs[1],
+                                 segs[0])
+  sq, sk = _seg_specs(bq, bk, 2, nq)              # grid (b, h, q block, kv block)
   dq = pallas_call(
       functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk),
-      grid=(B, H, Tp // bq, Tp // bk),
-      in_specs=[_spec(bq, D, 2), _spec(bk, D, 3, kv), _spec(bk, Dv, 3, kv), _spec(bq, Dv, 2),
-                _row(bq, 2), _row(bq, 2), sq, sk],
-      out_specs=_spec(bq, D, 2),
+      grid=(B, H, nq, nk), num_scalar_prefetch=2,
+      in_specs=[_spec(bq, D, 2, nq), _spec(bk, D, 3, nq), _spec(bk, Dv, 3, nq),
+                _spec(bq, Dv, 2, nq), _row(bq, 2, nq), _row(bq, 2, nq), sq, sk],
+      out_specs=_spec(bq, D, 2, nq),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                       pltpu.VMEM((bq, 1), jnp.float32)],
       compiler_params=_params(interpret, sem), interpret=interpret,
-      name="mla_flash_dq_tpu")(q, k, v, do, lse, delta[:, :, None, :], *segs)
+      name="mla_flash_dq_tpu")(kv_lo, kv_hi, q, k, v, do, lse, delta[:, :, None, :], *segs)
   return dq, dk, dv, None
 
 

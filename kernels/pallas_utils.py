@@ -58,29 +58,42 @@ def _varying(args, shapes):
           [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in shapes])
 
 
-def pallas_call(kernel, *, in_specs, out_specs, out_shape, interpret: bool, **kwargs):
+def pallas_call(kernel, *, in_specs, out_specs, out_shape, interpret: bool,
+                num_scalar_prefetch: int = 0, **kwargs):
   """`pl.pallas_call` with the same arguments; under interpret=True every output buffer is
   aliased to a poison-filled input (the kernel never sees those extra inputs). Inside
-  `shard_map`, outputs vary over the mesh axes the inputs vary over (`_varying`)."""
+  `shard_map`, outputs vary over the mesh axes the inputs vary over (`_varying`).
+
+  num_scalar_prefetch > 0 (TPU): the first that many operands go to SMEM before the grid
+  runs and reach every index map (after the grid indices) and the kernel (as its first
+  refs): `grid`, the specs and `scratch_shapes` become a `pltpu.PrefetchScalarGridSpec`."""
   single = not isinstance(out_shape, (list, tuple))
   shapes = [out_shape] if single else list(out_shape)
   specs = [out_specs] if single else list(out_specs)
+
+  def call(kernel, in_specs, **extra):
+    if not num_scalar_prefetch:
+      return pl.pallas_call(kernel, in_specs=in_specs, out_specs=out_specs, **extra, **kwargs)
+    from jax.experimental.pallas import tpu as pltpu
+    rest = dict(kwargs)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=num_scalar_prefetch, grid=rest.pop("grid"), in_specs=in_specs,
+        out_specs=out_specs, scratch_shapes=rest.pop("scratch_shapes", ()))
+    return pl.pallas_call(kernel, grid_spec=grid_spec, **extra, **rest)
 
   def run(*args):
     n = len(args)
     if not interpret:
       args, out = _varying(args, shapes)
-      return pl.pallas_call(kernel, in_specs=in_specs, out_specs=out_specs,
-                            out_shape=out[0] if single else out, interpret=False,
-                            **kwargs)(*args)
+      return call(kernel, in_specs, out_shape=out[0] if single else out, interpret=False)(*args)
 
+    # The poison operands come last, so their refs sit right after the n operands' (scalar
+    # prefetch refs first, then the blocked inputs), as do their indices among the operands.
     def poisoned_kernel(*refs):
       return kernel(*refs[:n], *refs[n + len(shapes):])
 
     args, out = _varying([*args, *(_poison(s) for s in shapes)], shapes)
-    call = pl.pallas_call(poisoned_kernel, in_specs=[*in_specs, *specs], out_specs=out_specs,
-                          out_shape=out[0] if single else out, interpret=True,
-                          input_output_aliases={n + i: i for i in range(len(shapes))}, **kwargs)
-    return call(*args)
+    return call(poisoned_kernel, [*in_specs, *specs], out_shape=out[0] if single else out,
+                interpret=True, input_output_aliases={n + i: i for i in range(len(shapes))})(*args)
 
   return run

@@ -45,34 +45,40 @@ def reference(q, k, v, do, scale, seg, causal):
   return out, smax, dq, dk, dv
 
 
-def segments(B, T, rng):
-  """Rows of 1-3 documents (ids 1, 2, ...) followed by padding (id 0), like packed rows."""
+def segments(B, T, rng, n_cuts=3):
+  """Packed rows: n_cuts random cuts make n_cuts + 1 documents of random lengths (ids 1, 2,
+  ...); odd rows turn their last document into padding (id 0)."""
   seg = np.zeros((B, T), np.int32)
   for b in range(B):
-    cuts = np.sort(rng.choice(np.arange(1, T), size=min(3, T - 1), replace=False))
+    cuts = np.sort(rng.choice(np.arange(1, T), size=min(n_cuts, T - 1), replace=False))
     ids = np.searchsorted(cuts, np.arange(T), side="right") + 1
     seg[b] = np.where(np.arange(T) < cuts[-1] if b % 2 else True, ids, 0)
   return seg
 
 
 CASES = {
-    # name: B, T, H, Dqk, Dv, segments, causal, dtype, block
-    "odd": (2, 37, 5, 48, 32, True, True, jnp.float32, 16),
-    "mla_dims": (1, 20, 1, 192, 128, False, True, jnp.float32, 16),
-    "t1": (2, 1, 1, 32, 16, False, True, jnp.float32, None),
-    "bidirectional": (2, 24, 2, 32, 32, True, False, jnp.float32, 16),
-    "bf16": (2, 33, 5, 48, 32, True, True, jnp.bfloat16, 16),
+    # name: B, T, H, Dqk, Dv, cuts between documents (None: no segment ids), causal, dtype,
+    # block
+    "odd": (2, 37, 5, 48, 32, 3, True, jnp.float32, 16),
+    "mla_dims": (1, 20, 1, 192, 128, None, True, jnp.float32, 16),
+    "t1": (2, 1, 1, 32, 16, None, True, jnp.float32, None),
+    "bidirectional": (2, 24, 2, 32, 32, 3, False, jnp.float32, 16),
+    "bf16": (2, 33, 5, 48, 32, 3, True, jnp.bfloat16, 16),
+    # many documents over many blocks: most block pairs belong to different documents (the
+    # Pallas kernels skip them)
+    "packed": (2, 75, 2, 32, 16, 8, True, jnp.float32, 8),
+    "packed_bidirectional": (2, 75, 2, 32, 16, 8, False, jnp.float32, 8),
 }
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_attention_matches_float64(impl, case):
-  B, T, H, D, Dv, with_seg, causal, dtype, block = CASES[case]
+  B, T, H, D, Dv, n_cuts, causal, dtype, block = CASES[case]
   rng = np.random.default_rng(abs(hash((impl, case))) % 2**32)   # fresh inputs per test
   q, k = (rng.standard_normal((B, T, H, D)) * 1.5 for _ in range(2))
   v, do = rng.standard_normal((B, T, H, Dv)), rng.standard_normal((B, T, H, Dv))
-  seg = segments(B, T, rng) if with_seg else None
+  seg = None if n_cuts is None else segments(B, T, rng, n_cuts)
   scale = D ** -0.5
   args = [jnp.asarray(a, dtype) for a in (q, k, v)]
   q, k, v = (np.asarray(a.astype(jnp.float32)) for a in args)     # what the kernel sees
@@ -168,31 +174,108 @@ def test_pallas_kernels_lower_for_their_accelerator_with_and_without_x64(impl, p
       assert ("triton" if platform == "cuda" else "tpu_custom_call") in text.lower()
 
 
-@pytest.mark.parametrize("bq,bk,nb", [(128, 128, 5), (64, 128, 4), (128, 64, 3)])
-def test_tpu_kernel_fetches_only_the_blocks_of_the_causal_band(bq, bk, nb):
-  """The TPU pipeline copies a block HBM -> VMEM when its index changes between grid steps;
-  with the index maps clamped into the causal band, every visible (q block, kv block) pair
-  still gets its own block, and the copies number at most the visible pairs (consecutive
-  steps that share a block copy it once), not every pair."""
-  from k2jax.kernels import flash_tpu
-  T = nb * max(bq, bk)
-  nq, nk = T // bq, T // bk
-  visible = sum(kj * bk <= qi * bq + bq - 1 for qi in range(nq) for kj in range(nk))
+@pytest.mark.parametrize("T", [100, 300, 4096])
+def test_tpu_kernels_lower_with_segment_ids_and_their_band_at_several_lengths(T):
+  """The Mosaic lowering (run on CPU) of forward and every gradient with segment ids, whose
+  per-block band reaches each kernel's index maps through scalar prefetch (SMEM): one block
+  (T 100), several with a partial last one (300), K2's sequence length (4096)."""
+  q = jax.ShapeDtypeStruct((1, T, 2, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, T, 2, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, T), jnp.int32)
 
-  def fetches(outer, inner, axis, clamp, q_outer):
-    last, n = None, 0
-    for x in range(outer):
-      for y in range(inner):
-        i = int(flash_tpu._visible(x, y, axis, clamp))
-        qi, kj = (x, y) if q_outer else (y, x)
-        if kj * bk <= qi * bq + bq - 1:       # a pair the kernel computes: its own block
-          assert i == y
-        n += i != last
-        last = i
-    return n
-  assert visible < nq * nk
-  # forward and dq: grid (q block, kv block), k / v indexed by the kv axis
-  assert fetches(nq, nk, 3, (bq, bk, "kv"), True) <= visible
-  # dk / dv: grid (kv block, q block), q / do / lse / delta indexed by the q axis
-  assert fetches(nk, nq, 3, (bq, bk, "q"), False) <= visible
-  assert fetches(nq, nk, 3, None, True) == nq * nk     # unclamped: every pair
+  def loss(q, k, v, seg):
+    out, smax = attention(q, k, v, scale=0.07, segment_ids=seg, impl="pallas_tpu")
+    return out.astype(jnp.float32).sum() + smax.sum()
+  for f, calls in ((loss, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+    text = jax.jit(f).trace(q, q, v, seg).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") >= calls
+
+
+def tpu_block_copies(monkeypatch, seg, bq, bk, causal):
+  """The T block each input of the TPU kernels' three pallas_calls reads at every grid step,
+  from the calls' own index maps (and scalar-prefetch operands), with a recorder standing in
+  for pallas_call: {name: (grid steps [n, 4] in order, [blocks [n] per input])}. The
+  pipeline copies a block HBM -> VMEM when its index differs from the previous step's."""
+  from k2jax.kernels import flash_tpu
+  B, Tp = seg.shape
+  calls = {}
+
+  def record(kernel, *, in_specs, out_shape, grid, name, num_scalar_prefetch=0, **_):
+    def run(*args):
+      scalars, arrays = args[:num_scalar_prefetch], args[num_scalar_prefetch:]
+      steps = np.stack(np.meshgrid(*map(np.arange, grid), indexing="ij"), -1).reshape(-1, 4)
+      blocks = []
+      for spec, a in zip(in_specs, arrays):
+        index = jax.vmap(lambda s: spec.index_map(*s, *scalars))(jnp.asarray(steps, jnp.int32))
+        blocks.append(np.asarray(index[a.shape.index(Tp)]))       # the block index along T
+      calls[name] = (steps, blocks)
+      shapes = out_shape if isinstance(out_shape, list) else [out_shape]
+      outs = [jnp.zeros(o.shape, o.dtype) for o in shapes]
+      return outs if isinstance(out_shape, list) else outs[0]
+    return run
+
+  monkeypatch.setattr(flash_tpu, "pallas_call", record)
+  x, rows = jnp.zeros((B, 1, Tp, 8)), jnp.zeros((B, 1, 1, Tp))
+  flash_tpu._forward(x, x, x, seg, 1.0, causal, bq, bk, True)
+  flash_tpu._attn_bwd(1.0, causal, bq, bk, True, (x, x, x, seg, x, rows), (x, None))
+  return calls
+
+
+def check_tpu_copies(monkeypatch, seg, bq, bk, causal):
+  """Every block pair holding a valid (q, kv) pair reads its own blocks, and no step copies
+  a block that shares no valid pair with the step's outer block: on the inner axis (kv
+  blocks of fwd / dq, q blocks of dk / dv) each input is copied at most once per block pair
+  that holds a valid pair. -> (copies of one inner input per kernel, pairs holding a valid
+  pair, pairs in the causal band)."""
+  B, Tp = seg.shape
+  nq, nk = Tp // bq, Tp // bk
+  pos = np.arange(Tp)
+  valid = seg[:, :, None] == seg[:, None, :]
+  if causal:
+    valid = valid & (pos[:, None] >= pos[None, :])
+  share = valid.reshape(B, nq, bq, nk, bk).any(axis=(2, 4))              # [B, nq, nk]
+  band = B * sum(not causal or kj * bk <= qi * bq + bq - 1 for qi in range(nq)
+                 for kj in range(nk))
+  copies = {}
+  for name, (steps, blocks) in tpu_block_copies(monkeypatch, seg, bq, bk, causal).items():
+    b, x, y = steps[:, 0], steps[:, 2], steps[:, 3]
+    inner = [i for i in blocks if (i != x).any()]        # inputs read along the inner axis
+    assert len(inner) == (5 if "dkdv" in name else 3), name   # q do lse delta seg / k v seg
+    for i in inner:
+      # share[b, q block, kv block] of the step's own pair and of the block it reads
+      own = share[b, y, x] if "dkdv" in name else share[b, x, y]
+      read = share[b, i, x] if "dkdv" in name else share[b, x, i]
+      assert (i[own] == y[own]).all(), name          # pairs with valid entries: their block
+      assert read.all(), name                        # never a block of other documents
+      n = 1 + int((np.diff(i) != 0).sum())
+      assert n <= share.sum(), (name, n, share.sum())
+    copies[name] = n
+  return copies, int(share.sum()), band
+
+
+@pytest.mark.parametrize("bq,bk,nb", [(128, 128, 5), (64, 128, 4), (128, 64, 3)])
+def test_tpu_kernel_fetches_only_the_blocks_of_the_causal_band(monkeypatch, bq, bk, nb):
+  """One document per row: the pairs holding a valid pair are the causal band, and the TPU
+  kernels copy each inner block at most once per pair of the band, not once per pair."""
+  T = nb * max(bq, bk)
+  seg = np.ones((2, T), np.int32)
+  copies, share, band = check_tpu_copies(monkeypatch, seg, bq, bk, True)
+  assert share == band < 2 * (T // bq) * (T // bk)
+  assert max(copies.values()) <= band
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_tpu_kernel_fetches_only_the_blocks_of_each_blocks_documents(monkeypatch, causal):
+  """Packed rows (documents of odd lengths, then padding, then block padding): a q block's
+  kv blocks of other documents are skipped and never copied, nor, in dk / dv, a kv block's
+  q blocks of other documents (the index maps clamp into the band `flash_tpu._band` reads
+  from the segment ids), so copies fall from the causal band's pairs to the pairs that
+  share a document."""
+  from k2jax.kernels import flash
+  seg = np.zeros((2, 512), np.int32)
+  seg[0] = np.repeat(np.arange(1, 8), [37, 101, 63, 51, 97, 13, 150])
+  seg[1, :473] = np.repeat(np.arange(1, 5), [150, 7, 99, 217])        # then padding (0)
+  seg[:, 500:] = flash.PAD_SEGMENT                   # block padding of a row of T = 500
+  for bq, bk in [(64, 64), (32, 64), (64, 32)]:
+    copies, share, band = check_tpu_copies(monkeypatch, seg, bq, bk, causal)
+    assert max(copies.values()) <= share < band, (bq, bk, copies, share, band)
