@@ -145,6 +145,9 @@ def test_tokamax_residual_max_is_the_scaled_natural_logit_and_unchecked_kernels_
   assert start.tolist() == [[0, 0, 2, 2, 2, 5, 5], [0] * 7]
   assert end.tolist() == [[2, 2, 5, 5, 5, 7, 7], [7] * 7]
   with pytest.raises(ValueError, match="gpu_check.py --only tokamax"):
+    ft.attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, name="xla_chunked")
+  # tokamax's TPU kernel cannot take packed documents at all: that, not its units, is named
+  with pytest.raises(ValueError, match=r"NotImplementedError for Mask.k_start.*auto on TPU"):
     ft.attention(*(jnp.zeros((1, 4, 1, 8)),) * 3, scale=1.0, name="mosaic_tpu")
 
 
