@@ -45,6 +45,13 @@ PREFERENCE = {"gpu": ("mosaic_gpu", "triton"), "tpu": ("mosaic_tpu",), "cpu": ("
 # experiments/results/attention/tokamax_residuals.csv; gpu_check.py --only tokamax re-measures.
 RESIDUAL_MAX = {"xla": 1.0, "mosaic_gpu": 1.0, "triton": 1.0}
 
+# Implementations that cannot run our contract at all, with the reason and what to use.
+# mosaic_tpu: its mask check (pallas_mosaic_tpu_common.py; read in tokamax 0.0.12) raises
+# NotImplementedError for Mask.k_start, which is how packed documents reach tokamax here.
+REFUSED = {"mosaic_tpu": "tokamax's Mosaic TPU attention raises NotImplementedError for "
+                         "Mask.k_start, the per-row key start packed documents need; use "
+                         "attention_impl=auto on TPU (pallas_tpu, which takes segment ids)"}
+
 
 def _ops():
   platform.tokamax()
@@ -89,6 +96,8 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
   name: a tokamax implementation ("xla", "triton", "mosaic_gpu", "mosaic_tpu"); default
   `implementation()`. Only names in RESIDUAL_MAX are accepted (module docstring)."""
   name = name or implementation(dtype=q.dtype)
+  if name in REFUSED:
+    raise ValueError(f"attention impl = 'tokamax' ({name}): {REFUSED[name]}")
   if name not in RESIDUAL_MAX:
     raise ValueError(
         f"attention impl = 'tokamax' ({name}): the units of its softmax-residual row max are "

@@ -14,7 +14,8 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
             experts (one layout instead of three scatter / gather pairs).
   ragged    sort the N k assignments by expert, three grouped matmuls over the sorted rows
             (k2jax.kernels.gmm, its own `auto` per backend), unsort, combine; the default
-            where no fused kernel is better (TPU: megablox).
+            where no fused kernel is better (TPU: XLA's ragged_dot, gmm.AUTO; megablox only
+            on request, since it cannot run inside the expert-parallel shard_map).
   capacity  each expert's first C rows in an [E, C, d] buffer and three batched matmuls
             with no weight gathers, C = CAPACITY_FACTOR x the balanced load N k / E; rows
             past an expert's capacity go through the blocked path under a lax.cond, so

@@ -12,57 +12,94 @@ import pytest
 from k2jax import configs, model
 from k2jax.kernels import fp8, routed_experts
 from k2jax.model import remat
+from tests.numerics import U32, assert_within, gamma, replay, seed_and_rng
 
 
-def _round_e4m3(x64, tile=128):
-  """float64 reference of the tile quantization: scale max|tile| / 448, round to E4M3."""
+def _e4m3_candidates(x64, tile=128):
+  """The E4M3 tile quantization of float64 values, dequantized: scale s = max|tile| / 448,
+  value x -> round_e4m3(x / s) s. An f32 kernel computes s and x / s with a relative error
+  < 4 u32, which can move x / s across a rounding midpoint: -> (lo, hi), the roundings of
+  x / s moved down and up by 4 u32 |x / s|, times s (equal unless x / s is that close to a
+  midpoint), and s per value."""
   n = x64.shape[-1]
   pad = -n % tile
   t = np.pad(x64, [(0, 0)] * (x64.ndim - 1) + [(0, pad)]).reshape(x64.shape[:-1] + (-1, tile))
   s = np.abs(t).max(-1, keepdims=True) / 448.0
   s = np.where(s > 0, s, 1.0)
-  q = (t / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
-  return q.reshape(x64.shape[:-1] + (-1,))[..., :n]
+  r = t / s
+  e4m3 = lambda v: v.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  untile = lambda v: np.broadcast_to(v, t.shape).reshape(x64.shape[:-1] + (-1,))[..., :n]
+  return (untile(e4m3(r - 4 * U32 * abs(r)) * s), untile(e4m3(r + 4 * U32 * abs(r)) * s),
+          untile(s))
+
+
+def _rounded_input(x64):
+  """(mid, half): the value an f32 kernel's E4M3 round trip gives for x is within
+  half + 4 u32 |mid| of mid (the two candidates' midpoint, their half distance, and the
+  round trip's f32 scale and product)."""
+  lo, hi, _ = _e4m3_candidates(x64)
+  return (lo + hi) / 2, abs(hi - lo) / 2 + 4 * U32 * abs(lo + hi) / 2
 
 
 @pytest.mark.parametrize("shape", [(5, 128), (3, 7, 200), (1, 1)])
 def test_quantize_round_trips_within_e4m3_precision(shape):
-  x = np.asarray(jax.random.normal(jax.random.key(1), shape) * 3.0, np.float32)
+  seed, rng = seed_and_rng()
+  x = np.asarray(rng.standard_normal(shape) * 3.0, np.float32)
   q, s = fp8.quantize(jnp.asarray(x))
   assert q.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32
   assert s.shape == shape[:-1] + (-(-shape[-1] // 128),)
   back = np.asarray(fp8.dequantize(q, s, jnp.float32), np.float64)
-  np.testing.assert_allclose(back, _round_e4m3(x.astype(np.float64)), rtol=1e-6, atol=1e-30)
-  assert np.all(np.abs(back - x) <= 2.0 ** -4 * np.abs(x) + 1e-6 * np.abs(x).max())
+  x64 = x.astype(np.float64)
+  lo, hi, scale = _e4m3_candidates(x64)
+  # one of the two candidates, up to the f32 scale (< 2 u32 off) and product (u32)
+  want = np.where(abs(back - lo) <= abs(back - hi), lo, hi)
+  assert_within("round trip", back, want, 4 * U32 * abs(want), seed)
+  # E4M3's precision: half a unit in the last place, 2^-4 relative for normal values and
+  # 2^-10 s for subnormal ones (spacing 2^-9 below 2^-6), plus the rounding above
+  assert_within("round trip vs x", back, x64,
+                2.0 ** -4 * abs(x64) + 2.0 ** -10 * scale + 8 * U32 * abs(x64), seed)
 
 
 def test_fp8_saved_matmul_keeps_the_forward_and_rounds_only_what_dw_reads():
-  kx, kw, kg = jax.random.split(jax.random.key(2), 3)
-  x = jax.random.normal(kx, (37, 130))
-  w = jax.random.normal(kw, (130, 9))
-  g = jax.random.normal(kg, (37, 9))
+  seed, rng = seed_and_rng()
+  M, K, N = 37, 130, 9
+  x, w, g = (jnp.asarray(rng.standard_normal(sh), jnp.float32) for sh in ((M, K), (K, N), (M, N)))
   mm = lambda a, b: a @ b
   y, vjp = jax.vjp(fp8.fp8_saved(mm, 1), x, w)
-  np.testing.assert_array_equal(y, mm(x, w))
+  np.testing.assert_array_equal(y, mm(x, w), err_msg=replay(seed))
   dx, dw = vjp(g)
   x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
-  np.testing.assert_allclose(dx, g64 @ w64.T, rtol=1e-5, atol=1e-5)          # exact: no x
-  np.testing.assert_allclose(dw, _round_e4m3(x64).T @ g64, rtol=1e-5, atol=1e-4)
-  assert np.max(np.abs(np.asarray(dw) - x64.T @ g64)) > 1e-3                  # it did round
+  # dx = g w^T reads no x: exact inputs, an N-wide f32 dot
+  assert_within("dx", dx, g64 @ w64.T, gamma(N) * abs(g64) @ abs(w64).T, seed)
+  # dw = x_e4m3^T g: the rounded x's uncertainty, then an M-wide f32 dot
+  xm, xh = _rounded_input(x64)
+  assert_within("dw", dw, xm.T @ g64, xh.T @ abs(g64) + gamma(M) * abs(xm).T @ abs(g64), seed)
+  # and it did round: dw is off the unrounded x's gradient by more than f32 could explain
+  assert (abs(np.asarray(dw) - x64.T @ g64) > gamma(M) * abs(x64).T @ abs(g64)).any(), \
+      replay(seed)
 
 
 def test_fp8_saved_swiglu_gradients_are_those_at_the_rounded_inputs():
-  ka, kb, kg = jax.random.split(jax.random.key(3), 3)
-  a, b, g = (jax.random.normal(k, (11, 64)) for k in (ka, kb, kg))
+  seed, rng = seed_and_rng()
+  a, b, g = (jnp.asarray(rng.standard_normal((11, 64)), jnp.float32) for _ in range(3))
   sw = lambda a, b: jax.nn.silu(a) * b
   y, vjp = jax.vjp(fp8.fp8_saved(sw, 2), a, b)
-  np.testing.assert_array_equal(y, sw(a, b))
+  np.testing.assert_array_equal(y, sw(a, b), err_msg=replay(seed))
   da, db = vjp(g)
-  a64, b64, g64 = _round_e4m3(np.asarray(a, np.float64)), _round_e4m3(np.asarray(b, np.float64)), \
-      np.asarray(g, np.float64)
+  (a64, ah), (b64, bh) = _rounded_input(np.asarray(a, np.float64)), \
+      _rounded_input(np.asarray(b, np.float64))
+  g64 = np.asarray(g, np.float64)
   sig = 1 / (1 + np.exp(-a64))
-  np.testing.assert_allclose(db, g64 * a64 * sig, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(da, g64 * b64 * sig * (1 + a64 * (1 - sig)), rtol=1e-5, atol=1e-5)
+  # |silu'| <= 1.1, |silu''| <= 0.5 carry the rounded inputs' uncertainty; f32's own:
+  # sigmoid's three roundings (+ 4 ulp absolute, a tanh expansion), then <= 6 products / sums
+  sig_err = 3 * U32 * sig + 4 * U32
+  assert_within("db", db, g64 * a64 * sig,
+                abs(g64) * (1.1 * ah + abs(a64) * sig_err + 6 * U32 * abs(a64) * sig), seed)
+  silu_d = sig * (1 + a64 * (1 - sig))
+  assert_within("da", da, g64 * b64 * silu_d,
+                abs(g64) * (1.1 * bh + abs(b64) * (0.5 * ah + (1 + abs(a64)) * sig_err
+                                                    + 6 * U32 * sig * (1 + abs(a64) * (1 - sig)))),
+                seed)
 
 
 @pytest.mark.parametrize("impl", ["blocked", "ragged", "capacity"])

@@ -1,7 +1,13 @@
 """MoE kernels against float64 loops: grouped matmuls (every impl; Pallas in interpret mode
 with NaN-poisoned outputs), the fused gather / combine variants and whole routed-expert
 layers, forward and every gradient, with empty experts, one expert taking every row, row
-counts not divisible by the block size, f32 and bf16."""
+counts not divisible by the block size, f32 and bf16.
+
+Inputs are fresh on every run (tests/numerics.py: K2JAX_TEST_SEED replays one); each element
+is held to a rounding bound from the inputs' magnitudes and the dots' widths (float32
+accumulation: gamma(width) times the float64 sum of |terms|), never a bare tolerance."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +16,7 @@ import pytest
 
 from k2jax.kernels import gmm as gm
 from k2jax.kernels import moe
+from tests.numerics import U16, U32, assert_within, gamma, replay, seed_and_rng
 
 SIZES = [[3, 0, 5, 2], [0, 0, 7], [1] * 9, [40, 1, 0, 25], [0, 70, 0]]
 PALLAS = ("pallas_gpu", "megablox")
@@ -29,7 +36,8 @@ def _impls():
 
 
 def _loop(x, w, sizes, rows=None):
-  """float64 y[r] = x[rows[r]] @ w[g(r)] for rows r sorted by group; trailing rows 0."""
+  """float64 y[r] = x[rows[r]] @ w[g(r)] for rows r sorted by group; trailing rows 0. With
+  |x| and |w| it gives each element's sum of |terms|, the magnitude its bound scales."""
   x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
   rows = np.arange(sum(sizes)) if rows is None else np.asarray(rows)
   out, start = np.zeros((len(rows) if rows is not None else x.shape[0], w.shape[2])), 0
@@ -39,41 +47,64 @@ def _loop(x, w, sizes, rows=None):
   return out
 
 
+def _f32(a):
+  """a rounded to float32, as float64: what the kernel is given, and the reference uses."""
+  return np.asarray(np.asarray(a, np.float32), np.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_matmul_vjp(impl):
+  """jit((x, w, group_sizes, cot) -> (y, dx, dw)), one per impl, so that repeated draws
+  (tests/numerics.py) reuse the compiled kernels."""
+  if impl == "tokamax_ours_dw":
+    run = lambda x, w, gs: gm.tokamax_ours_dw(x, w, gs, True)
+  elif impl.startswith("blocked/"):
+    run = lambda x, w, gs: gm.grouped_matmul_blocked(x, w, gs, block=int(impl.split("/")[1]))
+  else:
+    run = lambda x, w, gs: gm.grouped_matmul(x, w, gs, impl=impl, interpret=True)
+
+  def f(x, w, gs, cot):
+    y, vjp = jax.vjp(lambda x, w: run(x, w, gs), x, w)
+    return y, *vjp(cot)
+  return jax.jit(f)
+
+
+def _check_grouped_matmul(impl, sizes, K, N):
+  """y = x_g @ w_g (width K), dx = cot_g @ w_g^T (width N), dw_g = x_g^T cot_g (width the
+  group's rows) against float64, each element within gamma(width) times its sum of |terms|
+  (f32 accumulation in any order: tests/numerics.py); trailing rows and empty groups exactly
+  0 (their bound is 0)."""
+  seed, rng = seed_and_rng()
+  M = sum(sizes) + 3                          # trailing rows outside every group must give 0
+  G = len(sizes)
+  x, w = _f32(rng.standard_normal((M, K))), _f32(rng.standard_normal((G, K, N)))
+  cot = _f32(rng.standard_normal((M, N)))
+  y, gx, gw = _grouped_matmul_vjp(impl)(*(jnp.asarray(a, jnp.float32) for a in (x, w)),
+                                        jnp.asarray(sizes, jnp.int32),
+                                        jnp.asarray(cot, jnp.float32))
+  want, mag = np.zeros((M, N)), np.zeros((M, N))
+  want[:sum(sizes)], mag[:sum(sizes)] = _loop(x, w, sizes), _loop(abs(x), abs(w), sizes)
+  assert_within(f"{impl} {sizes} y", y, want, gamma(K) * mag, seed)
+  wT = np.swapaxes(w, 1, 2)
+  want_gx, mag_gx = np.zeros((M, K)), np.zeros((M, K))
+  want_gx[:sum(sizes)] = _loop(cot, wT, sizes)
+  mag_gx[:sum(sizes)] = _loop(abs(cot), abs(wT), sizes)
+  assert_within(f"{impl} {sizes} dx", gx, want_gx, gamma(N) * mag_gx, seed)
+  want_gw, bound_gw, start = np.zeros((G, K, N)), np.zeros((G, K, N)), 0
+  for g, n in enumerate(sizes):
+    want_gw[g] = x[start:start + n].T @ cot[start:start + n]
+    bound_gw[g] = gamma(n) * (abs(x[start:start + n]).T @ abs(cot[start:start + n]))
+    start += n
+  assert_within(f"{impl} {sizes} dw", gw, want_gw, bound_gw, seed)
+
+
 @pytest.mark.parametrize("impl", _impls())
 @pytest.mark.parametrize("sizes", SIZES)
 def test_grouped_matmul_forward_and_gradients_match_loop(impl, sizes):
   # Mosaic (megablox) tiles need feature dims in multiples of 16; pallas_gpu pads odd ones
   # itself, so it is tested at odd widths like the XLA paths. Row counts are odd everywhere.
   K, N = (32, 48) if impl == "megablox" else (5, 7)
-  M = sum(sizes) + 3                          # trailing rows outside every group must give 0
-  G = len(sizes)
-  rng = np.random.default_rng(sum(sizes) * 7 + len(impl))
-  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
-  gs = jnp.asarray(sizes, jnp.int32)
-  if impl.startswith("blocked/"):
-    run = lambda x, w: gm.grouped_matmul_blocked(x, w, gs, block=int(impl.split("/")[1]))
-  else:
-    run = lambda x, w: gm.grouped_matmul(x, w, gs, impl=impl, interpret=True)
-  want = np.zeros((M, N))
-  want[:sum(sizes)] = _loop(x, w, sizes)
-  y, vjp = jax.vjp(run, x, w)
-  np.testing.assert_allclose(y, want, atol=1e-4)
-  _check_gradients(vjp, x, w, sizes, rng)
-
-
-def _check_gradients(vjp, x, w, sizes, rng):
-  """d/dx = cot @ w_g^T per group, d/dw_g = x_g^T cot_g (float64), whatever the impl."""
-  (M, K), (G, _, N) = x.shape, w.shape
-  cot = rng.standard_normal((M, N))
-  gx, gw = vjp(jnp.asarray(cot, jnp.float32))
-  start, want_gx, want_gw = 0, np.zeros((M, K)), np.zeros((G, K, N))
-  for g, n in enumerate(sizes):
-    want_gx[start:start + n] = cot[start:start + n] @ np.asarray(w[g], np.float64).T
-    want_gw[g] = np.asarray(x[start:start + n], np.float64).T @ cot[start:start + n]
-    start += n
-  np.testing.assert_allclose(gx, want_gx, atol=1e-3)
-  np.testing.assert_allclose(gw, want_gw, atol=1e-3)
+  _check_grouped_matmul(impl, sizes, K, N)
 
 
 @pytest.mark.parametrize("sizes", SIZES[:4])
@@ -82,73 +113,90 @@ def test_tokamax_gpu_path_forward_and_gradients_match_loop(sizes):
   Mosaic dw was wrong on the H100). Run here with tokamax's XLA kernel and our tgmm in
   interpret mode, at odd widths (padded to 16 for the Triton tiles) and trailing rows."""
   pytest.importorskip("tokamax")
-  K, N, G = 5, 7, len(sizes)
-  M = sum(sizes) + 3
-  rng = np.random.default_rng(len(sizes) * 11 + sum(sizes))
-  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
-  gs = jnp.asarray(sizes, jnp.int32)
-  y, vjp = jax.vjp(lambda x, w: gm.tokamax_ours_dw(x, w, gs, True), x, w)
-  want = np.zeros((M, N))
-  want[:sum(sizes)] = _loop(x, w, sizes)
-  np.testing.assert_allclose(y, want, atol=1e-4)
-  _check_gradients(vjp, x, w, sizes, rng)
+  _check_grouped_matmul("tokamax_ours_dw", sizes, 5, 7)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_vjps(impl):
+  """jit'd (gather_grouped_matmul and its vjp, grouped_matmul_combine and its vjp)."""
+  def gather(x, w, gs, row_ids, cot):
+    h, vjp = jax.vjp(lambda x, w: gm.gather_grouped_matmul(x, w, gs, row_ids, impl=impl,
+                                                           interpret=True), x, w)
+    return h, *vjp(cot)
+
+  def combine(h, w, gs, slots, scale, cot):
+    y, vjp = jax.vjp(lambda h, w, s: gm.grouped_matmul_combine(h, w, gs, slots, s, impl=impl,
+                                                               interpret=True), h, w, scale)
+    return y, *vjp(cot)
+  return jax.jit(gather), jax.jit(combine)
 
 
 @pytest.mark.parametrize("impl", ["blocked", "pallas_gpu"])
 def test_fused_gather_and_combine_variants(impl):
   """gather_grouped_matmul reads x through row ids; grouped_matmul_combine writes rows to
-  their slots scaled by weights; both against float64, with their three gradients."""
-  rng = np.random.default_rng(3)
+  their slots scaled by weights; both against float64, with their three gradients, each
+  element within gamma(width) times its sum of |terms| (f32 accumulation)."""
+  seed, rng = seed_and_rng()
+  gather, combine = _fused_vjps(impl)
   sizes = [11, 0, 37, 1, 0]
   M, Nt, K, F = sum(sizes), 29, 21, 40      # neither width a multiple of 16
-  x = jnp.asarray(rng.standard_normal((Nt, K)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((len(sizes), K, F)), jnp.float32)
-  row_ids = jnp.asarray(rng.integers(0, Nt, M), jnp.int32)     # tokens repeat (top-k)
+  x = _f32(rng.standard_normal((Nt, K)))
+  w = _f32(rng.standard_normal((len(sizes), K, F)))
+  row_ids = rng.integers(0, Nt, M)          # tokens repeat (top-k)
+  cot = _f32(rng.standard_normal((M, F)))
   gs = jnp.asarray(sizes, jnp.int32)
-  h, vjp = jax.vjp(lambda x, w: gm.gather_grouped_matmul(x, w, gs, row_ids, impl=impl,
-                                                         interpret=True), x, w)
-  np.testing.assert_allclose(h, _loop(x, w, sizes, row_ids), atol=1e-4)
-  cot = rng.standard_normal((M, F))
-  gx, gw = vjp(jnp.asarray(cot, jnp.float32))
-  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
-  want_gx, want_gw, start = np.zeros((Nt, K)), np.zeros(w.shape), 0
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  h, gx, gw = gather(f32(x), f32(w), gs, jnp.asarray(row_ids, jnp.int32), f32(cot))
+  assert_within(f"{impl} gather y", h, _loop(x, w, sizes, row_ids),
+                gamma(K) * _loop(abs(x), abs(w), sizes, row_ids), seed)
+  want_gx, mag_gx, want_gw, bound_gw, start = np.zeros((Nt, K)), np.zeros((Nt, K)), \
+      np.zeros(w.shape), np.zeros(w.shape), 0
   for g, n in enumerate(sizes):
-    r = np.asarray(row_ids[start:start + n])
-    np.add.at(want_gx, r, cot[start:start + n] @ w64[g].T)
-    want_gw[g] = x64[r].T @ cot[start:start + n]
+    r = row_ids[start:start + n]
+    np.add.at(want_gx, r, cot[start:start + n] @ w[g].T)
+    np.add.at(mag_gx, r, abs(cot[start:start + n]) @ abs(w[g]).T)
+    want_gw[g] = x[r].T @ cot[start:start + n]
+    bound_gw[g] = gamma(n) * (abs(x[r]).T @ abs(cot[start:start + n]))
     start += n
-  np.testing.assert_allclose(gx, want_gx, atol=1e-3)
-  np.testing.assert_allclose(gw, want_gw, atol=1e-3)
+  # a token's dx sums F terms for each of its assignments
+  width_gx = F * np.bincount(row_ids, minlength=Nt)[:, None]
+  assert_within(f"{impl} gather dx", gx, want_gx, gamma(width_gx) * mag_gx, seed)
+  assert_within(f"{impl} gather dw", gw, want_gw, bound_gw, seed)
 
-  w2 = jnp.asarray(rng.standard_normal((len(sizes), F, K)), jnp.float32)
-  hh = jnp.asarray(rng.standard_normal((M, F)), jnp.float32)
-  slots = jnp.asarray(rng.permutation(M), jnp.int32)
-  scale = jnp.asarray(rng.uniform(0.1, 2.0, M), jnp.float32)
-  y, vjp = jax.vjp(lambda h, w, s: gm.grouped_matmul_combine(h, w, gs, slots, s, impl=impl,
-                                                             interpret=True), hh, w2, scale)
-  z = _loop(hh, w2, sizes)
-  want = np.zeros((M, K))
-  want[np.asarray(slots)] = z * np.asarray(scale)[:, None]
-  np.testing.assert_allclose(y, want, atol=1e-3)
-  cot = rng.standard_normal((M, K))
-  gh, gw2, gs_ = vjp(jnp.asarray(cot, jnp.float32))
-  c = cot[np.asarray(slots)]                                    # cotangent per sorted row
-  np.testing.assert_allclose(gs_, np.sum(c * z, 1), rtol=1e-4, atol=1e-3)
-  sc = np.asarray(scale, np.float64)[:, None]
-  want_gh, want_gw2, start = np.zeros((M, F)), np.zeros(w2.shape), 0
+  w2 = _f32(rng.standard_normal((len(sizes), F, K)))
+  hh = _f32(rng.standard_normal((M, F)))
+  slots = rng.permutation(M)
+  scale = _f32(rng.uniform(0.1, 2.0, M))
+  cot = _f32(rng.standard_normal((M, K)))
+  y, gh, gw2, gs_ = combine(f32(hh), f32(w2), gs, jnp.asarray(slots, jnp.int32), f32(scale),
+                            f32(cot))
+  z, mag_z = _loop(hh, w2, sizes), _loop(abs(hh), abs(w2), sizes)
+  sc = scale[:, None]
+  want, bound = np.zeros((M, K)), np.zeros((M, K))
+  want[slots], bound[slots] = z * sc, gamma(F + 1) * mag_z * sc     # + the scaling's rounding
+  assert_within(f"{impl} combine y", y, want, bound, seed)
+  c = cot[slots]                                                # cotangent per sorted row
+  # d scale_r = c_r . z_r: K terms, each carrying z's F-term error
+  assert_within(f"{impl} combine dscale", gs_, np.sum(c * z, 1),
+                gamma(F + K) * np.sum(abs(c) * mag_z, 1), seed)
+  want_gh, bound_gh, want_gw2, bound_gw2, start = np.zeros((M, F)), np.zeros((M, F)), \
+      np.zeros(w2.shape), np.zeros(w2.shape), 0
   for g, n in enumerate(sizes):
     sl = slice(start, start + n)
-    want_gh[sl] = sc[sl] * (c[sl] @ np.asarray(w2[g], np.float64).T)
-    want_gw2[g] = (sc[sl] * np.asarray(hh[sl], np.float64)).T @ c[sl]
+    want_gh[sl] = sc[sl] * (c[sl] @ w2[g].T)
+    bound_gh[sl] = gamma(K + 1) * sc[sl] * (abs(c[sl]) @ abs(w2[g]).T)
+    want_gw2[g] = (sc[sl] * hh[sl]).T @ c[sl]
+    bound_gw2[g] = gamma(n + 1) * (sc[sl] * abs(hh[sl])).T @ abs(c[sl])
     start += n
-  np.testing.assert_allclose(gh, want_gh, atol=1e-3)
-  np.testing.assert_allclose(gw2, want_gw2, atol=1e-3)
+  assert_within(f"{impl} combine dh", gh, want_gh, bound_gh, seed)
+  assert_within(f"{impl} combine dw", gw2, want_gw2, bound_gw2, seed)
 
 
 def _dense64(x, ids, comb, gate, up, down):
-  x, comb = np.asarray(x, np.float64), np.asarray(comb, np.float64)
-  gate, up, down = (np.asarray(a, np.float64) for a in (gate, up, down))
+  """The routed layer by a loop over tokens and choices, in float64 (complex128 for complex
+  inputs: the complex-step check below)."""
+  dt = np.result_type(*(np.asarray(a) for a in (x, comb, gate, up, down)), np.float64)
+  x, comb, gate, up, down = (np.asarray(a, dt) for a in (x, comb, gate, up, down))
   silu = lambda a: a / (1 + np.exp(-a))
   y = np.zeros_like(x)
   for n in range(x.shape[0]):
@@ -157,12 +205,120 @@ def _dense64(x, ids, comb, gate, up, down):
   return y
 
 
+# |silu'| <= 1.0998, |sigmoid'| <= 1/4 and |silu''| <= 1/2 everywhere: how far an error in
+# their input moves silu, sigmoid and silu's derivative.
+SILU_LIP, SIGMOID_LIP, SILU_D_LIP = 1.1, 0.25, 0.5
+
+
+def _experts64(x, ids, comb, gate, up, down, cot, u_acc, u_store):
+  """The routed layer in float64, vectorized over the N k assignments r = (n, j), expert e:
+  a = x_n gate_e, b = x_n up_e, h = silu(a) b, y_n = sum_j comb_nj h down_e; the gradients
+  of sum(y cot) in closed form (the complex-step test below checks them); and per element a
+  first-order bound on an implementation's error (tests/numerics.py) when its dots accumulate
+  with unit roundoff u_acc (a width-n dot: gamma(n) sum |terms|) and every value it computes
+  may be rounded once with unit roundoff u_store (float32: both 2^-24; bf16 inputs: f32
+  accumulation, each stored value, and each elementwise step XLA runs in bf16, rounded to
+  bf16). Each step's bound is the propagated bounds of its inputs (through silu / sigmoid
+  with their Lipschitz constants) plus its own rounding."""
+  x, comb, gate, up, down, g = (np.asarray(a, np.float64) for a in (x, comb, gate, up, down, cot))
+  N, k = ids.shape
+  n, e, c = np.repeat(np.arange(N), k), np.asarray(ids).reshape(-1), comb.reshape(-1)[:, None]
+  X, Ga, Up, Dn, gn = x[n], gate[e], up[e], down[e], g[n]
+  mm = lambda a, w: np.einsum("rd,rdf->rf", a, w)            # row r times its expert's w
+  mmT = lambda a, w: np.einsum("rf,rdf->rd", a, w)           # ... times w^T
+  outer = lambda a, b: np.einsum("rd,rf->rdf", a, b)
+  ud, us, A = (lambda n: gamma(n, u_acc)), u_store, np.abs
+
+  def per_token(v):
+    out = np.zeros((N,) + v.shape[1:])
+    np.add.at(out, n, v)
+    return out
+
+  def per_expert(v, like):
+    out = np.zeros(like.shape)
+    np.add.at(out, e, v)
+    return out
+
+  a, b = mm(X, Ga), mm(X, Up)
+  sg = 1 / (1 + np.exp(-a))
+  s = a * sg
+  h = s * b
+  z = mm(h, Dn)
+  dz = c * gn
+  dh = mm(dz, np.swapaxes(Dn, 1, 2))
+  ds = dh * b
+  da, db = ds * sg * (1 + a * (1 - sg)), dh * s
+  want = {"y": per_token(c * z), "dx": per_token(mmT(da, Ga) + mmT(db, Up)),
+          "dcombine": np.sum(gn * z, 1).reshape(N, k), "dgate": per_expert(outer(X, da), gate),
+          "dup": per_expert(outer(X, db), up), "ddown": per_expert(outer(h, dz), down)}
+
+  d, f = x.shape[1], gate.shape[2]
+  ea = ud(d) * mm(A(X), A(Ga)) + us * A(a)
+  eb = ud(d) * mm(A(X), A(Up)) + us * A(b)
+  # sigmoid = 1 / (1 + exp(-a)): three roundings, each relative to sigmoid; plus 4 f32 ulp
+  # absolute in case an expansion goes through tanh
+  esg_own = 3 * us * sg + 4 * min(us, U32)
+  es = A(sg) * ea + A(a) * (SIGMOID_LIP * ea + esg_own) + us * A(s)
+  eh = A(b) * es + A(s) * eb + us * A(h)
+  ez = mm(eh, A(Dn)) + ud(f) * mm(A(h), A(Dn)) + us * A(z)
+  # y: k products summed per token (and a bf16 sum may round after each of them)
+  ey = per_token(A(c) * ez + (ud(k + 1) + k * us) * A(c * z)) + us * A(want["y"])
+  edz = us * A(dz)
+  DnT = np.swapaxes(A(Dn), 1, 2)
+  edh = (ud(d) + us) * mm(A(dz), DnT) + us * A(dh)
+  eds = A(b) * edh + A(dh) * eb + us * A(ds)
+  # da = ds sigmoid + ds a sigmoid (1 - sigmoid) as autodiff forms it: ds's error times
+  # |silu'|, a's error through silu'' and sigmoid's own roundings, five roundings of its own
+  eda = (SILU_LIP * eds + A(ds) * (SILU_D_LIP * ea + (1 + A(a)) * esg_own)
+         + 5 * us * A(ds) * sg * (1 + A(a) * (1 - sg)) + us * A(da))
+  edb = A(s) * edh + A(dh) * es + us * A(db)
+  terms_dx = mmT(A(da), A(Ga)) + mmT(A(db), A(Up))
+  partials_dx = A(mmT(da, Ga)) + A(mmT(db, Up))     # the 2 k dots a token's dx sums
+  bound = {
+      "y": ey,
+      "dcombine": (np.sum(A(gn) * ez, 1) + ud(d) * np.sum(A(gn * z), 1)).reshape(N, k)
+                  + us * A(want["dcombine"]),
+      # dx: 2 f k terms per token in f32; the 2 k dots' results may each be rounded and
+      # summed in bf16 (2 k roundings, each at most the sum of their magnitudes)
+      "dx": per_token(mmT(eda, A(Ga)) + mmT(edb, A(Up)) + ud(2 * f * k) * terms_dx
+                      + 2 * k * us * partials_dx) + us * A(want["dx"]),
+      # weight gradients: sums over an expert's rows (at most N k) in f32
+      "dgate": per_expert(outer(A(X), eda) + ud(N * k) * outer(A(X), A(da)), gate)
+               + us * A(want["dgate"]),
+      "dup": per_expert(outer(A(X), edb) + ud(N * k) * outer(A(X), A(db)), up)
+             + us * A(want["dup"]),
+      "ddown": per_expert(outer(eh, A(dz)) + outer(A(h), edz) + ud(N * k) * outer(A(h), A(dz)),
+                          down) + us * A(want["ddown"]),
+  }
+  return want, bound
+
+
+# First-order bounds: products of two errors (< 5% each in bf16, < 1e-4 in f32) are dropped;
+# 1.25 covers them.
+SLACK = 1.25
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_vjp(impl):
+  """jit((x, ids, combine, gate, up, down, cot) -> (y, d x, d combine, d gate, d up, d down))."""
+  def f(x, ids, c, g, u, dn, cot):
+    if impl.startswith("blocked/"):   # the blocked path at a block other than its own pick
+      run = lambda x, c, g, u, dn: moe._blocked(x, ids, c, g, u, dn,
+                                                block=int(impl.split("/")[1]))
+    else:
+      run = lambda x, c, g, u, dn: moe.routed_experts(x, ids, c, g, u, dn, impl=impl,
+                                                      interpret=True)
+    y, vjp = jax.vjp(run, x, c, g, u, dn)
+    return y, *vjp(cot)
+  return jax.jit(f)
+
+
 @pytest.mark.parametrize("impl", ["blocked", "blocked/32", "blocked/128", "ragged", "capacity",
                                   "pallas_gpu", "dense"])
 @pytest.mark.parametrize("routing", ["spread", "one_expert_takes_all"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_routed_experts_match_float64(impl, routing, dtype):
-  rng = np.random.default_rng(11)
+  seed, rng = seed_and_rng()
   N, d, f, E, k = 37, 24, 40, 6, 2          # widths not multiples of 16 (pallas_gpu pads)
   x = rng.standard_normal((N, d))
   gate, up = (rng.standard_normal((E, d, f)) * d ** -0.5 for _ in range(2))
@@ -173,53 +329,42 @@ def test_routed_experts_match_float64(impl, routing, dtype):
   else:                     # every token's first choice is expert 2: capacity overflows
     ids = np.stack([np.full(N, 2), rng.integers(0, E, N)], 1)
   ids = np.where(ids[:, :1] == ids[:, 1:], np.stack([ids[:, 0], (ids[:, 1] + 1) % E], 1), ids)
-  args = [jnp.asarray(a, dtype) for a in (x,)] + [jnp.asarray(ids, jnp.int32)] + [
-      jnp.asarray(a, dtype) for a in (comb, gate, up, down)]
-  f32 = [np.asarray(a) if a.dtype == jnp.int32 else np.asarray(a.astype(jnp.float32))
-         for a in args]
-  want = _dense64(*f32)
-  if impl.startswith("blocked/"):   # the blocked path at a block other than its own pick
-    run = lambda x, c, g, u, dn: moe._blocked(x, args[1], c, g, u, dn,
-                                              block=int(impl.split("/")[1]))
-  else:
-    run = lambda x, c, g, u, dn: moe.routed_experts(x, args[1], c, g, u, dn, impl=impl,
-                                                    interpret=True)
-  y, vjp = jax.vjp(run, args[0], *args[2:])
-  tol = 1e-4 if dtype == jnp.float32 else 5e-2
-  scale = np.abs(want).max()
-  assert np.isfinite(np.asarray(y.astype(jnp.float32))).all()
-  np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)) / scale, want / scale, atol=tol)
   cot = rng.standard_normal((N, d))
-  grads = vjp(jnp.asarray(cot, dtype))
-  # The float64 gradient by central differences would be slow; the dense implementation in
-  # float64 (x64 off: f32) is the reference for gradients, itself checked against the loop.
-  ref = jax.vjp(lambda x, c, g, u, dn: moe.routed_experts(x, args[1], c, g, u, dn, impl="dense"),
-                *(jnp.asarray(a, jnp.float32) for a in (f32[0], *f32[2:])))[1](
-                    jnp.asarray(cot, jnp.float32))
-  for name, a, b in zip(("x", "combine", "gate", "up", "down"), grads, ref):
-    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b)
-    assert np.isfinite(a).all(), name
-    np.testing.assert_allclose(a / np.abs(b).max(), b / np.abs(b).max(), atol=tol * 2, err_msg=name)
+  args = [jnp.asarray(a, dtype) for a in (x, comb, gate, up, down, cot)]
+  # the reference sees what the kernel sees: the inputs and cotangent rounded to dtype
+  x, comb, gate, up, down, cot = (np.asarray(a.astype(jnp.float32)) for a in args)
+  want, bound = _experts64(x, ids, comb, gate, up, down, cot, u_acc=U32,
+                           u_store=U32 if dtype == jnp.float32 else U16)
+  got = _routed_vjp(impl)(args[0], jnp.asarray(ids, jnp.int32), *args[1:])
+  for name, g in zip(("y", "dx", "dcombine", "dgate", "dup", "ddown"), got):
+    assert g.dtype == dtype, (name, g.dtype, replay(seed))
+    assert_within(f"{impl} {routing} {jnp.dtype(dtype).name} {name}", g.astype(jnp.float32),
+                  want[name], SLACK * bound[name], seed)
 
 
-def test_dense_reference_gradient_matches_finite_differences():
-  """The dense implementation the gradients above are compared with, against float64
-  central differences of the loop in a few random directions."""
-  rng = np.random.default_rng(5)
+def test_float64_reference_gradients_match_complex_step():
+  """_experts64's closed-form gradients, the reference above, against the complex-step
+  derivative of the loop (_dense64 at inputs + i h v: Im / h is the directional derivative
+  with no subtractive cancellation, and its O(h^2) truncation is nil at h = 1e-30), in a
+  random direction per input; both in float64, so within twice the float64 rounding bound."""
+  seed, rng = seed_and_rng()
   N, d, f, E, k = 5, 4, 6, 3, 2
   x, comb = rng.standard_normal((N, d)), rng.uniform(0.2, 1, (N, k))
   gate, up, down = rng.standard_normal((E, d, f)), rng.standard_normal((E, d, f)), rng.standard_normal((E, f, d))
   ids = np.stack([np.arange(N) % E, (np.arange(N) + 1) % E], 1)
   cot = rng.standard_normal((N, d))
-  grads = jax.grad(lambda *a: jnp.sum(moe.routed_experts(a[0], jnp.asarray(ids), *a[1:],
-                                                        impl="dense") * cot), argnums=range(5))(
-      *(jnp.asarray(a, jnp.float32) for a in (x, comb, gate, up, down)))
+  # complex arithmetic rounds up to 4 times (a complex product) where real arithmetic
+  # rounds once: the loop's bound at 4 float64 units covers both computations
+  u64 = 4 * 2.0 ** -53
+  want, bound = _experts64(x, ids, comb, gate, up, down, cot, u_acc=u64, u_store=u64)
   base = [x, comb, gate, up, down]
-  for i, g in enumerate(grads):
+  h = 1e-30
+  for i, name in enumerate(("dx", "dcombine", "dgate", "dup", "ddown")):
     v = rng.standard_normal(base[i].shape)
-    eps = 1e-5
-    plus = [b + eps * v if j == i else b for j, b in enumerate(base)]
-    minus = [b - eps * v if j == i else b for j, b in enumerate(base)]
-    fd = (np.sum(_dense64(plus[0], ids, *plus[1:]) * cot)
-          - np.sum(_dense64(minus[0], ids, *minus[1:]) * cot)) / (2 * eps)
-    assert abs(float(np.sum(np.asarray(g, np.float64) * v)) - fd) < 1e-3 * max(1, abs(fd))
+    moved = [b + 1j * h * v if j == i else b for j, b in enumerate(base)]
+    cs = float(np.sum(_dense64(moved[0], ids, *moved[1:]) * cot).imag / h)
+    # the closed form's bound, as much for the loop's (the same operations, reordered), and
+    # the final dot with v
+    assert_within(f"d/d{name[1:]} . v", np.sum(want[name] * v), cs,
+                  SLACK * np.sum((2 * bound[name] + gamma(v.size, u64) * abs(want[name]))
+                                 * abs(v)), seed)
