@@ -236,7 +236,9 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   """Lower (no compile) the pipelined bf16 train step with per-device skipping, as a GPU / TPU
   runs it, for `platform` with the given kernels, on 8 CPU devices: pipeline 4 x 2 virtual x
   expert 2. shape "k2": kimi_k2's widths (7168 hidden, 64 MLA heads, 384 experts of 2048,
-  top-8 + shared, 163,840 vocabulary) at 9 layers; nothing is allocated."""
+  top-8 + shared, 163,840 vocabulary) at 9 layers on pipeline 2 x 2 virtual x data 2 x
+  expert 2, so ZeRO-1 over data and Muon's per-device update lower too; nothing is
+  allocated."""
   import os
   from jax import numpy as jnp
   from k2jax import model, optim, parallel
@@ -245,8 +247,8 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   from k2jax.step import init_state, train_step
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
   import pipeline_hlo
-  c = pipeline_hlo.tiny_config((4, 1, 2), grad_accum=4, batch=16, skip="device",
-                               param_dtype="bfloat16")
+  c = pipeline_hlo.tiny_config((2, 2, 2) if shape == "k2" else (4, 1, 2), grad_accum=4,
+                               batch=16, skip="device", param_dtype="bfloat16")
   if shape == "k2":
     from k2jax import configs
     c.model = configs.get_config("kimi_k2").model

@@ -249,8 +249,8 @@ def test_pipelined_step_lowers_for_accelerators(platform, moe_impl, attention_im
   """The pipelined bf16 MuonClip step with per-device skipping (the GPU / TPU default),
   expert parallelism and the accelerator kernels lowers for CUDA / TPU on this CPU, also at
   K2's widths with each platform's `auto` kernels (kernels.platform.target: Pallas attention
-  per batch shard, the Triton MoE on GPU, ragged dispatch on TPU) and the optimizer states
-  in host memory."""
+  per batch shard, the Triton MoE on GPU, ragged dispatch on TPU), the optimizer states
+  in host memory and, at K2's widths, data 2 (ZeRO-1 and Muon's per-device update)."""
   r = worker(8, "lower", platform, moe_impl, attention_impl, shape)
   assert r["ppermute"] > 0 and r["chars"] > 0
   if shape == "k2":   # the preset's optimizer.host_state: states annotated for host memory
