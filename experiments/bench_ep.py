@@ -33,17 +33,14 @@ OUT = os.path.join(HERE, "results", "ep")
 
 
 def child(args):
-  import functools
-
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import PartitionSpec as P
 
   sys.path.insert(0, os.path.dirname(HERE))
   from k2jax import configs, parallel
   from k2jax.model import expert_parallel as xp, moe
-  from tests.parallel_worker import emulated_ragged_all_to_all
+  from tests.parallel_worker import ep_layer
 
   cfg = configs.get_config("tiny")
   d_, e_ = map(int, args.mesh.split("x"))
@@ -76,12 +73,7 @@ def child(args):
       counts = np.stack([np.bincount(a.reshape(-1) // e_loc, minlength=e_) for a in group])
       worst = max(worst, xp.bytes_moved(counts, d, 4, transport))
     for keep in (True, False):
-      fn = functools.partial(xp.experts_all_to_all, axis="expert",
-                             sync_axes=("data",), transport=transport, keep=keep,
-                             ragged_all_to_all=emulated_ragged_all_to_all)
-      batch = P(("data", "expert"))
-      run = jax.shard_map(lambda pe, x, i, w: fn(pe, x, i, w), mesh=mesh,
-                          in_specs=(P("expert"), batch, batch, batch), out_specs=batch)
+      run = ep_layer(mesh, transport=transport, keep=keep)
       loss = jax.jit(jax.value_and_grad(lambda pe, x: jnp.sum(run(pe, x, idx, w) ** 2),
                                         argnums=(0, 1)))
       # what the backward pass keeps from the forward: the vjp's leaves besides its inputs

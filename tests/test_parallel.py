@@ -102,11 +102,11 @@ def test_expert_parallel_transports_equal_a_float64_reference():
   """Padded, bucketed and ragged (emulated on CPU) all-to-all dispatch give every token
   sum_k w_k expert_k(x) and the gradients of x, the combine weights and the expert matrices
   for even, random, skewed and all-to-one routing (dropless everywhere), with the residuals
-  the forward kept (even) and with the exchange recomputed in the backward pass (the
-  others), under every remat policy; FP8 storage moves only the stored path's gradients,
-  within E4M3's rounding (2^-4 of each saved value)."""
+  the forward kept (even; padded keeps its one worst-case size) and with the exchange
+  recomputed in the backward pass (skewed, all-to-one), under every remat policy; FP8
+  storage equals a reference that rounds the same saved values through E4M3."""
   errors = worker(8, "ep_transports")
-  assert len(errors) == 16
+  assert len(errors) == 10
   for case, err in errors.items():
     if case.endswith("/rounded"):     # FP8: equal to a reference that rounds the same values
       assert max(err.values()) < 1e-4, (case, err)
