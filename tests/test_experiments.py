@@ -34,3 +34,19 @@ def test_sweep_driver_runs_and_resumes(tmp_path, capsys, script, extra, png):
   module.main(argv)                              # a rerun trains nothing again
   assert [p.stat().st_mtime_ns for p in done] == stamps
   assert capsys.readouterr().out.split("report:")[1] == first.split("report:")[1]
+
+
+def test_bench_train_runs_end_to_end_on_cpu(tmp_path):
+  """experiments/bench_train.py --tiny: the script the GPU runs measure with (its step, every
+  part of the breakdown, the CSVs), on CPU at toy size, so a script mistake costs no device
+  time. No part may come back FAILED."""
+  import csv
+  import bench_train
+  bench_train.main(["--tiny", "--reps", "1", "--out", str(tmp_path)])
+  with open(tmp_path / "train" / "bench_train_tiny.csv") as f:
+    rows = list(csv.DictReader(f))
+  with open(tmp_path / "train" / "bench_train_parts_tiny.csv") as f:
+    parts = list(csv.DictReader(f))
+  assert rows and all(float(r["tokens_per_s"]) > 0 for r in rows), rows
+  assert not [p for p in parts if p["part"].startswith("FAILED")], parts
+  assert any(p["part"].startswith("Muon: Newton-Schulz") for p in parts)
