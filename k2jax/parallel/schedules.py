@@ -258,25 +258,33 @@ def _place_w(task, P, V, costs=None):
   live = fwd - np.concatenate([np.zeros((1, P), int), done[:-1]])
   bound = live.max()
   eps = 1e-9
+  top_of = cost.max(axis=1)        # each tick's length, kept current as W's move
   for t in range(ticks):
     while True:
-      top = cost[t].max()
+      top = top_of[t]
       movable = [p for p in range(P) if w[t, p, 0] >= 0 and wc[t, p] > 0
                  and cost[t, p] >= top - eps]
       moved = False
       for p in movable:
-        for t2 in range(t + 1, ticks):
-          if live[t + 1:t2 + 1, p].max() + 1 > bound:
-            break
-          if w[t2, p, 0] < 0 and cost[t2, p] + wc[t, p] <= cost[t2].max() + eps:
-            w[t2, p], w[t, p] = w[t, p], -1
-            wc[t2, p], cost[t2, p] = wc[t, p], cost[t2, p] + wc[t, p]
-            cost[t, p] -= wc[t, p]
-            wc[t, p] = 0.0
-            live[t + 1:t2 + 1, p] += 1
-            moved = True
-            break
-      if not moved or cost[t].max() >= top - eps:
+        need = wc[t, p]
+        # the first later tick where one more live residual would pass the bound, and
+        # before it the first tick with no W on p whose length p's W fits in
+        over = np.flatnonzero(live[t + 1:, p] + 1 > bound)
+        end = t + 1 + (over[0] if over.size else ticks - t - 1)
+        fits = np.flatnonzero((w[t + 1:end, p, 0] < 0)
+                              & (cost[t + 1:end, p] + need <= top_of[t + 1:end] + eps))
+        if not fits.size:
+          continue
+        t2 = t + 1 + fits[0]
+        w[t2, p], w[t, p] = w[t, p], -1
+        wc[t2, p], cost[t2, p] = need, cost[t2, p] + need
+        top_of[t2] = max(top_of[t2], cost[t2, p])
+        cost[t, p] -= need
+        wc[t, p] = 0.0
+        top_of[t] = cost[t].max()
+        live[t + 1:t2 + 1, p] += 1
+        moved = True
+      if not moved or top_of[t] >= top - eps:
         break
   return w
 
