@@ -139,21 +139,25 @@ def zero_bubble():
                      f1b_idle=f1b.idle_fraction(), zbh1_idle=zb.idle_fraction(),
                      f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
                      zbh1_cut_slots=zb.sizes["cut"], **blank))
+  # 32 microbatches (the preset's old setting: 32 sequences per device at data = 1) and the
+  # preset's one sequence per device per microbatch: 128 on PP16 x EP16 x DP8, 1024 on
+  # data = 1. 1F1B's activations in flight do not depend on M.
   for V in (2, 4):
     sp = layout.split(k2.model, 16, V)
     plain = schedules.stage_costs(k2.model, sp, k2.train.seq_len)
     split = schedules.stage_costs(k2.model, sp, k2.train.seq_len, w)
-    f1b = schedules.build("1f1b", 16, V, 32)
-    zb = schedules.build("zbh1", 16, V, 32, schedules.frozen(split))
-    act = {s: plan.activation_bytes(k2.model, mesh, k2.train.seq_len, virtual_stages=V,
-                                    microbatches=32, schedule=s)[0] / 1e9
-           for s in ("1f1b", "zbh1")}
-    rows.append(dict(stages="k2", pipeline=16, virtual=V, microbatches=32,
-                     f1b_idle=f1b.idle_fraction(plain), zbh1_idle=zb.idle_fraction(split),
-                     f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
-                     zbh1_cut_slots=zb.sizes["cut"], w_share=w,
-                     cut_gb_per_layer=cut / 1e9, f1b_activations_gb=act["1f1b"],
-                     zbh1_activations_gb=act["zbh1"]))
+    for M in (32, 128, 1024):
+      act = {s: plan.activation_bytes(k2.model, mesh, k2.train.seq_len, virtual_stages=V,
+                                      microbatches=M, schedule=s)[0] / 1e9
+             for s in ("1f1b", "zbh1")}
+      f1b = schedules.build("1f1b", 16, V, M)
+      zb = schedules.build("zbh1", 16, V, M, schedules.frozen(split))
+      rows.append(dict(stages="k2", pipeline=16, virtual=V, microbatches=M,
+                       f1b_idle=f1b.idle_fraction(plain), zbh1_idle=zb.idle_fraction(split),
+                       f1b_in_flight=f1b.in_flight, zbh1_in_flight=zb.in_flight,
+                       zbh1_cut_slots=zb.sizes["cut"], w_share=w,
+                       cut_gb_per_layer=cut / 1e9, f1b_activations_gb=act["1f1b"],
+                       zbh1_activations_gb=act["zbh1"]))
   write("zero_bubble.csv", rows)
 
 

@@ -19,6 +19,7 @@ even). Per device:
 """
 
 import argparse
+import copy
 import functools
 import math
 import sys
@@ -39,8 +40,11 @@ GB = 1e9
 
 
 def _with_mesh(config, mesh_shape, virtual_stages=None, microbatches=None, param_dtype=None):
-  config = config.copy_and_resolve_references()
+  # The mesh goes in before references resolve: a preset deriving its microbatches from
+  # the mesh (kimi_k2: one sequence per device) keeps that geometry on the planned mesh.
+  config = copy.deepcopy(config)
   config.mesh.update({a: mesh_shape[a] for a in MESH_AXES})
+  config = config.copy_and_resolve_references()
   if virtual_stages:
     config.mesh.virtual_stages = virtual_stages
   if microbatches:
@@ -150,9 +154,25 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
 
 def check(cfg) -> None:
   """ValueError (one line) for a model or layout the trainer would refuse (its own checks;
-  the batch geometry is plan's --micro_batch / --microbatches, not the config's)."""
+  the batch geometry is checked by `micro_batch_of` unless --micro_batch sets it)."""
   configs.validate_model(cfg.model)
   layout.validate(cfg)
+
+
+def micro_batch_of(cfg, mesh) -> int:
+  """Sequences each device runs per microbatch under `cfg` (a full config on `mesh`): the
+  trainer splits each of train.grad_accum microbatches of train.batch_size / grad_accum
+  rows over the mesh axes of the logical `batch` axis (k2jax.parallel.batch_sharding).
+  ValueError (one line) where that is not a whole number."""
+  n = math.prod(mesh[a] for a in mesh_axes("batch") if a in mesh)
+  t = cfg.train
+  rows = t.batch_size / (t.grad_accum * n)
+  if rows < 1 or rows != int(rows):
+    raise ValueError(
+        f"train.batch_size {t.batch_size} / (train.grad_accum {t.grad_accum} x {n} devices "
+        f"the batch splits over) is {rows:g} sequences per device per microbatch: pass "
+        "--micro_batch N, or --microbatches M (or --config.train.grad_accum) that divides it")
+  return int(rows)
 
 
 def parse_mesh(text: str, devices: int | None) -> dict:
@@ -175,7 +195,7 @@ def parse_mesh(text: str, devices: int | None) -> dict:
   return mesh
 
 
-def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_stages=None,
+def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtual_stages=None,
            microbatches=None, remat=None, storage=None, param_dtype=None, name=None,
            platform="gpu") -> str:
   """The per-device table of a preset name or a full config on `mesh` ({axis: size})."""
@@ -195,13 +215,25 @@ def report(config, mesh, seq_len=None, micro_batch=1, grad_bytes=4, *, virtual_s
     rounded = f" (the config's train.grad_accum {M} rounded up for this pipeline)"
     M = P * -(-M // P)
     cfg.train.grad_accum = M
+  geometry = "--micro_batch"
+  if micro_batch is None:
+    geometry = f"train.batch_size {cfg.train.batch_size} in {M} microbatches"
+    try:
+      micro_batch = micro_batch_of(cfg, mesh)
+    except ValueError:
+      if not rounded:
+        raise
+      # plan chose M for this mesh: the nearest whole number, and say the batch must change
+      n = math.prod(mesh[a] for a in mesh_axes("batch") if a in mesh)
+      micro_batch = max(1, cfg.train.batch_size // (M * n))
+      geometry += f", which does not split evenly: train.batch_size must be a multiple of {M * n}"
   act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
                                storage=storage, virtual_stages=V, microbatches=M,
                                schedule=schedule, platform=platform)
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
            f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
-           f"micro_batch {micro_batch}",
+           f"micro_batch {micro_batch} ({geometry})",
            f"{'per device':<26}{'GB':>10}"]
   for key, label in (("params", "params"), ("grads", "grads / accumulation"),
                      ("optimizer", "optimizer (ZeRO-1)")):
@@ -265,7 +297,9 @@ def main(argv=None):
                  help="pipeline=P,expert=E,data=D (missing axes = 1; default: the config's)")
   p.add_argument("--devices", type=int, default=None, help="total devices; fills in data")
   p.add_argument("--seq_len", type=int, default=None)
-  p.add_argument("--micro_batch", type=int, default=1, help="sequences per device per microbatch")
+  p.add_argument("--micro_batch", type=int, default=None,
+                 help="sequences per device per microbatch (default: the config's, "
+                 "train.batch_size / train.grad_accum over the devices the batch splits over)")
   p.add_argument("--param_dtype", choices=("bfloat16", "float32"), default=None,
                  help="parameter dtype (default: the config's model.param_dtype)")
   p.add_argument("--grad_bytes", type=int, default=4)

@@ -33,6 +33,20 @@ def test_k2_pretrains_at_4k_without_yarn_and_keeps_tau_in_report_units():
   assert long.optimizer.tau == pytest.approx(pre.optimizer.tau * ratio)
 
 
+def test_k2_runs_one_sequence_per_device_per_microbatch_on_any_data_size():
+  """The K2 presets derive train.grad_accum from the mesh (a reference): the batch splits
+  over data x expert, one sequence each per microbatch, whatever mesh.data is set to."""
+  for name in ("kimi_k2", "kimi_k2_long_context"):
+    c = configs.get_config(name)
+    for data in (1, 8):
+      c.mesh.data = data
+      t = c.train
+      assert t.grad_accum * data * c.mesh.expert == t.batch_size, (name, data)
+      configs.validate(c)
+    c.train.grad_accum = 64            # a plain override still wins
+    assert c.train.grad_accum == 64
+
+
 @pytest.mark.parametrize("key,value,fragment", [
     ("num_experts_per_tok", 20, "model.num_experts_per_tok = 20: must be <= n_routed_experts (16)"),
     ("n_group", 3, "model.n_group = 3: must divide n_routed_experts (16)"),

@@ -69,13 +69,20 @@ def get_config():
   # 60 MoE layers over 16 x 4 stages of 1 (64 stored rows, 4 of them padding: stage 0 runs
   # the embedding + dense layer instead, the last three stages nothing: padding goes where
   # the work is largest, layout._balanced_counts); the head is split over the 16 pipeline
-  # devices by vocabulary. Interleaved 1F1B with 32
-  # microbatches idles 15.8% of device time counted in each stage's FLOPs (10.5% were all
-  # stages equal) and keeps at most 79 one-layer stage activations per device: 47 GB, 76 GB
-  # with the states, within an 80 GB H800 (`python -m k2jax.plan --config kimi_k2` reads
-  # all of it from the code that runs it). 2 virtual stages of 2 layers idle 19.8% and keep
-  # 94 layers' activations (84.6 GB in all), for half the ticks and stage-to-stage
-  # transfers; zbh1 idles 15.2% for 12 GB more (what B hands W), so the preset stays 1f1b.
+  # devices by vocabulary. Interleaved 1F1B keeps at most 79 one-layer stage activations
+  # per device whatever the number of microbatches: 47 GB, 76 GB with the states, within an
+  # 80 GB H800 (`python -m k2jax.plan --config kimi_k2` reads all of it from the code that
+  # runs it). 2 virtual stages of 2 layers keep 94 layers' activations (84.6 GB in all);
+  # zbh1 keeps 12 GB more (what B hands W), so the preset stays 1f1b.
   c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=4))
-  c.train.grad_accum = 32
+  # One sequence per device per microbatch (the batch splits over data x expert), as
+  # Megatron-style pipelines run: the global batch of 16384 is 1024 microbatches on 256
+  # devices, 128 on the report's PP16 x EP16 x DP8. A reference, so overriding mesh.data
+  # keeps the geometry. The bubble shrinks with the microbatch count while the activations
+  # in flight do not grow: idle 11.2% of device time by stage FLOPs at 1024, 12.3% at 128
+  # (32 microbatches of 32 sequences, the earlier setting, idled 15.8% and kept 32x the
+  # activations). What stays is the stages' imbalance: stage 0 recomputes the embedding
+  # and dense layer in its backward, and three stages hold padding only.
+  c.train.grad_accum = c.train.get_ref("batch_size") // (
+      c.mesh.get_ref("data") * c.mesh.get_ref("expert"))
   return c
