@@ -205,7 +205,6 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   check(cfg)
   V = cfg.mesh.get("virtual_stages", 1)
   seq_len = seq_len or cfg.train.seq_len
-  st = state_bytes(cfg, mesh, grad_bytes)
   M = cfg.train.grad_accum
   schedule = cfg.mesh.get("pipeline_schedule", "1f1b")
   P = mesh["pipeline"]
@@ -227,6 +226,7 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
       n = math.prod(mesh[a] for a in mesh_axes("batch") if a in mesh)
       micro_batch = max(1, cfg.train.batch_size // (M * n))
       geometry += f", which does not split evenly: train.batch_size must be a multiple of {M * n}"
+  st = state_bytes(cfg, mesh, grad_bytes)
   act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
                                storage=storage, virtual_stages=V, microbatches=M,
                                schedule=schedule, platform=platform)

@@ -62,6 +62,8 @@ BAD_INPUTS = [
      "leave 61 pipeline device(s) without a layer"),
     ("plan", ["--config", "tiny", "--mesh", "pipeline=2", "--microbatches", "1"],
      "--microbatches 1: must be >= pipeline (2)"),
+    ("plan", ["--config", "kimi_k2", "--devices", "2048", "--microbatches", "48"],
+     "is 2.66667 sequences per device per microbatch: pass --micro_batch N"),
     ("plan", ["--config", "tiny", "--config.model.nope=1"],
      "unknown config key in --config.model.nope=1"),
     ("plan", ["--config", "no/such/file.py"], "no/such/file.py"),
