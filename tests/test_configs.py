@@ -34,9 +34,9 @@ def test_k2_pretrains_at_4k_without_yarn_and_keeps_tau_in_report_units():
 
 
 def test_k2_runs_one_sequence_per_device_per_microbatch_on_any_data_size():
-  """The K2 presets derive train.grad_accum from the mesh (a reference): the batch splits
+  """The large presets derive train.grad_accum from the mesh (a reference): the batch splits
   over data x expert, one sequence each per microbatch, whatever mesh.data is set to."""
-  for name in ("kimi_k2", "kimi_k2_long_context"):
+  for name in ("kimi_k2", "kimi_k2_long_context", "deepseek_v3"):
     c = configs.get_config(name)
     for data in (1, 8):
       c.mesh.data = data
