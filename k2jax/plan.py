@@ -159,12 +159,17 @@ def check(cfg) -> None:
   layout.validate(cfg)
 
 
+def _batch_devices(mesh) -> int:
+  """Devices the logical `batch` axis splits over on `mesh` ({axis: size})."""
+  return math.prod(mesh[a] for a in mesh_axes("batch") if a in mesh)
+
+
 def micro_batch_of(cfg, mesh) -> int:
   """Sequences each device runs per microbatch under `cfg` (a full config on `mesh`): the
   trainer splits each of train.grad_accum microbatches of train.batch_size / grad_accum
   rows over the mesh axes of the logical `batch` axis (k2jax.parallel.batch_sharding).
   ValueError (one line) where that is not a whole number."""
-  n = math.prod(mesh[a] for a in mesh_axes("batch") if a in mesh)
+  n = _batch_devices(mesh)
   t = cfg.train
   rows = t.batch_size / (t.grad_accum * n)
   if rows < 1 or rows != int(rows):
@@ -223,7 +228,7 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
       if not rounded:
         raise
       # plan chose M for this mesh: the nearest whole number, and say the batch must change
-      n = math.prod(mesh[a] for a in mesh_axes("batch") if a in mesh)
+      n = _batch_devices(mesh)
       micro_batch = max(1, cfg.train.batch_size // (M * n))
       geometry += f", which does not split evenly: train.batch_size must be a multiple of {M * n}"
   st = state_bytes(cfg, mesh, grad_bytes)

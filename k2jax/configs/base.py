@@ -25,6 +25,19 @@ def no_rope_scaling():
   return s
 
 
+def one_sequence_per_device(c) -> None:
+  """Set train.grad_accum so each device runs one sequence per microbatch: train.batch_size
+  over the devices the logical `batch` axis splits over (sharding_rules: data x expert), as
+  Megatron-style pipelines run. A reference to the mesh, so an override of mesh.data keeps
+  the geometry; an override of train.grad_accum still wins."""
+  from k2jax.configs.sharding_rules import mesh_axes
+  devices = None
+  for a in mesh_axes("batch"):
+    ref = c.mesh.get_ref(a)
+    devices = ref if devices is None else devices * ref
+  c.train.grad_accum = c.train.get_ref("batch_size") // devices
+
+
 def model_config():
   return config_dict.ConfigDict(dict(
       # --- published config.json keys -------------------------------------------

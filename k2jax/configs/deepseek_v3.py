@@ -41,10 +41,7 @@ def get_config():
   ))
   c.train.update(dict(seq_len=4096, batch_size=15360))
   c.mesh.update(dict(pipeline=16, expert=16, data=1))
-  # One sequence per device per microbatch (the batch splits over data x expert), a
-  # reference to the mesh as in kimi_k2: 960 microbatches here. 16 put 60 sequences on
-  # every device per microbatch (`python -m k2jax.plan --config deepseek_v3` now counts
-  # the config's own geometry: 4 TB of activations then).
-  c.train.grad_accum = c.train.get_ref("batch_size") // (
-      c.mesh.get_ref("data") * c.mesh.get_ref("expert"))
+  # One sequence per device per microbatch, as in kimi_k2: 960 microbatches here (16 put 60
+  # sequences on every device: 4 TB of activations by `python -m k2jax.plan`).
+  base.one_sequence_per_device(c)
   return c

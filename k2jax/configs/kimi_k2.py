@@ -75,14 +75,12 @@ def get_config():
   # runs it). 2 virtual stages of 2 layers keep 94 layers' activations (84.6 GB in all);
   # zbh1 keeps 12 GB more (what B hands W), so the preset stays 1f1b.
   c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=4))
-  # One sequence per device per microbatch (the batch splits over data x expert), as
-  # Megatron-style pipelines run: the global batch of 16384 is 1024 microbatches on 256
-  # devices, 128 on the report's PP16 x EP16 x DP8. A reference, so overriding mesh.data
-  # keeps the geometry. The bubble shrinks with the microbatch count while the activations
+  # One sequence per device per microbatch (base.one_sequence_per_device): the global batch
+  # of 16384 is 1024 microbatches on 256 devices, 128 on the report's PP16 x EP16 x DP8,
+  # and follows an override of mesh.data. The bubble shrinks with the microbatch count while the activations
   # in flight do not grow: idle 11.2% of device time by stage FLOPs at 1024, 12.3% at 128
   # (32 microbatches of 32 sequences, the earlier setting, idled 15.8% and kept 32x the
   # activations). What stays is the stages' imbalance: stage 0 recomputes the embedding
   # and dense layer in its backward, and three stages hold padding only.
-  c.train.grad_accum = c.train.get_ref("batch_size") // (
-      c.mesh.get_ref("data") * c.mesh.get_ref("expert"))
+  base.one_sequence_per_device(c)
   return c
