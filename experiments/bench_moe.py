@@ -20,6 +20,7 @@ Tables print last; CSVs go to experiments/results/moe/ (or --out).
 
 import argparse
 import csv
+import functools
 import os
 import sys
 import time
@@ -517,6 +518,184 @@ def gpu_roles(args):
           f"{r.get('TFLOPs', float('nan')):>9.0f}{r.get('vs_dense', float('nan')):>9.0%}"
           f"{r.get('rel_err', float('nan')):>9.1e}  {r.get('note', '')}")
   print("best tokamax tiles per role:", json.dumps(best))
+
+
+# Our Triton kernels' tile candidates (kernels/moe_gpu.TUNING entries: row tile, the two
+# other tile dims, warps, stages), swept by gpu_tune. Shared memory per stage is
+# (bm bk + bk bn) 2 bytes (gmm) or bm (bk + bn) 2 bytes (tgmm): all fit Hopper's 227 KB.
+GMM_CANDIDATES = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3),
+                  (64, 256, 64, 8, 4), (64, 128, 64, 4, 4)]
+TGMM_CANDIDATES = [(128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 256, 8, 3),
+                   (128, 128, 128, 8, 3), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
+                   (64, 128, 128, 8, 4), (128, 128, 256, 8, 2)]
+# (d, f, experts, top-k): the bench_train model's MoE layer and K2's.
+TUNE_SHAPES = {"bench_train": (2048, 768, 32, 8), "k2": (7168, 2048, 384, 8)}
+
+
+def _tgmm_scaled_kernel(lo_ref, hi_ref, src_l_ref, src_r_ref, scale_ref, lhs_ref, rhs_ref,
+                        out_ref, *, bm, bk, bn):
+  """The weight-gradient kernel before 2026-11-26 (the combine weight multiplied inside the
+  row loop), kept here only as the same-run baseline of gpu_tune."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  from k2jax.kernels.moe_gpu import _dot, _rows
+  g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+  def body(t, acc):
+    rows = pl.ds(t * bm, bm)
+    sl, sr = src_l_ref[rows], src_r_ref[rows]
+    a = plgpu.load(_rows(lhs_ref, sl, i * bk, bk), mask=(sl >= 0)[:, None], other=0.0)
+    a = (a.astype(jnp.float32) * scale_ref[rows][:, None]).astype(rhs_ref.dtype)
+    b = plgpu.load(_rows(rhs_ref, sr, j * bn, bn), mask=(sr >= 0)[:, None], other=0.0)
+    return acc + _dot(a.T, b)
+
+  acc = jax.lax.fori_loop(lo_ref[g], hi_ref[g], body, jnp.zeros((bk, bn), jnp.float32))
+  out_ref[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)] = acc.astype(out_ref.dtype)
+
+
+def _tgmm_scaled(lhs, rhs, tiles, num_groups, tiling, interpret=False):
+  import functools
+  from jax.experimental.pallas import triton as plgpu
+  from k2jax.kernels.moe_gpu import _full, _tile_size
+  from k2jax.kernels.pallas_utils import pallas_call
+  K, N = lhs.shape[1], rhs.shape[1]
+  _, bk, bn, warps, stages = tiling
+  bk, bn = _tile_size(K, bk), _tile_size(N, bn)
+  meta = (tiles.tile_lo.astype(jnp.int32), tiles.tile_hi.astype(jnp.int32), tiles.row,
+          tiles.row, jnp.ones(tiles.row.shape, jnp.float32))
+  return pallas_call(
+      functools.partial(_tgmm_scaled_kernel, bm=tiles.bm, bk=bk, bn=bn),
+      grid=(num_groups, K // bk, N // bn),
+      in_specs=[_full(a.shape) for a in (*meta, lhs, rhs)],
+      out_specs=_full((num_groups, K, N)),
+      out_shape=jax.ShapeDtypeStruct((num_groups, K, N), rhs.dtype),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps,
+                                                                  num_stages=stages),
+      interpret=interpret, name="moe_tgmm_scaled")(*meta, lhs, rhs)
+
+
+def gpu_tune(args):
+  """Tile sweep of our two grouped-matmul kernels at each TUNE_SHAPES shape (bf16, top-k of
+  args.tokens tokens, routing-like group sizes; at most args.budget seconds per kernel and
+  shape), every role of an MoE training step:
+
+    gmm   up    y = x W_up        [M, d] x [E, d, f]
+          down  y = h W_down      [M, f] x [E, f, d]
+          dlhs  dx = dy W_up^T    [M, f] x [E, d, f]^T
+    tgmm  dw_up   = x_g^T dy_g    [M, d]^T x [M, f]
+          dw_down = h_g^T dy_g    [M, f]^T x [M, d]
+
+  Each candidate's output is checked against the default tiles' on a slice. The previous
+  tgmm kernel (scale in the loop) runs at the default tiles as the baseline. The winners at
+  args.apply's shape (summed over roles) are set in moe_gpu.TUNING for the rest of this
+  process, so a train step timed afterwards uses them. Rows -> gpu_moe_tune.csv."""
+  from k2jax.kernels import moe_gpu
+  interpret = getattr(args, "interpret", False)
+  out = args.out or os.path.join(HERE, "results", "moe")
+  default = dict(moe_gpu.TUNING)
+  rows, best = [], {}
+  for shape_name, (d, f, E, k) in args.shapes.items():
+    M = args.tokens * k
+    dt = jnp.bfloat16
+    ks = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(ks[0], (M, d), dt)
+    h = jax.random.normal(ks[1], (M, f), dt)
+    w_up = (jax.random.normal(ks[2], (E, d, f), jnp.float32) * d ** -0.5).astype(dt)
+    w_dn = (jax.random.normal(ks[3], (E, f, d), jnp.float32) * f ** -0.5).astype(dt)
+    sizes = np.random.default_rng(0).multinomial(M, np.random.default_rng(1).dirichlet(
+        np.ones(E) * 4))
+    gs = jnp.asarray(sizes, jnp.int32)
+    flops = 2 * M * d * f
+    dense_t = timeit(jax.jit(lambda a, b: a @ b), x, w_up[0], reps=10)
+    rows.append(dict(shape=shape_name, kernel="dense", role="x @ W (same FLOPs)",
+                     ms=1e3 * dense_t, TFLOPs=flops / dense_t / 1e12))
+    print(rows[-1], flush=True)
+
+    def gmm_role(role):
+      def fn(tiling, a, w):
+        moe_gpu.TUNING["gmm"] = tiling
+        t = moe_gpu.Tiles(gs, M, tiling[0])
+        return moe_gpu.gmm(a, w, t, t.row, t.row, M, transpose_w=role == "dlhs",
+                           interpret=interpret)
+      return fn, {"up": (x, w_up), "down": (h, w_dn), "dlhs": (h, w_up)}[role]
+
+    def tgmm_role(role):
+      def fn(tiling, a, b):
+        moe_gpu.TUNING["tgmm"] = tiling
+        t = moe_gpu.Tiles(gs, M, tiling[0])
+        return moe_gpu.tgmm(a, b, t, t.row, t.row, E, interpret=interpret, out_dtype=dt)
+      return fn, {"dw_up": (x, h), "dw_down": (h, x)}[role]
+
+    cut = lambda y: y[:4096] if y.ndim == 2 else y[:4]
+    for kernel, roles, cands in (("tgmm", ("dw_up", "dw_down"), TGMM_CANDIDATES),
+                                 ("gmm", ("up", "down", "dlhs"), GMM_CANDIDATES)):
+      make = gmm_role if kernel == "gmm" else tgmm_role
+      t_start = time.time()
+      totals = {}
+      for role in roles:
+        fn, ops = make(role)
+        ref = None
+        for tiling in cands:
+          row = dict(shape=shape_name, kernel=kernel, role=role, tiles=str(tiling))
+          if time.time() - t_start > args.budget:
+            row.update(note="skipped: time budget")
+            rows.append(row)
+            continue
+          try:
+            f_ = jax.jit(functools.partial(fn, tiling))
+            y = f_(*ops)
+            if ref is None:
+              ref = cut(y).astype(jnp.float32)
+            err = float(jnp.abs(cut(y).astype(jnp.float32) - ref).max()
+                        / jnp.maximum(jnp.abs(ref).max(), 1e-30))
+            del y
+            t = timeit(f_, *ops, reps=args.reps, warmup=1)
+            row.update(ms=1e3 * t, TFLOPs=flops / t / 1e12, vs_dense=dense_t / t,
+                       rel_err_vs_default=err, ok=err < 2e-2)
+            if err < 2e-2:
+              totals[str(tiling)] = totals.get(str(tiling), 0.0) + t
+            else:
+              totals[str(tiling)] = float("inf")
+          except Exception as e:   # e.g. a tile set over shared memory: the others still run
+            row.update(note=f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            totals[str(tiling)] = float("inf")
+          rows.append(row)
+          print(row, flush=True)
+        if kernel == "tgmm":     # the previous kernel, default tiles
+          row = dict(shape=shape_name, kernel="tgmm before", role=role,
+                     tiles=str(default["tgmm"]))
+          try:
+            t_ = moe_gpu.Tiles(gs, M, default["tgmm"][0])
+            f_ = jax.jit(lambda a, b: _tgmm_scaled(a, b, t_, E, default["tgmm"], interpret))
+            t = timeit(f_, *ops, reps=args.reps, warmup=1)
+            row.update(ms=1e3 * t, TFLOPs=flops / t / 1e12, vs_dense=dense_t / t)
+          except Exception as e:
+            row.update(note=f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          rows.append(row)
+          print(row, flush=True)
+      full = {c: v for c, v in totals.items() if v != float("inf")
+              and all(r.get("ms") is not None for r in rows if r["shape"] == shape_name
+                      and r["kernel"] == kernel and r["tiles"] == c)}
+      if full:
+        win = min(full, key=full.get)
+        best[(shape_name, kernel)] = eval(win)
+        print(f"{shape_name} {kernel}: best {win} ({1e3 * full[win]:.2f} ms over "
+              f"{', '.join(roles)})", flush=True)
+    del x, h, w_up, w_dn
+  moe_gpu.TUNING.update(default)
+  for kernel in ("gmm", "tgmm"):
+    if (args.apply, kernel) in best:
+      moe_gpu.TUNING[kernel] = best[(args.apply, kernel)]
+  print(f"moe_gpu.TUNING for the rest of this run: {moe_gpu.TUNING}", flush=True)
+  write(os.path.join(out, "gpu_moe_tune.csv"), rows)
+  print(f"\n{jax.devices()[0].device_kind}: our grouped matmuls, {args.tokens} tokens top-k")
+  print(f"{'shape':<12}{'kernel':<12}{'role':<20}{'tiles':<24}{'ms':>8}{'TFLOP/s':>9}"
+        f"{'vs dense':>9}")
+  for r in rows:
+    print(f"{r['shape']:<12}{r['kernel']:<12}{r['role']:<20}{r.get('tiles', ''):<24}"
+          f"{r.get('ms', float('nan')):>8.2f}{r.get('TFLOPs', float('nan')):>9.0f}"
+          f"{r.get('vs_dense', float('nan')):>9.0%}  {r.get('note', '')}")
+  return rows
 
 
 def main():

@@ -87,11 +87,13 @@ def ceilings():
 
 
 def make_config(model_kw, batch, seq, attention_impl, moe_impl, grad_accum=1,
-                ns_dtype="float32"):
+                ns_dtype="float32", remat=None):
   from k2jax import configs
   c = configs.get_config("tiny")
   c.model.update(model_kw)
   c.model.update(dict(attention_impl=attention_impl, moe_impl=moe_impl))
+  if remat:
+    c.model.remat = remat
   c.optimizer.update(dict(name="muonclip", tau=100.0, learning_rate=1e-4, warmup_steps=10,
                           ns_dtype=ns_dtype))
   c.train.update(dict(batch_size=batch, seq_len=seq, grad_accum=grad_accum))
@@ -216,6 +218,12 @@ def breakdown(config, params, state_opt, tx, step_s, reps):
   return rows
 
 
+def _moe_tiles():
+  """pallas_gpu's grouped-matmul tiles in this process (gpu_check may have tuned them)."""
+  from k2jax.kernels import moe_gpu
+  return str(moe_gpu.TUNING)
+
+
 def k2_newton_schulz_share():
   """Newton-Schulz FLOPs per step over model FLOPs per step at K2's own size."""
   from k2jax import configs, model, optim
@@ -237,6 +245,9 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"),
                  help="optimizer.ns_dtype: Newton-Schulz's dtype in the step")
+  p.add_argument("--remat", default=None, choices=("none", "selective", "full"),
+                 help="model.remat (default the model's: selective, report 2.4.3)")
+  p.add_argument("--tag", default="", help="suffix of the CSV names (several runs, one folder)")
   p.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
   p.add_argument("--no-breakdown", action="store_true")
   p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
@@ -256,7 +267,7 @@ def main(argv=None):
     batch = args.batch
     while True:
       config = make_config(model_kw, batch, args.seq, attn_impl, moe_impl,
-                           min(args.grad_accum, batch), args.ns_dtype)
+                           min(args.grad_accum, batch), args.ns_dtype, args.remat)
       try:
         step_s, state, metrics = step_time(config, args.reps)
         break
@@ -278,6 +289,7 @@ def main(argv=None):
     tf = flops / step_s / 1e12
     rows.append(dict(kernels=name, attention_impl=attn_impl, moe_impl=moe_impl,
                      grad_accum=config.train.grad_accum, ns_dtype=args.ns_dtype,
+                     remat=m.remat, moe_tiles=_moe_tiles(),
                      activated_B=counts["activated"] / 1e9, total_B=counts["total"] / 1e9,
                      batch=batch, seq=args.seq, step_ms=1e3 * step_s, tokens_per_s=tokens / step_s,
                      model_TFLOPs=tf, MFU_datasheet=tf / peak if peak else float("nan"),
@@ -300,20 +312,20 @@ def main(argv=None):
     state = params = None
   ns = k2_newton_schulz_share()
   out = os.path.join(args.out, "train")
-  suffix = "_tiny" if args.tiny else ""
+  suffix = ("_tiny" if args.tiny else "") + (f"_{args.tag}" if args.tag else "")
   write(os.path.join(out, f"bench_train{suffix}.csv"), rows)
   if parts_rows:
     write(os.path.join(out, f"bench_train_parts{suffix}.csv"), parts_rows)
   print(f"\n{dev.device_kind}: ceilings measured now: bf16 matmul {mm:.0f} TFLOP/s, copy "
         f"{bw:.0f} GB/s; MFU against the datasheet's {peak} TFLOP/s")
-  print(f"{'kernels':<18}{'act B':>6}{'tot B':>6}{'batch':>6}{'step ms':>9}{'tok/s':>9}"
-        f"{'TFLOP/s':>9}{'MFU':>7}{'/matmul':>8}")
+  print(f"{'kernels':<18}{'act B':>6}{'tot B':>6}{'batch':>6}{'accum':>6}{'remat':>10}"
+        f"{'NS':>6}{'step ms':>9}{'tok/s':>9}{'TFLOP/s':>9}{'MFU':>7}{'/matmul':>8}")
   for r in rows:
     if "step_ms" not in r:
       print(f"{r['kernels']:<18} {r['note']}")
       continue
     print(f"{r['kernels']:<18}{r['activated_B']:>6.2f}{r['total_B']:>6.2f}{r['batch']:>6}"
-          f"{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['model_TFLOPs']:>9.1f}"
+          f"{r['grad_accum']:>6}{r['remat']:>10}{'f32' if r['ns_dtype'] == 'float32' else 'bf16':>6}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['model_TFLOPs']:>9.1f}"
           f"{r['MFU_datasheet']:>7.1%}{r['MFU_measured_matmul']:>8.1%}")
   if parts_rows:
     print(f"\n{'kernels':<18}{'part':<58}{'ms each':>9}{'x':>4}{'ms':>9}{'share':>7}")
@@ -328,6 +340,7 @@ def main(argv=None):
         f"{ns['step_PFLOP']:.0f} PFLOP, in total over the devices: each orthogonalizes the "
         f"matrices it holds (1 / data of them per data rank where data divides them); the "
         f"non-expert matrices are repeated over the expert group")
+  return rows
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Everything that needs a GPU, in one call: kernel checks and timings, and end-to-end MFU.
 
-    python experiments/gpu_check.py [--out DIR] [--only tokamax,gmm_roles,attention,train]
+    python experiments/gpu_check.py [--out DIR] [--only tune,mfu,tokamax,attention,gmm_roles]
 
 Runs on a machine with one NVIDIA GPU and jax[cuda] (plus tokamax for its rows). Parts, in
 the order given, each catching its own failures:
@@ -16,8 +16,14 @@ the order given, each catching its own failures:
   attention  correctness of pallas_gpu and checked tokamax kernels against XLA in f32 /
              bf16 (values, S_max, gradients), then TFLOP/s at MLA's 192 / 128 against
              cuDNN (bench_attention.gpu, --tune to sweep pallas_gpu's tiles again);
+  tune       tile sweep of our grouped-matmul kernels (forward, input and weight gradients)
+             at the bench_train model's and K2's expert shapes, against the previous
+             weight-gradient kernel; the winners serve the rest of the run
+             (bench_moe.gpu_tune);
   train      the ~1B-activated K2-shaped model's train step: tokens/s, MFU and a per-part
              breakdown per kernel choice (bench_train.py);
+  mfu        the end-to-end figures: 8K tokens per step with and without recomputation,
+             then 256K tokens per step (32 microbatches) with the faster (train_runs);
   moe        the older grouped-matmul / fused-layer table and our Triton tile sweeps;
   decode     tokens/s of decoding (bench_decode.py --gpu).
 CSVs go to --out (default $OUT or experiments/results).
@@ -50,10 +56,36 @@ def _map_kernels():
   spec.loader.exec_module(mod)
 
 
+def train_runs(args):
+  """The end-to-end figures, each a bench_train run with its own CSVs (--tag):
+    step8k     8K tokens per step (one microbatch), selective recomputation, with the
+               per-part breakdown: the previous runs' geometry;
+    step8k_nr  the same without recomputation (remat=none: fits one GPU at 1B activated);
+    step256k   256K tokens per step (32 microbatches of 8K), the faster of the two remat
+               policies, Newton-Schulz in bf16: the optimizer step amortized as a real
+               pretraining batch amortizes it (K2: 67M tokens per step)."""
+  import bench_train
+  base = ["--kernels", args.mfu_kernels, "--out", args.out, "--seq", "4096",
+          *(["--tiny"] if args.tiny else [])]
+  rows = {}
+  for tag, extra in (("step8k", ["--batch", "2"]),
+                     ("step8k_nr", ["--batch", "2", "--remat", "none", "--no-breakdown"])):
+    try:
+      rows[tag] = [r for r in bench_train.main(base + extra + ["--tag", tag]) if "step_ms" in r]
+    except Exception:
+      traceback.print_exc()
+  ms = {tag: min(r["step_ms"] for r in rs) for tag, rs in rows.items() if rs}
+  remat = "none" if ms.get("step8k_nr", math.inf) < ms.get("step8k", math.inf) else "selective"
+  print(f"=== step256k with remat={remat} ({ms})", flush=True)
+  bench_train.main(base + ["--batch", "64", "--grad-accum", "32", "--ns-dtype", "bfloat16",
+                           "--remat", remat, "--reps", "2", "--no-breakdown", "--tag",
+                           "step256k"])
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
-  p.add_argument("--only", default="tokamax,gmm_roles,attention,train")
+  p.add_argument("--only", default="tune,mfu,tokamax,attention,gmm_roles")
   p.add_argument("--tokens", type=int, default=8192)
   p.add_argument("--tune", action="store_true", help="attention: sweep pallas_gpu's tiles")
   p.add_argument("--no-check", action="store_true", help="attention: timings only")
@@ -61,6 +93,11 @@ def main():
   p.add_argument("--attention-impls", default="", help="attention: rows to time (default all)")
   p.add_argument("--kernels", default="auto,tokamax", help="train: kernel choices")
   p.add_argument("--train-args", default="", help="train: extra bench_train.py arguments")
+  p.add_argument("--mfu-kernels", default="tokamax_attention", help="mfu: kernel choices")
+  p.add_argument("--tiny", action="store_true",
+                 help="tune, mfu: toy sizes, Pallas in interpret mode (a CPU smoke run)")
+  p.add_argument("--tune-budget", type=float, default=40.0,
+                 help="tune: seconds per kernel and shape for the tile sweep")
   args = p.parse_args()
   _map_kernels()
   import jax
@@ -80,11 +117,20 @@ def main():
         import bench_moe
         bench_moe.gpu_roles(argparse.Namespace(out=os.path.join(args.out, "moe"),
                                                tokens=args.tokens))
+      elif part == "tune":
+        import bench_moe
+        shapes = ({"bench_train": (64, 48, 4, 2), "k2": (32, 80, 3, 2)} if args.tiny
+                  else bench_moe.TUNE_SHAPES)
+        bench_moe.gpu_tune(argparse.Namespace(
+            out=os.path.join(args.out, "moe"), tokens=48 if args.tiny else args.tokens,
+            shapes=shapes, apply="bench_train", budget=args.tune_budget, reps=5,
+            interpret=args.tiny))
       elif part == "train":
         import bench_train
-        sys.argv = ["bench_train.py", "--kernels", args.kernels, "--out", args.out,
-                    *args.train_args.split()]
-        bench_train.main()
+        bench_train.main(["--kernels", args.kernels, "--out", args.out,
+                          *args.train_args.split()])
+      elif part == "mfu":
+        train_runs(args)
       elif part == "moe":
         import bench_moe
         bench_moe.gpu(argparse.Namespace(out=os.path.join(args.out, "moe"), tokens=args.tokens,

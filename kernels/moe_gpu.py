@@ -9,14 +9,14 @@ expert's rows start a new tile (the static tile count bounds M / bm + E tiles), 
          from x through the sort permutation (src = token of the row), the down projection
          writes its rows straight to their token-major slot (dst = assignment id) scaled by
          the combine weight, and the backward passes reuse the same kernel with W^T.
-  tgmm   dW[g] = sum over g's rows of (scale lhs[src_l])^T rhs[src_r]   grid (g, k, n block)
+  tgmm   dW[g] = sum over g's rows of lhs[src_l]^T rhs[src_r]           grid (g, k, n block)
 
 so x[order], the un-permute and the per-row scaling are never separate passes over memory.
 The custom VJPs of `gather_grouped_matmul` and `grouped_matmul_combine` are built from them:
 
   h = gather_gmm(x, W):            dx = segment_sum(gmm(dh, W^T)),  dW = tgmm(x[src], dh)
   y = combine_gmm(h, W, s):        dh' = gmm(dy[dst], W^T),  ds = rowsum(dh' * h),
-                                   dh = s dh',  dW = tgmm(s h, dy[dst])
+                                   dh = s dh',  dW = tgmm(s h, dy[dst])  (s h in XLA)
 """
 
 import functools
@@ -126,15 +126,17 @@ def gmm(lhs, w, tiles: Tiles, src, dst, out_rows: int, *, scale=None, transpose_
   return out[:out_rows]
 
 
-def _tgmm_kernel(lo_ref, hi_ref, src_l_ref, src_r_ref, scale_ref, lhs_ref, rhs_ref, out_ref, *,
-                 bm, bk, bn):
+def _tgmm_kernel(lo_ref, hi_ref, src_l_ref, src_r_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk,
+                 bn):
   g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
+  # Both tiles go from the loads straight into the dot: an elementwise op in between (the
+  # combine weight's scaling once sat here) makes Triton stage the tile through registers
+  # instead of its asynchronous copy pipeline. Callers scale lhs beforehand.
   def body(t, acc):
     rows = pl.ds(t * bm, bm)
     sl, sr = src_l_ref[rows], src_r_ref[rows]
     a = plgpu.load(_rows(lhs_ref, sl, i * bk, bk), mask=(sl >= 0)[:, None], other=0.0)
-    a = (a.astype(jnp.float32) * scale_ref[rows][:, None]).astype(rhs_ref.dtype)
     b = plgpu.load(_rows(rhs_ref, sr, j * bn, bn), mask=(sr >= 0)[:, None], other=0.0)
     return acc + _dot(a.T, b)
 
@@ -142,15 +144,16 @@ def _tgmm_kernel(lo_ref, hi_ref, src_l_ref, src_r_ref, scale_ref, lhs_ref, rhs_r
   out_ref[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)] = acc.astype(out_ref.dtype)
 
 
-def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, scale=None, interpret=False,
+def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, interpret=False,
          out_dtype=None):
-  """dW[g] = sum over g's padded rows p of (scale[p] lhs[src_l[p]])^T rhs[src_r[p]]."""
+  """dW[g] = sum over g's padded rows p of lhs[src_l[p]]^T rhs[src_r[p]] (lhs, rhs of one
+  dtype). `tiles` is laid out with TUNING["tgmm"]'s row tile (`Tiles(sizes, M, _bm("tgmm"))`):
+  its rows are the reduction, cut independently of gmm's output rows."""
   K, N = lhs.shape[1], rhs.shape[1]
   _, bk, bn, warps, stages = TUNING["tgmm"]
   bm, bk, bn = tiles.bm, _tile_size(K, bk), _tile_size(N, bn)
-  scale = jnp.ones(src_l.shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
   meta = (tiles.tile_lo.astype(jnp.int32), tiles.tile_hi.astype(jnp.int32),
-          src_l.astype(jnp.int32), src_r.astype(jnp.int32), scale)
+          src_l.astype(jnp.int32), src_r.astype(jnp.int32))
   kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn)
   return pallas_call(
       kernel, grid=(num_groups, K // bk, N // bn),
@@ -162,15 +165,16 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, scale=None, i
       interpret=interpret, name="moe_tgmm")(*meta, lhs, rhs)
 
 
-# (rows per tile bm, then the two other tile dims, num_warps, num_stages) per kernel; the row
-# tile is shared (the tile layout depends on it). experiments/bench_moe.py --gpu sweeps them.
+# (rows per tile bm, then the two other tile dims, num_warps, num_stages) per kernel. gmm's
+# row tile lays out its output rows (forward and input gradients); tgmm's, the rows it sums
+# over (weight gradients). experiments/bench_moe.py --gpu / gpu_check.py sweep them.
 # gmm measured on an H100 (experiments/results/moe/gpu_gmm_tuning.csv: 128 x 256 x 64, 8 warps,
 # 3 stages ran at 245 TFLOP/s on K2's gate projection vs 180 for 64 x 128 x 64).
 TUNING = {"gmm": (128, 256, 64, 8, 3), "tgmm": (128, 64, 128, 4, 3)}
 
 
-def _bm():
-  return TUNING["gmm"][0]
+def _bm(kernel: str = "gmm"):
+  return TUNING[kernel][0]
 
 
 # ------------------------------------------------------------------ gather_grouped_matmul
@@ -214,7 +218,8 @@ def _gather_bwd(interpret, res, dh):
   valid = jnp.arange(M) < jnp.sum(group_sizes)
   dx = jax.ops.segment_sum(jnp.where(valid[:, None], dxs, 0.0),
                            jnp.where(valid, row_ids, 0), x.shape[0]).astype(x.dtype)
-  dw = tgmm(x, dh, tiles, tiles.at(row_ids), tiles.row, w.shape[0], interpret=interpret,
+  tt = Tiles(group_sizes, M, _bm("tgmm"))
+  dw = tgmm(x, dh, tt, tt.at(row_ids), tt.row, w.shape[0], interpret=interpret,
             out_dtype=w.dtype)
   return cotangent_for(dx, x), cotangent_for(dw, w), None, None
 
@@ -261,8 +266,12 @@ def _combine_bwd(interpret, res, dy):
   dh_unscaled = jnp.where(valid, dh_unscaled, 0.0)
   dweights = jnp.sum(dh_unscaled * h.astype(jnp.float32), -1).astype(weights.dtype)
   dh = (dh_unscaled * weights.astype(jnp.float32)[:, None]).astype(h.dtype)
-  dw = tgmm(h, dy, tiles, tiles.row, tiles.at(slot_ids), w.shape[0],
-            scale=_at_values(tiles, weights), interpret=interpret, out_dtype=w.dtype)
+  # dW = sum_r (s_r h_r)^T dy[slot_r]: h's rows scaled here, one elementwise pass in XLA,
+  # rounded as the product in f32 then dy's dtype (the dot's operand dtype)
+  hs = (h.astype(jnp.float32) * weights.astype(jnp.float32)[:, None]).astype(dy.dtype)
+  tt = Tiles(group_sizes, M, _bm("tgmm"))
+  dw = tgmm(hs, dy, tt, tt.row, tt.at(slot_ids), w.shape[0],
+            interpret=interpret, out_dtype=w.dtype)
   return (cotangent_for(dh, h), cotangent_for(dw, w), None, None,
           cotangent_for(dweights, weights))
 

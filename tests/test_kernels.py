@@ -131,11 +131,21 @@ def _fused_vjps(impl):
   return jax.jit(gather), jax.jit(combine)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "pallas_gpu"])
-def test_fused_gather_and_combine_variants(impl):
+# pallas_gpu's tiles: its defaults, and small ones whose row tiles differ between the output
+# rows (gmm: 16) and the weight gradients' reduction (tgmm: 32), so groups span several tiles
+# of each and widths several blocks.
+SMALL_TILES = {"gmm": (16, 32, 16, 4, 2), "tgmm": (32, 16, 16, 4, 2)}
+
+
+@pytest.mark.parametrize("impl,tiles", [("blocked", None), ("pallas_gpu", None),
+                                        ("pallas_gpu", "small")])
+def test_fused_gather_and_combine_variants(impl, tiles, monkeypatch):
   """gather_grouped_matmul reads x through row ids; grouped_matmul_combine writes rows to
   their slots scaled by weights; both against float64, with their three gradients, each
   element within gamma(width) times its sum of |terms| (f32 accumulation)."""
+  if tiles:
+    from k2jax.kernels import moe_gpu
+    monkeypatch.setattr(moe_gpu, "TUNING", SMALL_TILES)
   seed, rng = seed_and_rng()
   gather, combine = _fused_vjps(impl)
   sizes = [11, 0, 37, 1, 0]
