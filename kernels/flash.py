@@ -81,9 +81,12 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
 # MLA 192 / 128, bf16, causal, 16 heads, T 4096, 16K tokens per call, S_max emitted):
 #   NVIDIA H100 80GB HBM3  tokamax mosaic_gpu 464 TFLOP/s fwd, 368 fwd+bwd; pallas_gpu 247 /
 #                          243; cuDNN (no S_max, v padded to 192) 309 / 272
-# A kind not listed (the H200 is the same chip but unmeasured) keeps ours, and so does
-# lowering for CUDA on a machine without a GPU (the choice needs the device kind).
-AUTO_GPU = {"NVIDIA H100 80GB HBM3": "tokamax"}
+#   NVIDIA H200            (2026-11-26, same versions; tokamax has no autotuning cache entries
+#                          for this kind, so it runs its default tiles) tokamax mosaic_gpu 304 /
+#                          337; pallas_gpu 228 / 253; cuDNN 301 / 259
+# A kind not listed keeps ours, and so does lowering for CUDA on a machine without a GPU (the
+# choice needs the device kind).
+AUTO_GPU = {"NVIDIA H100 80GB HBM3": "tokamax", "NVIDIA H200": "tokamax"}
 
 
 def _gpu_kind() -> str | None:

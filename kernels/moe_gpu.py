@@ -167,10 +167,15 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, interpret=Fal
 
 # (rows per tile bm, then the two other tile dims, num_warps, num_stages) per kernel. gmm's
 # row tile lays out its output rows (forward and input gradients); tgmm's, the rows it sums
-# over (weight gradients). experiments/bench_moe.py --gpu / gpu_check.py sweep them.
-# gmm measured on an H100 (experiments/results/moe/gpu_gmm_tuning.csv: 128 x 256 x 64, 8 warps,
-# 3 stages ran at 245 TFLOP/s on K2's gate projection vs 180 for 64 x 128 x 64).
-TUNING = {"gmm": (128, 256, 64, 8, 3), "tgmm": (128, 64, 128, 4, 3)}
+# over (weight gradients). Chosen by the sweep in experiments/gpu_check.py (part `tune`;
+# experiments/results/moe/gpu_moe_tune.csv, one H200, 2026-11-26, 8192 tokens top-8, TFLOP/s):
+#   tgmm 64 x 128 x 128, 4 warps, 3 stages: dw_up 238 / dw_down 193 at the bench model's
+#        expert shapes (d 2048, f 768, 32 experts), 190 / 188 at K2's (7168, 2048, 384); the
+#        previous tiles 164 / 210 and 146 / 147 (the previous kernel there: 128 / 104, 99 / 97)
+#   gmm  64 x 256 x 64, 8 warps, 4 stages: up / down / dlhs 244 / 226 / 221 at the bench
+#        model's, 288 / 259 / 255 at K2's; the previous 128 x 256 x 64 (3 stages) 209 / 177 /
+#        149 and 301 / 267 / 264: 3-4% slower at K2's shapes, 17-48% faster at the smaller.
+TUNING = {"gmm": (64, 256, 64, 8, 4), "tgmm": (64, 128, 128, 4, 3)}
 
 
 def _bm(kernel: str = "gmm"):
