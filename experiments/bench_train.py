@@ -287,7 +287,10 @@ def main(argv=None):
     tokens = batch * args.seq
     flops = model.flops_per_token(m, args.seq) * tokens
     tf = flops / step_s / 1e12
+    mem = dev.memory_stats() or {}     # None on CPU
     rows.append(dict(kernels=name, attention_impl=attn_impl, moe_impl=moe_impl,
+                     peak_GB=mem.get("peak_bytes_in_use", float("nan")) / 1e9,
+                     limit_GB=mem.get("bytes_limit", float("nan")) / 1e9,
                      grad_accum=config.train.grad_accum, ns_dtype=args.ns_dtype,
                      remat=m.remat, moe_tiles=_moe_tiles(),
                      activated_B=counts["activated"] / 1e9, total_B=counts["total"] / 1e9,
@@ -319,14 +322,16 @@ def main(argv=None):
   print(f"\n{dev.device_kind}: ceilings measured now: bf16 matmul {mm:.0f} TFLOP/s, copy "
         f"{bw:.0f} GB/s; MFU against the datasheet's {peak} TFLOP/s")
   print(f"{'kernels':<18}{'act B':>6}{'tot B':>6}{'batch':>6}{'accum':>6}{'remat':>10}"
-        f"{'NS':>6}{'step ms':>9}{'tok/s':>9}{'TFLOP/s':>9}{'MFU':>7}{'/matmul':>8}")
+        f"{'NS':>6}{'step ms':>9}{'tok/s':>9}{'TFLOP/s':>9}{'MFU':>7}{'/matmul':>8}"
+        f"{'peak GB':>9}{'of':>6}")
   for r in rows:
     if "step_ms" not in r:
       print(f"{r['kernels']:<18} {r['note']}")
       continue
     print(f"{r['kernels']:<18}{r['activated_B']:>6.2f}{r['total_B']:>6.2f}{r['batch']:>6}"
           f"{r['grad_accum']:>6}{r['remat']:>10}{'f32' if r['ns_dtype'] == 'float32' else 'bf16':>6}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['model_TFLOPs']:>9.1f}"
-          f"{r['MFU_datasheet']:>7.1%}{r['MFU_measured_matmul']:>8.1%}")
+          f"{r['MFU_datasheet']:>7.1%}{r['MFU_measured_matmul']:>8.1%}{r['peak_GB']:>9.1f}"
+          f"{r['limit_GB']:>6.0f}")
   if parts_rows:
     print(f"\n{'kernels':<18}{'part':<58}{'ms each':>9}{'x':>4}{'ms':>9}{'share':>7}")
     for r in parts_rows:
