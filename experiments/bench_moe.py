@@ -377,6 +377,21 @@ TOKAMAX_CANDIDATES = [
 ]
 
 
+def role_operands(d, f, E, k, tokens, seed):
+  """The operands of an MoE layer's grouped matmuls in bf16: (M rows = tokens x k, x [M, d],
+  h [M, f], w_up [E, d, f], w_down [E, f, d], group sizes (numpy and jnp; routing-like:
+  multinomial over Dirichlet(4) expert shares, a few near empty), FLOPs of one product)."""
+  M, dt = tokens * k, jnp.bfloat16
+  ks = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(ks[0], (M, d), dt)
+  h = jax.random.normal(ks[1], (M, f), dt)
+  w_up = (jax.random.normal(ks[2], (E, d, f), jnp.float32) * d ** -0.5).astype(dt)
+  w_dn = (jax.random.normal(ks[3], (E, f, d), jnp.float32) * f ** -0.5).astype(dt)
+  sizes = np.random.default_rng(0).multinomial(M, np.random.default_rng(1).dirichlet(
+      np.ones(E) * 4))
+  return M, x, h, w_up, w_dn, sizes, jnp.asarray(sizes, jnp.int32), 2 * M * d * f
+
+
 def gpu_roles(args):
   """Each grouped matmul of an MoE layer's training step timed alone at K2's expert shapes
   (d 7168, f 2048, 384 experts, top-8 of args.tokens tokens, bf16), per implementation:
@@ -394,17 +409,9 @@ def gpu_roles(args):
   from k2jax.kernels import moe_gpu, platform
   out = args.out or os.path.join(HERE, "results", "moe")
   d, f, E, k = getattr(args, "shape", None) or (7168, 2048, 384, 8)
-  M = args.tokens * k
+  M, x, h, w_up, w_dn, sizes, gs, flops = role_operands(d, f, E, k, args.tokens, seed=7)
   dt = jnp.bfloat16
   ks = jax.random.split(jax.random.key(7), 5)
-  x = jax.random.normal(ks[0], (M, d), dt)
-  h = jax.random.normal(ks[1], (M, f), dt)
-  w_up = (jax.random.normal(ks[2], (E, d, f), jnp.float32) * d ** -0.5).astype(dt)
-  w_dn = (jax.random.normal(ks[3], (E, f, d), jnp.float32) * f ** -0.5).astype(dt)
-  sizes = np.random.default_rng(0).multinomial(M, np.random.default_rng(1).dirichlet(
-      np.ones(E) * 4))
-  gs = jnp.asarray(sizes, jnp.int32)
-  flops = 2 * M * d * f
   a, b = jax.random.normal(ks[2], (M, d), dt), jax.random.normal(ks[3], (d, f), dt)
   dense_t = timeit(jax.jit(lambda a, b: a @ b), a, b, reps=20)
   del a, b
@@ -595,17 +602,8 @@ def gpu_tune(args):
   default = dict(moe_gpu.TUNING)
   rows, best = [], {}
   for shape_name, (d, f, E, k) in args.shapes.items():
-    M = args.tokens * k
+    M, x, h, w_up, w_dn, _, gs, flops = role_operands(d, f, E, k, args.tokens, seed=3)
     dt = jnp.bfloat16
-    ks = jax.random.split(jax.random.key(3), 4)
-    x = jax.random.normal(ks[0], (M, d), dt)
-    h = jax.random.normal(ks[1], (M, f), dt)
-    w_up = (jax.random.normal(ks[2], (E, d, f), jnp.float32) * d ** -0.5).astype(dt)
-    w_dn = (jax.random.normal(ks[3], (E, f, d), jnp.float32) * f ** -0.5).astype(dt)
-    sizes = np.random.default_rng(0).multinomial(M, np.random.default_rng(1).dirichlet(
-        np.ones(E) * 4))
-    gs = jnp.asarray(sizes, jnp.int32)
-    flops = 2 * M * d * f
     dense_t = timeit(jax.jit(lambda a, b: a @ b), x, w_up[0], reps=10)
     rows.append(dict(shape=shape_name, kernel="dense", role="x @ W (same FLOPs)",
                      ms=1e3 * dense_t, TFLOPs=flops / dense_t / 1e12))
