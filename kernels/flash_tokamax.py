@@ -42,7 +42,8 @@ PREFERENCE = {"gpu": ("mosaic_gpu", "triton"), "tpu": ("mosaic_tpu",), "cpu": ("
 #   mosaic_gpu  1.0 (H100, tokamax 0.0.17, bf16: factor 0.9999999, rel 2e-7; it has no f32
 #               kernel: "Unsupported precision TF32")
 #   triton      1.0 (H100, tokamax 0.0.17: f32 factor 1.000005, rel 2e-4; bf16 1.0013, 1.3e-3)
-# experiments/results/attention/tokamax_residuals.csv; gpu_check.py --only tokamax re-measures.
+# The H200 (2026-11-26, same versions) gave the same factors to every printed digit.
+# experiments/results/attention/tokamax_residuals*.csv; gpu_check.py --only tokamax re-measures.
 RESIDUAL_MAX = {"xla": 1.0, "mosaic_gpu": 1.0, "triton": 1.0}
 
 # Implementations that cannot run our contract at all, with the reason and what to use.
