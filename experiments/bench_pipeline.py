@@ -161,6 +161,37 @@ def zero_bubble():
   write("zero_bubble.csv", rows)
 
 
+def prefix():
+  """Stage 0 keeping its prefix's residuals (pipeline._Overlay) against recomputing the
+  prefix in its backward: the pipelined step's time on 8 simulated devices (2 x 3 virtual
+  x data 2 x expert 2, 1 dense + 8 MoE layers of the tiny model: stage 0 holds padding
+  only), both settings alternated, and the idle fraction at K2's stage costs (16 x 4 and
+  16 x 2, 1f1b)."""
+  from k2jax import configs
+  from k2jax.parallel import layout, pipeline
+  rows = []
+  times = {True: [], False: []}
+  for rep in range(2):                 # alternated: the machine's load drifts
+    for keep in (False, True):
+      pipeline.KEEP_PREFIX = keep
+      times[keep].append(pipeline_hlo.measure((2, 2, 2), virtual=3)["step_s"])
+  pipeline.KEEP_PREFIX = True
+  base = min(times[False])
+  for keep in (False, True):
+    rows.append(dict(what="step on 8 simulated devices, 2x2x2 / 3 virtual (s, best of 2)",
+                     keep_prefix=keep, value=min(times[keep]), ratio=min(times[keep]) / base))
+  k2 = configs.get_config("kimi_k2").model
+  for V in (4, 2):
+    sp = layout.split(k2, 16, V)
+    for M in (32, 128, 1024):
+      tab = schedules.build("1f1b", 16, V, M)
+      for keep in (False, True):
+        c = schedules.stage_costs(k2, sp, 4096, keep_prefix=keep and sp.prefix_kept)
+        rows.append(dict(what=f"K2 idle by stage FLOPs, 16 x {V}, {M} microbatches",
+                         keep_prefix=keep, value=tab.idle_fraction(c), ratio=""))
+  write("prefix_overlay.csv", rows)
+
+
 def collectives():
   rows = [pipeline_hlo.measure(s) for s in ((4, 1, 2), (4, 2, 1))]
   write("collectives.csv", [{k: v for k, v in r.items() if k != "step_s"} for r in rows])
@@ -313,14 +344,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--loss-steps", type=int, default=200)
   ap.add_argument("--only",
-                  default="params,bubble,zero_bubble,collectives,plan_vs_xla,"
+                  default="params,bubble,zero_bubble,prefix,collectives,plan_vs_xla,"
                           "plan_vs_xla_activations,step_time,memory,storage,loss")
   a = ap.parse_args()
   only = a.only.split(",")
   print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
         "GFLOP/s on this machine\n")
   steps = {"params": param_bytes, "bubble": bubbles, "zero_bubble": zero_bubble,
-           "collectives": collectives,
+           "collectives": collectives, "prefix": prefix,
            "plan_vs_xla": plan_vs_xla, "plan_vs_xla_activations": plan_vs_xla_activations,
            "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}

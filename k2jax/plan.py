@@ -271,6 +271,10 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
         f"; W takes {pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
         f"backward (k2jax.parallel.bwsplit), "
         f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above)")
+    prefix_note = ("stage 0 keeps the embedding and dense layers' residuals in the slot "
+                   "its padding leaves unused" if pipeline.KEEP_PREFIX and sp.prefix_kept
+                   and not tab.split else
+                   "stage 0 recomputes the embedding and dense layers in its backward")
     padded = (f", {sp.padded} padding row(s) stored, first on the stage with the embedding"
               if sp.padded else "")
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
@@ -280,8 +284,8 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
                  f"stage activations in flight per device"
                  f"{padded}"
                  f"{split_note}; the tasks it runs are {tab.work_ratio(costs):.3f}x the "
-                 f"work of the model's forward + backward without a pipeline (stage 0 "
-                 f"recomputes the embedding and dense layers in its backward)")
+                 f"work of the model's forward + backward without a pipeline "
+                 f"({prefix_note})")
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "

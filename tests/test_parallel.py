@@ -183,7 +183,9 @@ def pipeline_runs(tmp_path_factory):
 # per-device skipping (no expert axis: the routed experts' weight gradients are W's too).
 # "kdevice": idle phases skipped per device, as on GPU / TPU (CPU's default skips per tick);
 # on meshes where XLA:CPU places no collective-permute inside a branch, so it runs here
-# (4 x 3 stages of 1 for 8 layers: the last 4 stages are padding, skipped per layer).
+# (4 x 3 stages of 1 for 8 layers: the last 4 stages are padding, skipped per layer; stage 0
+# holds padding only, so it keeps the embedding and dense layer's residuals as bytes in its
+# unused slot, pipeline._Overlay, over expert 2).
 PIPELINE_MESHES = ("2x2x2/a2", "2x4x1/v3/a4/szbh1", "2x2x2/v2/a4",
                    "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice", "8x1x1/a8/kdevice/szbh1")
 
@@ -240,6 +242,19 @@ def test_no_weight_moves_between_pipeline_devices():
   assert r["outside"] < 0.1 * r["stack"], r
   assert r["loop_ops"] == ["all-reduce", "collective-permute"], r
   assert 0 < r["loop"] < 0.1 * r["stack"] * r["ticks"], r
+
+
+def test_stage_zero_keeps_its_prefix_without_moving_bytes_between_devices():
+  """Stage 0 keeping its prefix's residuals as bytes in its unused slot (pipeline._Overlay,
+  over data 2 x expert 2: 4 batch shards) compiles to no collective of any kind more than
+  recomputing the prefix does (fewer: the recomputation's own are gone): every byte view
+  stays on its device."""
+  r = worker(8, "overlay_collectives")
+  assert r["True"]["kept"] and not r["False"]["kept"], r
+  kept, recomputed = r["True"]["ops"], r["False"]["ops"]
+  assert set(kept) <= set(recomputed), r
+  assert all(kept[k] <= recomputed[k] for k in kept), r
+  assert sum(kept.values()) < sum(recomputed.values()), r
 
 
 @pytest.mark.parametrize("platform,moe_impl,attention_impl,shape", [

@@ -14,8 +14,12 @@ slots everything is kept in. The loop computes only what the table says:
   - a phase the table leaves idle is skipped (`lax.cond` on the device's own table entry,
     which every data / expert shard of that pipeline device agrees on, so the MoE's
     collectives inside the branch meet their peers; the ppermutes stay outside);
-  - the embedding and the leading dense layers run in the F phase of stage 0 only, per
-    microbatch, and are recomputed in its B phase (a dense layer of 61 for K2);
+  - the embedding and the leading dense layers (a dense layer of 61 for K2) run in the F
+    phase of stage 0 only, per microbatch. Where stage 0 holds no layer of the stack (K2:
+    the split pads there first), the schedule does not split W and phases are skipped per
+    device (GPU / TPU), F keeps their vjp residuals under the remat policy as bytes in the
+    residual slot its padding leaves unused (`_Overlay`), and B differentiates them from
+    there; otherwise B recomputes them (3 forward units where the others' ticks take 2);
   - the final norm, head and loss run once per microbatch, in a head phase after the F phase
     of the tick that runs the last stage, on every device: the vocabulary is split over the
     pipeline devices (`_head`; the head's columns are stored that way, sharding rule
@@ -52,12 +56,13 @@ import functools
 import json
 import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k2jax.configs.sharding_rules import logical_spec, param_spec
+from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec, param_spec
 from k2jax.kernels import moe as moe_kernels
 from k2jax.model import counting, spec as model_spec, transformer
 from k2jax.model.layers import rms_norm
@@ -68,6 +73,9 @@ from k2jax.parallel.layout import Split, split
 log = logging.getLogger("k2jax.parallel")
 
 AXIS = "pipeline"
+# Stage 0 keeps its prefix's residuals where its slot is free (`_Overlay`); False recomputes
+# the prefix in its backward (the same gradients; for comparisons).
+KEEP_PREFIX = True
 
 
 def routed_impl(impl: str) -> str:
@@ -99,7 +107,9 @@ def schedule_costs(mcfg, P: int, V: int, schedule: str, data: int = 1, expert: i
   w = None
   if schedule == "zbh1":
     w = w_share(mcfg, data, expert, seq_len, platform)
-  return schedules.stage_costs(mcfg, split(mcfg, P, V), seq_len, w)
+  sp = split(mcfg, P, V)
+  return schedules.stage_costs(mcfg, sp, seq_len, w,
+                               keep_prefix=KEEP_PREFIX and sp.prefix_kept and w is None)
 
 
 def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
@@ -247,6 +257,153 @@ class _Saved:
     return jax.tree.unflatten(self.tree, [next(it) if s is None else w[s] for s in self.source])
 
 
+def _nbytes(a) -> int:
+  return math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _bits_aval(a):
+  """The unsigned-integer container of an array like `a` (same shape and width)."""
+  return jax.ShapeDtypeStruct(a.shape, _UINT[jnp.dtype(a.dtype).itemsize])
+
+
+def _bits(x):
+  """x as unsigned integers of its width, bit for bit. Bytes kept in float arrays are not
+  safe: XLA may compute a bf16 select in float32 (CPU does), which rewrites NaN payloads."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint8)
+  return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+
+
+def _unbits(u, aval):
+  """The inverse of `_bits`."""
+  if jnp.dtype(aval.dtype) == jnp.bool_:
+    return u.astype(jnp.bool_)
+  return jax.lax.bitcast_convert_type(u, aval.dtype)
+
+
+def _as_bytes(u, G: int, axis: int):
+  """An unsigned container (`_bits`) -> uint8 [G, bytes / G]: row g is batch shard g's part.
+  `axis` is u's batch axis (split over the G devices of the `batch` axes); it is moved to
+  the front before the rows are cut, so the view moves nothing between devices."""
+  if u.dtype.itemsize > 1:
+    u = jax.lax.bitcast_convert_type(u, jnp.uint8)
+  u = jnp.moveaxis(u, axis, 0).reshape(G, -1)
+  return jax.lax.with_sharding_constraint(u, logical_spec(("batch", None))) if G > 1 else u
+
+
+def _from_bytes(u, aval, axis: int):
+  """The inverse of `_as_bytes`: uint8 [G, bytes / G] -> the container `aval`."""
+  k = jnp.dtype(aval.dtype).itemsize
+  moved = (aval.shape[axis],) + tuple(d for i, d in enumerate(aval.shape) if i != axis)
+  u = jnp.moveaxis(u.reshape(moved + ((k,) if k > 1 else ())), 0, axis)
+  return u if k == 1 else jax.lax.bitcast_convert_type(u, aval.dtype)
+
+
+def _batch_axes(small, large, B: int):
+  """Each leaf's batch axis, from its avals traced at B and 2 B sequences per microbatch
+  (`small`, `large`): the one axis that doubles and holds whole sequences (a multiple of B:
+  [.., B, ..] or flattened tokens [B T, ..], split over the batch devices like the
+  sequences), or None (batch-independent; or grown otherwise, like the expert exchange's
+  capacity buffers, whose split need not follow the batch's)."""
+  out = []
+  for a, b in zip(small, large):
+    grown = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    ok = len(grown) == 1 and b.shape[grown[0]] == 2 * a.shape[grown[0]] \
+        and a.shape[grown[0]] % B == 0
+    out.append(grown[0] if ok else None)
+  return tuple(out)
+
+
+class _Overlay(NamedTuple):
+  """Stage 0's prefix residuals kept in the stage residual slot its padding rows leave unused.
+
+  When stage 0 holds no layer of the stack (layout.Split.prefix_kept), the residuals its F
+  writes to the schedule's buffers are the padding layers' zeros: a slot's worth of unused
+  memory on every pipeline device. Stage 0 writes there instead the vjp residuals of the
+  prefix (embedding, dense layers), as bytes: each prefix leaf, seen as uint8 [G, bytes / G]
+  rows per batch shard (`_as_bytes`, along its own batch axis), concatenated along the rows
+  and cut into the byte views of stage leaves that have a batch axis (`bins`), in order. So
+  a shard's bytes stay on its device. Prefix leaves with no batch axis (small: positions'
+  tables, scalars) ride in `side` leaves appended to every slot. The stage residuals travel
+  through the buffers as unsigned integers (`_bits`), so every byte survives. Stage 0's
+  backward then needs no recomputation of the prefix: 2 forwards of it instead of 3 (at
+  K2's 16 x 4 stages the ticks that run it no longer outlast every other tick by half)."""
+  pre: tuple           # avals of the prefix's residual leaves
+  pre_axes: tuple      # their batch axes (None: kept in `side`)
+  stage: tuple         # avals of a stage's residual leaves, as containers (`_bits_aval`)
+  stage_axes: tuple    # their batch axes
+  bins: tuple          # the stage leaves (indices) the prefix's bytes fill, in order
+  G: int               # devices the batch splits over
+
+  # prefix bytes with no batch axis above this go unkept (they would ride in every slot)
+  SIDE_LIMIT = 1 << 20
+
+  @staticmethod
+  def plan(pre, pre_axes, stage, stage_axes, G: int):
+    """The overlay of residual avals `pre` on `stage`, or None where they do not fit."""
+    if any(ax is not None and a.shape[ax] % G for a, ax in zip(pre, pre_axes)):
+      return None
+    if sum(_nbytes(a) for a, ax in zip(pre, pre_axes) if ax is None) > _Overlay.SIDE_LIMIT:
+      return None
+    need = sum(_nbytes(a) for a, ax in zip(pre, pre_axes) if ax is not None)
+    bins, have = [], 0
+    for i, (a, ax) in enumerate(zip(stage, stage_axes)):
+      if have >= need:
+        break
+      if ax is not None and a.shape[ax] % G == 0 and _nbytes(a):
+        bins.append(i)
+        have += _nbytes(a)
+    if have < need:
+      return None
+    return _Overlay(tuple(pre), tuple(pre_axes), tuple(_bits_aval(a) for a in stage),
+                    tuple(stage_axes), tuple(bins), G)
+
+  @property
+  def side(self):
+    """Avals of the leaves appended to every slot: the prefix leaves with no batch axis."""
+    return [_bits_aval(a) for a, ax in zip(self.pre, self.pre_axes) if ax is None]
+
+  def write(self, first, pre_leaves, stage_bits):
+    """The leaves to store (containers, `_bits`): the stage's, then `side`; on stage 0
+    (`first`) the prefix's bytes in the bins and its batch-independent leaves in `side`."""
+    batched = [(_bits(a), ax) for a, ax in zip(pre_leaves, self.pre_axes) if ax is not None]
+    out, at = list(stage_bits), 0
+    if batched:
+      stream = jnp.concatenate([_as_bytes(u, self.G, ax) for u, ax in batched], axis=1)
+      for i in self.bins:
+        width = _nbytes(self.stage[i]) // self.G
+        chunk = stream[:, at:at + width]
+        if chunk.shape[1] < width:
+          chunk = jnp.pad(chunk, ((0, 0), (0, width - chunk.shape[1])))
+        out[i] = jnp.where(first, _from_bytes(chunk, self.stage[i], self.stage_axes[i]),
+                           out[i])
+        at += width
+    side = [jnp.where(first, _bits(a), jnp.zeros_like(_bits(a)))
+            for a, ax in zip(pre_leaves, self.pre_axes) if ax is None]
+    return out + side
+
+  def read(self, stored):
+    """The prefix's residual leaves back from stage 0's stored containers."""
+    n = len(self.stage)
+    side = iter(stored[n:])
+    stream = None
+    if self.bins:
+      stream = jnp.concatenate([_as_bytes(stored[i], self.G, self.stage_axes[i])
+                                for i in self.bins], axis=1)
+    out, at = [], 0
+    for a, ax in zip(self.pre, self.pre_axes):
+      if ax is None:
+        out.append(_unbits(next(side), a))
+        continue
+      width = _nbytes(a) // self.G
+      out.append(_unbits(_from_bytes(stream[:, at:at + width], _bits_aval(a), ax), a))
+      at += width
+    return out
+
+
 def _split_fn(saved: _Saved, weights, n_res: int, n_ct: int):
   """The backward of a `saved` vjp as bwsplit.split wants it: flat (weights, stored
   residuals, output cotangents) -> weight-gradient leaves + input-gradient leaves."""
@@ -383,13 +540,13 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   act_shape = mb["inputs"].shape[1:] + (cfg.hidden_size,)
   n_pre = sum(s.size for s in transformer.stacks(cfg) if s != sp.stack)
 
-  def stage_out(pv, x, v, m):
-    y, (ml, load, aux) = stage(pv, on[v], x, mb["positions"][m], mb["segment_ids"][m])
+  def stage_out(pv, x, v, m, mbs=mb):
+    y, (ml, load, aux) = stage(pv, on[v], x, mbs["positions"][m], mbs["segment_ids"][m])
     aux = jnp.sum(aux) * tokens[m] if moe else jnp.zeros((), jnp.float32)
     return (y, aux), (ml, load)
 
-  def pre(pp, m):
-    return _pre(cfg, sp, pp, mb["inputs"][m], mb["positions"][m], mb["segment_ids"][m])
+  def pre(pp, m, mbs=mb):
+    return _pre(cfg, sp, pp, mbs["inputs"][m], mbs["positions"][m], mbs["segment_ids"][m])
 
   at = lambda tree, v: jax.tree.map(lambda a: a[v], tree)
   saved = _Saved()     # the stage's vjp: its residuals minus the stage's own weights
@@ -475,6 +632,44 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   f_shapes = jax.eval_shape(lambda pv, x: forward(pv, x, 0, 0), at(params, 0), x0)
   res_shapes = f_shapes[2]
   slots = tab.sizes
+  # Stage 0 keeps the prefix's residuals in its unused residual slot (`_Overlay`) when it
+  # holds only padding and the schedule does not split W; else its B recomputes the prefix.
+  overlay = None
+  # Per-device skipping only (GPU / TPU): in CPU's per-tick mode every device would also
+  # run stage 0's own backward on the overlaid bytes, whose expert exchange then takes
+  # other collectives than its peers' (seen: wrong gradients on pipeline 2 x expert 2).
+  if grads and not tab.split and sp.prefix_kept and KEEP_PREFIX and per_device:
+    pre_saved = _Saved()
+
+    def pre_fwd(m):
+      """-> (stage-0 input, prefix max logits, the prefix's stored vjp residuals)."""
+      return pre_saved.vjp(lambda pp: pre(pp, m), pre_params, has_aux=True)
+    pre_shapes = jax.eval_shape(lambda: pre_fwd(0))[2]
+    mesh = jax.sharding.get_abstract_mesh()
+    G = math.prod(mesh.shape[a] for a in active_mesh_axes("batch", mesh))
+
+    def probe(k):
+      """(prefix, stage) residual avals of one F at k times the microbatch's sequences."""
+      mbs = jax.tree.map(lambda a: jnp.zeros((1, k * a.shape[1]) + a.shape[2:], a.dtype), mb)
+      xk = jnp.zeros((k * act_shape[0],) + act_shape[1:], dt)
+      pre_res = _Saved().vjp(lambda pp: pre(pp, 0, mbs), pre_params, has_aux=True)[2]
+      stage_res = _Saved().vjp(lambda a, b: stage_out(a, b, 0, 0, mbs), at(params, 0), xk,
+                               has_aux=True)[2]
+      return pre_res, stage_res
+    (pre1, st1), (pre2, st2) = (jax.eval_shape(functools.partial(probe, k)) for k in (1, 2))
+    B = act_shape[0]
+    overlay = _Overlay.plan(pre_shapes, _batch_axes(pre1, pre2, B), res_shapes,
+                            _batch_axes(st1, st2, B), G)
+    if overlay is None:
+      log.warning("pipeline: stage 0's prefix residuals (%.3g MB) do not fit its residual "
+                  "slot; its backward recomputes the prefix",
+                  sum(_nbytes(a) for a in pre_shapes) / 1e6)
+    else:     # the buffers hold the stage residuals as unsigned integers (`_bits`)
+      typed, res_shapes = res_shapes, list(overlay.stage) + overlay.side
+      log.info("pipeline: stage 0 keeps its prefix's residuals (%.3g MB, %.3g MB of them "
+               "in every slot) in the slot its padding leaves unused",
+               sum(_nbytes(a) for a in pre_shapes) / 1e6,
+               sum(_nbytes(a) for a in overlay.side) / 1e6)
   if grads and tab.split:
     cut_shapes = [jax.ShapeDtypeStruct((L,) + a.shape, a.dtype) for a in cut_fn.cut_avals]
   if grads:
@@ -494,12 +689,17 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     v, m, valid, flags, act, acc = args
     pv = at(params, v)
     first = (p == 0) & (v == 0)
-    x, pre_max = branch(
-        first, flags["pre"], lambda: pre(pre_params, m),
-        lambda: (act, jnp.full((n_pre, H), -jnp.inf, jnp.float32)))
+    no_pre = lambda: (act, jnp.full((n_pre, H), -jnp.inf, jnp.float32))
+    if overlay is None:
+      x, pre_max = branch(first, flags["pre"], lambda: pre(pre_params, m), no_pre)
+    else:
+      x, pre_max, pre_res = branch(first, flags["pre"], lambda: pre_fwd(m),
+                                   lambda: (*no_pre(), _zeros(list(overlay.pre))))
     x = jnp.where(first, x, act)
     pre_max = jnp.where(first & valid, pre_max, -jnp.inf)
     (y, aux), (ml, load), res = forward(pv, x, v, m)
+    if overlay is not None:
+      res = overlay.write(first, pre_res, [_bits(a) for a in res])
     new = dict(aux=acc["aux"] + aux, mx=acc["mx"].at[v].max(ml),
                pre_max=jnp.maximum(acc["pre_max"], pre_max), load=acc["load"].at[v].add(load))
     if not per_device:   # this device may be idle in a tick others work in: keep its sums
@@ -547,17 +747,33 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     v, m, valid, flags, dy, res, acc = args
     pv = at(params, v)
     cut = None
+    first = (p == 0) & (v == 0) & valid
+    f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.float32), t)
+    no_g_pre = lambda: jax.tree.map(jnp.zeros_like, acc["g_pre"])
     if tab.split:
       dx, e, cut = backward(pv, res, dy, v)
-    else:
+    elif overlay is None:
       gp, dx = saved.vjp_of(pv, res)((dy, jnp.ones((), jnp.float32)))
-    first = (p == 0) & (v == 0) & valid
+    else:
+      # Stage 0 holds only padding (identity): its input's cotangent is dy, and the
+      # prefix's vjp comes from the bytes its F kept (`_Overlay`). The stage's own vjp
+      # never sees those bytes: it would read them as residuals (a switch index of the
+      # expert exchange among them) and could take collectives its peers do not.
+      def stage0():
+        vjp = pre_saved.vjp_of(pre_params, overlay.read(res))
+        return dy, jax.tree.map(jnp.zeros_like, pv), f32(vjp(dy)[0])
+
+      def stage():
+        kept = [_unbits(a, t) for a, t in zip(res[:len(typed)], typed)]
+        gp, dx = saved.vjp_of(pv, kept)((dy, jnp.ones((), jnp.float32)))
+        return dx, gp, no_g_pre()
+      dx, gp, g_pre = jax.lax.cond(first, stage0, stage)
 
     def pre_grads():   # float32 like the accumulator, whatever the params' dtype
       _, vjp = jax.vjp(lambda pp: pre(pp, m)[0], pre_params)
-      return jax.tree.map(lambda g: g.astype(jnp.float32), vjp(dx)[0])
-    g_pre = branch(first, flags["pre"], pre_grads,
-                   lambda: jax.tree.map(jnp.zeros_like, acc["g_pre"]))
+      return f32(vjp(dx)[0])
+    if overlay is None:
+      g_pre = branch(first, flags["pre"], pre_grads, no_g_pre)
     acc = dict(acc, g_pre=jax.tree.map(lambda a, g: a + jnp.where(first, g, 0.0),
                                        acc["g_pre"], g_pre))
     if tab.split:
