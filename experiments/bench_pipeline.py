@@ -12,6 +12,11 @@ Tables (printed, and CSV under experiments/results/pipeline/):
                loop (weights, gradients, statistics) and inside it (stage activations and
                their cotangents), against the pipelined stack's parameter bytes
                (experiments/pipeline_hlo.py; run it on an older commit for the "before" row);
+  prefix       stage 0 keeping its prefix's residuals against recomputing them: step time,
+               and the idle fraction at K2's stage costs;
+  offload      the residual slots in host memory (model.offload) against device memory on
+               one device: gradients, device / host temp bytes, step time (gpu_check runs
+               it on a GPU, where the slots really move);
   zero_bubble  zbh1 against 1f1b: idle time at equal stages and at K2's stage costs (the
                head's W deferred or not), residual / cut / head-cut slots, plan's activations;
   plan_vs_xla  plan's per-device states against the compiled step's argument bytes;
@@ -124,7 +129,8 @@ def zero_bubble():
   with stages of equal work (F = B = W) and at K2's stage costs (W's share of a layer's
   backward traced from the split on K2's mesh; the head split over the pipeline devices),
   the stage residuals alive per device, the slots for what B hands W, and plan's activation
-  figure. K2 at 2 and 4 virtual stages (stages of 2 and 1 layers)."""
+  figure without offload (all of it on the device). K2 at 2 and 4 virtual stages (stages of
+  2 and 1 layers)."""
   from k2jax import configs, plan
   from k2jax.parallel import layout, pipeline
   k2 = configs.get_config("kimi_k2")
@@ -148,7 +154,7 @@ def zero_bubble():
     split = schedules.stage_costs(k2.model, sp, k2.train.seq_len, w)
     for M in (32, 128, 1024):
       act = {s: plan.activation_bytes(k2.model, mesh, k2.train.seq_len, virtual_stages=V,
-                                      microbatches=M, schedule=s)[0] / 1e9
+                                      microbatches=M, schedule=s, offload=False).device / 1e9
              for s in ("1f1b", "zbh1")}
       f1b = schedules.build("1f1b", 16, V, M)
       zb = schedules.build("zbh1", 16, V, M, schedules.frozen(split))
@@ -163,10 +169,10 @@ def zero_bubble():
 
 def prefix():
   """Stage 0 keeping its prefix's residuals (pipeline._Overlay) against recomputing the
-  prefix in its backward: the pipelined step's time on 8 simulated devices (2 x 3 virtual
-  x data 2 x expert 2, 1 dense + 8 MoE layers of the tiny model: stage 0 holds padding
-  only), both settings alternated, and the idle fraction at K2's stage costs (16 x 4 and
-  16 x 2, 1f1b)."""
+  prefix in its backward: the pipelined step's time on 8 simulated devices (4 x 3 virtual
+  x expert 2, 1 dense + 8 MoE layers of the tiny model: stage 0 holds padding only; idle
+  phases skipped per device, the only mode that keeps the prefix), both settings
+  alternated, and the idle fraction at K2's stage costs (16 x 4 and 16 x 2, 1f1b)."""
   from k2jax import configs
   from k2jax.parallel import layout, pipeline
   rows = []
@@ -174,11 +180,11 @@ def prefix():
   for rep in range(2):                 # alternated: the machine's load drifts
     for keep in (False, True):
       pipeline.KEEP_PREFIX = keep
-      times[keep].append(pipeline_hlo.measure((2, 2, 2), virtual=3)["step_s"])
+      times[keep].append(pipeline_hlo.measure((4, 1, 2), virtual=3, skip="device")["step_s"])
   pipeline.KEEP_PREFIX = True
   base = min(times[False])
   for keep in (False, True):
-    rows.append(dict(what="step on 8 simulated devices, 2x2x2 / 3 virtual (s, best of 2)",
+    rows.append(dict(what="step on 8 simulated devices, 4x1x2 / 3 virtual (s, best of 2)",
                      keep_prefix=keep, value=min(times[keep]), ratio=min(times[keep]) / base))
   k2 = configs.get_config("kimi_k2").model
   for V in (4, 2):
@@ -190,6 +196,58 @@ def prefix():
         rows.append(dict(what=f"K2 idle by stage FLOPs, 16 x {V}, {M} microbatches",
                          keep_prefix=keep, value=tab.idle_fraction(c), ratio=""))
   write("prefix_overlay.csv", rows)
+
+
+def offload(name="offload.csv", tiny=True, reps=3):
+  """The pipeline's stage residuals in host memory (model.offload, pipeline._Slots) against
+  device memory, on one device (pipeline 1 x 8 virtual stages of one layer, 1f1b, 8
+  microbatches): the largest gradient difference (relative to the gradient leaf's largest
+  entry), the compiled step's device and host temp bytes, step time. On a GPU / TPU XLA's
+  host offloading puts the slots in pinned host memory; on CPU the transfers are no-ops
+  and the row shows what the slot logic costs. `tiny`: the tiny model's widths, else
+  hidden 1024, 16 heads, 16 experts of 512 (top-2 + shared), 2048 tokens x 4 sequences."""
+  from k2jax import configs, model as k2model
+  from k2jax.parallel import pipeline
+  from k2jax.step import microbatches
+  cfg = configs.get_config("tiny").model
+  cfg.num_hidden_layers = 9
+  B, T, M, V = (4, 64, 8, 8) if tiny else (4, 2048, 8, 8)
+  if not tiny:
+    cfg.update(dict(hidden_size=1024, num_attention_heads=16, moe_intermediate_size=512,
+                    intermediate_size=2816, n_routed_experts=16, num_experts_per_tok=2,
+                    max_position_embeddings=T, dtype="bfloat16", remat="selective"))
+  sp = layout.split(cfg, 1, V)
+  params = layout.convert_params(sp, k2model.init(cfg, jax.random.key(0)), layout.to_stored)
+  b = batch(B * M, T, cfg.vocab_size)
+  mbs = microbatches(b, M)
+  tab = pipeline.schedule_table(cfg, 1, V, M, "1f1b")
+  mesh = jax.make_mesh((1, 1, 1), ("pipeline", "data", "expert"), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  rows, grads = [], {}
+  for off in (False, True):
+    cfg.offload = off
+    c = cfg.copy_and_resolve_references()
+    f = jax.jit(lambda p, c=c: pipeline.loss_and_grads(c, p, mbs, tab, skip="device")[4])
+    with jax.set_mesh(mesh):
+      compiled = f.lower(params).compile()
+      g = jax.block_until_ready(compiled(params))
+      t = time.perf_counter()
+      for _ in range(reps):
+        g = jax.block_until_ready(compiled(params))
+      dt = (time.perf_counter() - t) / reps
+    grads[off] = g
+    ma = compiled.memory_analysis()
+    rows.append(dict(device=jax.devices()[0].device_kind, offload=off,
+                     device_temp_GB=ma.temp_size_in_bytes / 1e9,
+                     host_temp_GB=getattr(ma, "host_temp_size_in_bytes", 0) / 1e9,
+                     step_s=dt, time_ratio=dt / rows[0]["step_s"] if rows else 1.0))
+  worst = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+              / max(float(jnp.max(jnp.abs(a.astype(jnp.float32)))), 1e-30)
+              for a, b in zip(jax.tree.leaves(grads[False]), jax.tree.leaves(grads[True])))
+  for r in rows:
+    r["max_grad_rel_diff"] = worst
+  write(name, rows)
+  return rows
 
 
 def collectives():
@@ -344,14 +402,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--loss-steps", type=int, default=200)
   ap.add_argument("--only",
-                  default="params,bubble,zero_bubble,prefix,collectives,plan_vs_xla,"
+                  default="params,bubble,zero_bubble,prefix,offload,collectives,plan_vs_xla,"
                           "plan_vs_xla_activations,step_time,memory,storage,loss")
   a = ap.parse_args()
   only = a.only.split(",")
   print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
         "GFLOP/s on this machine\n")
   steps = {"params": param_bytes, "bubble": bubbles, "zero_bubble": zero_bubble,
-           "collectives": collectives, "prefix": prefix,
+           "collectives": collectives, "prefix": prefix, "offload": offload,
            "plan_vs_xla": plan_vs_xla, "plan_vs_xla_activations": plan_vs_xla_activations,
            "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}

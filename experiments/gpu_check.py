@@ -1,6 +1,6 @@
 """Everything that needs a GPU, in one call: kernel checks and timings, and end-to-end MFU.
 
-    python experiments/gpu_check.py [--out DIR] [--only tune,mfu,tokamax,attention,gmm_roles]
+    python experiments/gpu_check.py [--out DIR] [--only offload,tune,mfu,tokamax,attention,gmm_roles]
 
 Runs on a machine with one NVIDIA GPU and jax[cuda] (plus tokamax for its rows). Parts, in
 the order given, each catching its own failures:
@@ -24,6 +24,9 @@ the order given, each catching its own failures:
              breakdown per kernel choice (bench_train.py);
   mfu        the end-to-end figures: 8K tokens per step with and without recomputation,
              then 256K tokens per step (32 microbatches) with the faster (train_runs);
+  offload    the pipeline's stage residuals in host memory (model.offload) against device
+             memory on one GPU: equal gradients, device / host temp bytes, step time
+             (bench_pipeline.offload; XLA's host offloading is what this checks);
   moe        the older grouped-matmul / fused-layer table and our Triton tile sweeps;
   decode     tokens/s of decoding (bench_decode.py --gpu).
 CSVs go to --out (default $OUT or experiments/results).
@@ -85,7 +88,7 @@ def train_runs(args):
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
-  p.add_argument("--only", default="tune,mfu,tokamax,attention,gmm_roles")
+  p.add_argument("--only", default="offload,tune,mfu,tokamax,attention,gmm_roles")
   p.add_argument("--tokens", type=int, default=8192)
   p.add_argument("--tune", action="store_true", help="attention: sweep pallas_gpu's tiles")
   p.add_argument("--no-check", action="store_true", help="attention: timings only")
@@ -131,6 +134,10 @@ def main():
                           *args.train_args.split()])
       elif part == "mfu":
         train_runs(args)
+      elif part == "offload":
+        import bench_pipeline
+        bench_pipeline.OUT = os.path.join(args.out, "pipeline")
+        bench_pipeline.offload("gpu_offload.csv", tiny=args.tiny)
       elif part == "moe":
         import bench_moe
         bench_moe.gpu(argparse.Namespace(out=os.path.join(args.out, "moe"), tokens=args.tokens,

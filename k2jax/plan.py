@@ -23,6 +23,7 @@ import copy
 import functools
 import math
 import sys
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -98,9 +99,17 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
               total_params=n * param_size, total_grads=n * grad_bytes)
 
 
+class Activations(NamedTuple):
+  """What `activation_bytes` counts for the device holding the most."""
+  device: float       # bytes in device memory
+  host: float         # bytes in its host memory (model.offload on a pipeline)
+  settings: dict      # remat, attention_impl, storage, offload, platform used
+  moved: float = 0.0  # bytes a tick writes to host memory, with offload
+
+
 def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
                      attention_impl=None, storage=None, virtual_stages=1, microbatches=None,
-                     schedule="1f1b", platform="gpu"):
+                     schedule="1f1b", platform="gpu", offload=None) -> Activations:
   """Activation memory of the device holding the most.
 
   Per layer, what it keeps for its backward pass, measured by tracing the layer at abstract
@@ -112,11 +121,16 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   (tokens are split over data x expert). With pipeline > 1, the schedule's table
   (k2jax.parallel.schedules) says how many stage activations a device keeps at once
   (`in_flight`: each what a stage's layers save) and how many stage inputs / cotangents wait
-  in its buffers. Settings default to the config's. Returns (bytes, the settings used).
+  in its buffers; with model.offload the pipeline keeps its stage residuals (and zbh1's cut)
+  in host memory and the device only those of the tick at hand
+  (k2jax.parallel.pipeline.residual_stages). Settings default to the config's. (On one
+  pipeline stage offload is not counted: what the remat policy offloads is counted on the
+  device.)
   """
   m = mcfg.copy_and_resolve_references()
   settings = dict(remat=remat or m.remat, attention_impl=attention_impl or m.attention_impl,
-                  storage=storage or m.get("activation_storage", "model"), platform=platform)
+                  storage=storage or m.get("activation_storage", "model"), platform=platform,
+                  offload=bool(m.offload if offload is None else offload))
   m.update(dict(remat=settings["remat"], attention_impl=settings["attention_impl"],
                 activation_storage=settings["storage"]))
   stages = mesh_shape["pipeline"]
@@ -134,7 +148,7 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   working = max(layer(ffn, "none") for ffn in kinds) + 8 * -(-m.vocab_size // stages)
   if stages == 1:
     saved = sum(layer(ffn, m.remat) * n for ffn, n in kinds.items())
-    return (saved + working) * seq_len * micro_batch, settings
+    return Activations((saved + working) * seq_len * micro_batch, 0.0, settings)
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2
   sp = layout.split(m, stages, virtual_stages)
@@ -149,7 +163,16 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each; the
   # loop's buffers have the same shape on every pipeline device, so every device holds them.
   waiting = tab.sizes.get("cut", 0) * sp.per_stage * cut / seq_len
-  return (tab.in_flight * stage + buffers + waiting + working) * seq_len * micro_batch, settings
+  m.offload = settings["offload"]
+  where = pipeline.residual_stages(tab, pipeline.offloads(m))
+  per = seq_len * micro_batch
+  if where["host"]:     # the cut slots are in host memory too, plus their write-only slot
+    cut_host = (tab.sizes.get("cut", 0) + 1) * sp.per_stage * cut / seq_len if tab.split else 0
+    return Activations((where["device"] * stage + buffers + working) * per,
+                       (where["host"] * stage + cut_host) * per, settings,
+                       (stage + (sp.per_stage * cut / seq_len if tab.split else 0)) * per)
+  return Activations((where["device"] * stage + buffers + waiting + working) * per, 0.0,
+                     settings)
 
 
 def check(cfg) -> None:
@@ -232,9 +255,10 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
       micro_batch = max(1, cfg.train.batch_size // (M * n))
       geometry += f", which does not split evenly: train.batch_size must be a multiple of {M * n}"
   st = state_bytes(cfg, mesh, grad_bytes)
-  act, used = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
-                               storage=storage, virtual_stages=V, microbatches=M,
-                               schedule=schedule, platform=platform)
+  acts = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
+                          storage=storage, virtual_stages=V, microbatches=M,
+                          schedule=schedule, platform=platform)
+  act, used = acts.device, acts.settings
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
            f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
@@ -255,13 +279,19 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   states = st["params"] + st["grads"] + st["optimizer"]
   lines.append(f"  {'all states on device':<24}{states / GB:>10.2f}   "
                f"(from parallel.state_shardings)")
+  offloaded = (", the stage residuals of the microbatches in flight in host memory "
+               "(model.offload)" if acts.host else "")
   lines.append(f"  {'activations':<24}{act / GB:>10.2f}   remat={used['remat']}, "
                f"attention={used['attention_impl']}, storage={used['storage']}, "
-               f"{used['platform']} kernels (traced)")
+               f"{used['platform']} kernels (traced){offloaded}")
   lines.append(f"  {'total':<24}{(states + act) / GB:>10.2f}")
   if st["optimizer_host"]:
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
                  f"states (optimizer.host_state: on the device during the update only)")
+  if acts.host:
+    lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   stage residuals waiting "
+                 f"for their backward (k2jax.parallel.pipeline._Slots); a tick moves "
+                 f"{acts.moved / GB:.2f} GB there and reads back what its backward needs")
   if P > 1:
     args = (schedule, mesh["data"], mesh["expert"], seq_len, platform)
     tab = pipeline.schedule_table(cfg.model, P, V, M, *args)

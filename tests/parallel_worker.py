@@ -16,8 +16,9 @@ import numpy as np
 def meshes(out, *rest):
   """Train with the k2jax.train command line CLI_ARGS on each mesh spec: DxE (data x
   expert) or PxDxE (pipeline x data x expert), optionally /bB (train.batch_size B), /aA
-  (train.grad_accum A), /vV (mesh.virtual_stages V), /sNAME (mesh.pipeline_schedule) and
-  /kMODE (mesh.pipeline_skip)."""
+  (train.grad_accum A), /vV (mesh.virtual_stages V), /sNAME (mesh.pipeline_schedule),
+  /kMODE (mesh.pipeline_skip) and /o (model.offload: the pipeline's residual slots in host
+  memory)."""
   from k2jax import metrics, train
   sep = rest.index("--")
   specs, cli = rest[:sep], list(rest[sep + 1:])
@@ -35,6 +36,8 @@ def meshes(out, *rest):
         config.mesh.pipeline_schedule = o[1:]
       elif o[0] == "k":
         config.mesh.pipeline_skip = o[1:]
+      elif o == "o":
+        config.model.offload = True
       else:
         config.train[{"b": "batch_size", "a": "grad_accum"}[o[0]]] = int(o[1:])
     workdir = f"{out}/{s.replace('/', '_')}"
@@ -287,6 +290,7 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   import pipeline_hlo
   c = pipeline_hlo.tiny_config((2, 2, 2) if shape == "k2" else (4, 1, 2), grad_accum=4,
                                batch=16, skip="device", param_dtype="bfloat16")
+  c.model.offload = True        # the pipeline's residual slots in host memory
   if shape == "k2":
     from k2jax import configs
     c.model = configs.get_config("kimi_k2").model

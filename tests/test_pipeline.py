@@ -69,15 +69,18 @@ def test_batch_axes_take_whole_sequences_only():
   assert pipeline._batch_axes(small, large, 4) == (1, 0, None, None, None)
 
 
-@pytest.mark.parametrize("skip", ["device", "tick"])
-def test_stage_zero_keeps_its_prefix_and_every_gradient_is_the_models(caplog, skip):
+@pytest.mark.parametrize("skip,offload", [("device", False), ("tick", False), ("device", True)])
+def test_stage_zero_keeps_its_prefix_and_every_gradient_is_the_models(caplog, skip, offload):
   """1 dense + 8 MoE layers in 5 stages of 2 on one pipeline device: stage 0 holds padding
   only, so it keeps the embedding and dense layer's vjp residuals (as bytes in its unused
   residual slot) and its backward does not recompute them. Loss, max logits, expert load
   and every gradient equal jax.grad of the unpipelined model (rel 1e-5, float32), and the
-  cost model counts 2 forwards of the prefix in stage 0's backward, not 3."""
+  cost model counts 2 forwards of the prefix in stage 0's backward, not 3. With
+  model.offload the residual slots are in host memory (one more slot absorbs idle ticks'
+  writes; on CPU the transfers are no-ops, the slot logic runs)."""
   cfg = configs.get_config("tiny").model
   cfg.num_hidden_layers = 9
+  cfg.offload = offload
   sp = layout.split(cfg, 1, 5)
   assert sp.prefix_kept and tuple(sp.layers_per_stage()) == (0, 2, 2, 2, 2)
   seed, rng = seed_and_rng()
@@ -88,9 +91,12 @@ def test_stage_zero_keeps_its_prefix_and_every_gradient_is_the_models(caplog, sk
                positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
                segment_ids=jnp.ones((B, T), jnp.int32), loss_mask=jnp.ones((B, T), bool))
 
+  plain = cfg.copy_and_resolve_references()
+  plain.offload = False
+
   def reference(p):
     def one(mb):
-      ce, n, aux = lm_loss(cfg, p, mb)
+      ce, n, aux = lm_loss(plain, p, mb)
       return ce + aux.aux_loss * n
     return sum(one(jax.tree.map(lambda a: a[i], microbatches(batch, M))) for i in range(M))
   want = jax.grad(reference)(params)
@@ -105,6 +111,7 @@ def test_stage_zero_keeps_its_prefix_and_every_gradient_is_the_models(caplog, sk
   # per-device skipping (GPU / TPU) keeps it; CPU's per-tick mode recomputes (pipeline.py)
   assert ("keeps its prefix" in caplog.text) == (skip == "device")
   assert "do not fit" not in caplog.text
+  assert ("slots per device in host memory" in caplog.text) == offload
   got = layout.convert_params(sp, g, layout.to_logical)
   for path, a in jax.tree_util.tree_leaves_with_path(want):
     b = jax.tree_util.tree_leaves_with_path(got)

@@ -148,9 +148,10 @@ def test_activation_estimate_follows_the_compiled_program(remat, impl):
 
   compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, T), jnp.int32)).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
-  est, used = plan.activation_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, T,
-                                    platform="cpu")
-  assert used == dict(remat=remat, attention_impl=impl, storage="model", platform="cpu")
+  est, host, used = plan.activation_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, T,
+                                          platform="cpu")
+  assert used == dict(remat=remat, attention_impl=impl, storage="model", platform="cpu",
+                      offload=False) and host == 0
   assert 0.5 < est / temp < 1.5, (est, temp)
 
 
@@ -211,13 +212,17 @@ def test_plan_counts_what_zbh1_keeps_for_its_weight_gradients():
   c = configs.get_config("kimi_k2")
   mesh = {a: c.mesh[a] for a in ("pipeline", "data", "expert")}
   T = c.train.seq_len
-  act = {s: plan.activation_bytes(c.model, mesh, T, virtual_stages=2, microbatches=32,
-                                  schedule=s)[0] for s in ("1f1b", "zbh1")}
+  act = {(s, o): plan.activation_bytes(c.model, mesh, T, virtual_stages=2, microbatches=32,
+                                       schedule=s, offload=o)
+         for s in ("1f1b", "zbh1") for o in (False, True)}
   c.mesh.pipeline_schedule = "zbh1"
   tab = pipeline.table(c)
   per_layer = T * c.model.hidden_size * 2
   assert tab.sizes["cut"] >= 1
-  assert act["zbh1"] - act["1f1b"] > tab.sizes["cut"] * 2 * per_layer, (act, tab.sizes)
+  extra = tab.sizes["cut"] * 2 * per_layer
+  assert act["zbh1", False].device - act["1f1b", False].device > extra, (act, tab.sizes)
+  # with model.offload (the preset's) the cut waits in host memory with the residuals
+  assert act["zbh1", True].host - act["1f1b", True].host > extra, (act, tab.sizes)
 
 
 def test_an_expert_parallel_layer_keeps_what_report_2_4_3_keeps():

@@ -31,6 +31,8 @@ slots everything is kept in. The loop computes only what the table says:
     the layers under the remat policy: selective recomputation keeps what report 2.4.3
     keeps, "full" only layer inputs), in the table's residual slots; B rebuilds the vjp
     from them. Residuals that are the stage's weights are not copied into the buffers.
+    With `model.offload` those slots are in host memory (`_Slots`; report 2.4.3): a tick
+    moves the residuals its F made to the host and those its B needs back.
 
 With a split table (zbh1) each layer's backward is cut by k2jax.parallel.bwsplit: F keeps
 every layer's vjp residuals, B runs the input-gradient half and stores what the
@@ -64,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec, param_spec
 from k2jax.kernels import moe as moe_kernels
-from k2jax.model import counting, spec as model_spec, transformer
+from k2jax.model import counting, remat, spec as model_spec, transformer
 from k2jax.model.layers import rms_norm
 from k2jax.model.remat import remat_policy
 from k2jax.parallel import bwsplit, schedules
@@ -162,6 +164,9 @@ def w_share(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platform=N
 
 
 def _pipeline_model_cfg(cfg):
+  """The model config the stages run. `model.offload` is taken by the schedule's residual
+  buffers (`offloads`), not by the layers' remat policy: what a stage keeps stays on the
+  device until its F phase hands it to a host-memory slot."""
   if routed_impl(cfg.moe_impl) != "capacity" and not cfg.offload:
     return cfg
   cfg = cfg.copy_and_resolve_references()
@@ -171,14 +176,31 @@ def _pipeline_model_cfg(cfg):
   # data-dependent branch.
   if routed_impl(cfg.moe_impl) == "capacity":
     cfg.moe_impl = "ragged"
-  # What the remat policy saves becomes a stage's residuals, kept in the schedule's device
-  # buffers across ticks; offloading them needs host-memory buffers, which the loop does not
-  # have yet, so model.offload does not apply inside the pipeline (a warning says so).
-  if cfg.offload:
-    log.warning("model.offload: not applied inside the pipeline; stage activations stay in "
-                "device memory")
-    cfg.offload = False
+  cfg.offload = False
   return cfg
+
+
+def offloads(cfg) -> bool:
+  """Whether the pipeline keeps its stage residuals in host memory: `model.offload` on a
+  backend with a host memory space (report 2.4.3, activations offloaded to CPU)."""
+  if not cfg.offload:
+    return False
+  if remat.host_memory_kind() is None:
+    log.warning("model.offload: %s has no host memory space; the pipeline's stage "
+                "residuals stay on the device", jax.default_backend())
+    return False
+  return True
+
+
+def residual_stages(tab: schedules.Table, offload: bool) -> dict:
+  """Stage residuals (each what one stage keeps for its backward) a pipeline device holds
+  at once, by memory: {"device": n, "host": n}. Without offload, the schedule's in-flight
+  count on the device. With it, the table's residual slots plus one that only absorbs the
+  writes of idle ticks, in host memory (`_Slots`), and on the device the stage F just
+  made and the one B reads (a tick moves one to host and one back)."""
+  if not offload:
+    return {"device": tab.in_flight, "host": 0}
+  return {"device": min(2, tab.in_flight), "host": tab.sizes["res"] + 1}
 
 
 def skip_mode() -> str:
@@ -519,9 +541,47 @@ def _put(buf, slot, value):
   return jax.tree.map(one, buf, value)
 
 
-def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_params, on,
-         pre_params, head, mb, tokens):
-  """Inside shard_map (pipeline manual). stage_params: this device's [V L, ...] stored rows;
+class _Slots(NamedTuple):
+  """The memory the schedule's residual slots (and zbh1's cut slots) live in: the device's,
+  or host memory (`host`: model.offload, report 2.4.3). Each F phase writes one stage's
+  residuals into a slot and each B (W) phase reads one back, so with host slots the device
+  holds what the tick is working on and the microbatches in flight wait on the host.
+
+  Host writes are unconditional: a tick with nothing to keep writes to one extra slot that
+  nothing reads, instead of selecting between the new value and the slot's old one (which
+  would bring the old one to the device). A dynamic-update-slice of a value moved to host
+  into a loop-carried host buffer, and a dynamic slice of it moved back, is the form XLA's
+  host offloading takes for a scan's offloaded residuals."""
+  host: bool
+
+  def zeros(self, n: int, avals):
+    if not self.host:
+      return [jnp.zeros((n,) + a.shape, a.dtype) for a in avals]
+    return [jax.device_put(jnp.zeros((n + 1,) + a.shape, a.dtype), jax.memory.Space.Host)
+            for a in avals]
+
+  def put(self, buf, slot, value):
+    """buf[slot] = value where slot >= 0."""
+    if not self.host:
+      return _put(buf, slot, value)
+
+    def one(b, x):
+      i = jnp.where(slot >= 0, slot, b.shape[0] - 1)
+      return b.at[i].set(jax.device_put(x.astype(b.dtype), jax.memory.Space.Host))
+    return jax.tree.map(one, buf, value)
+
+  def get(self, buf, slot):
+    """buf[slot] on the device (slot < 0: any slot; the phase reading it is idle)."""
+    i = jnp.maximum(slot, 0)
+    if not self.host:
+      return jax.tree.map(lambda b: b[i], buf)
+    return jax.tree.map(lambda b: jax.device_put(b[i], jax.memory.Space.Device), buf)
+
+
+def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: bool,
+         stage_params, on, pre_params, head, mb, tokens):
+  """Inside shard_map (pipeline manual). offload: residual slots in host memory (`_Slots`).
+  stage_params: this device's [V L, ...] stored rows;
   on [V L] bool (real layers); pre_params {"embed", dense stacks}; head {"final_norm",
   "lm_head": this device's [D, vocab / P] columns}; mb: microbatches [M, mb, T]; tokens [M]:
   each microbatch's loss tokens (the weight of its aux loss, as in k2jax.step's
@@ -675,8 +735,9 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
   if grads:
     nbytes = lambda t: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(t))
     log.info("pipeline: a stage keeps %.3g MB for its backward (model.remat=%s; its %.3g MB "
-             "of weights are not copied), %d slots per device", nbytes(res_shapes) / 1e6,
-             cfg.remat, nbytes(at(params, 0)) / 1e6, slots["res"])
+             "of weights are not copied), %d slots per device in %s memory",
+             nbytes(res_shapes) / 1e6, cfg.remat, nbytes(at(params, 0)) / 1e6, slots["res"],
+             "host" if offload else "device")
     if tab.split:
       log.info("pipeline (zbh1): what B hands W waits in %d slots of %.3g MB per device",
                slots["cut"], nbytes(cut_shapes) / 1e6)
@@ -824,24 +885,29 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
     if not grads:
       return (jax.lax.ppermute(y, AXIS, fwd_ring), st_b, act_buf, grad_buf, res_buf,
               cut_buf, acc), None
-    res_buf = _put(res_buf, sl["res_write"], res)
+    res_buf = store.put(res_buf, sl["res_write"], res)
     grad_buf = _put(grad_buf, sl["grad_in"], st_b)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
-    y, grad_buf, res_buf, acc = jax.lax.optimization_barrier((y, grad_buf, res_buf, acc))
+    if offload:   # host buffers stay out of the barrier: it orders collectives, not copies
+      y, grad_buf, acc = jax.lax.optimization_barrier((y, grad_buf, acc))
+    else:
+      y, grad_buf, res_buf, acc = jax.lax.optimization_barrier((y, grad_buf, res_buf, acc))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
-    res = jax.tree.map(lambda b: b[jnp.maximum(sl["res_read"], 0)], res_buf)
+    res = store.get(res_buf, sl["res_read"])
     b_args = (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
               {k: a[t] for k, a in flags["B"].items()}, dy, res, acc)
     if tab.split:
       dx, cut, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
-      cut_buf = _put(cut_buf, sl["cut_write"], cut)
-      y, dx, cut_buf, acc = jax.lax.optimization_barrier((y, dx, cut_buf, acc))
+      cut_buf = store.put(cut_buf, sl["cut_write"], cut)
+      if offload:
+        y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
+      else:
+        y, dx, cut_buf, acc = jax.lax.optimization_barrier((y, dx, cut_buf, acc))
       wv = task["W"][t, p, 0]
-      read = lambda buf, col: jax.tree.map(lambda b: b[jnp.maximum(sl[col], 0)], buf)
       acc = branch(wv >= 0, busy["W"][t], w_phase, w_idle,
-                   (jnp.maximum(wv, 0), wv >= 0, read(res_buf, "res_wread"),
-                    read(cut_buf, "cut_read"), acc))
+                   (jnp.maximum(wv, 0), wv >= 0, store.get(res_buf, sl["res_wread"]),
+                    store.get(cut_buf, sl["cut_read"]), acc))
     else:
       dx, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
     y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
@@ -860,12 +926,13 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, stage_par
              g_pre=jax.tree.map(f32, pre_params) if grads else {},
              g_stage=jax.tree.map(f32, params) if grads else {})
   bufs = lambda n, shape: jnp.zeros((n,) + shape, dt)
-  res_buf = jax.tree.map(lambda s: jnp.zeros((slots["res"],) + s.shape, s.dtype), res_shapes)
+  store = _Slots(offload and grads)
+  res_buf = store.zeros(slots["res"], res_shapes)
   ticks = tab.ticks if grads else int(max(i for i in range(tab.ticks)
                                           if (tab.task["F"][i, :, 0] >= 0).any())) + 1
   cut_buf = []
   if grads and tab.split:
-    cut_buf = [jnp.zeros((slots["cut"],) + s.shape, s.dtype) for s in cut_shapes]
+    cut_buf = store.zeros(slots["cut"], cut_shapes)
   init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf,
           cut_buf, acc)
   (_, _, _, _, _, _, acc), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
@@ -908,6 +975,7 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   M = mb["inputs"].shape[0]
   if M != tab.M:
     raise ValueError(f"{M} microbatches for a schedule table of {tab.M}")
+  offload = offloads(cfg) and grads
   cfg = _pipeline_model_cfg(cfg)
   mask = mb["loss_mask"].astype(jnp.float32)
   tokens = jnp.sum(mask, axis=(1, 2))
@@ -926,7 +994,7 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   head_spec = {"final_norm": P(), "lm_head": P(None, AXIS)}
   head_out = ({"final_norm": P(AXIS), "lm_head": P(None, AXIS)} if grads else P())
   run = jax.shard_map(
-      lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), *a),
+      lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), offload, *a),
       in_specs=(spec, P(AXIS), P(), head_spec, P(), P()),
       out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, P(AXIS), spec if grads else P()),
       axis_names={AXIS},
