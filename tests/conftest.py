@@ -3,32 +3,29 @@
 Many tests compile the same small programs (in-process and in subprocesses, which inherit
 the environment); the cache turns repeated compiles into lookups."""
 
-import contextlib
 import os
 import tempfile
+
+import pytest
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"k2jax-test-xla-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
-@contextlib.contextmanager
-def persistent_cache_off():
-  """No persistent-cache reads or writes while a k2jax.engine decode thread compiles.
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+  """Every compiled executable of a test module is freed when the module ends.
 
-  Twice in full fresh-clone runs (2026-11-26) the process died with a segmentation fault
-  inside jax's cache read (`compilation_cache.get_executable_and_time`) on the engine's
-  decode thread, in tests/test_synth.py's LocalClient test, after the rest of the suite had
-  filled the shared cache; the same test alone with a warm cache passed 6 of 6. The
-  served CLIs (serve, synth) never turn the cache on, so users do not take this path;
-  the tests that run an engine in process compile fresh instead."""
+  XLA:CPU maps each loaded executable's code into the process (about 6 memory maps for a
+  small one, hundreds for a train step), and jit caches keep them as long as the jitted
+  function lives (module-level functions, configs' cached closures). Over the suite's one
+  process the maps passed 10,000 within the first 133 tests; Linux refuses a process more
+  than vm.max_map_count (65,530) and LLVM's loader then crashed: twice a fresh-clone run
+  died with a segmentation fault inside `backend.deserialize_executable` at 85% of the
+  suite, on whichever thread loaded the next executable. jax.clear_caches() drops them."""
+  yield
+  import gc
   import jax
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  cc.reset_cache()
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", before)
-    cc.reset_cache()
+  jax.clear_caches()
+  gc.collect()

@@ -148,10 +148,11 @@ def test_activation_estimate_follows_the_compiled_program(remat, impl):
 
   compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, T), jnp.int32)).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
-  est, host, used = plan.activation_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, T,
-                                          platform="cpu")
-  assert used == dict(remat=remat, attention_impl=impl, storage="model", platform="cpu",
-                      offload=False) and host == 0
+  acts = plan.activation_bytes(cfg, {"pipeline": 1, "data": 1, "expert": 1}, T,
+                               platform="cpu")
+  assert acts.settings == dict(remat=remat, attention_impl=impl, storage="model",
+                               platform="cpu", offload=False) and acts.host == 0
+  est = acts.device
   assert 0.5 < est / temp < 1.5, (est, temp)
 
 

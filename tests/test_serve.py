@@ -3,7 +3,6 @@ tool calls, concurrent requests sharing batches, bad requests, the CLI."""
 
 import concurrent.futures
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from k2jax.data import ByteTokenizer
 from k2jax.engine import Engine
 from k2jax.generate import generate
 from k2jax.serve import Background, make_app
-from tests.conftest import persistent_cache_off
 
 # Bounded schemas: a random model under a grammar writes unbounded integers / strings forever.
 TOOLS = [{"type": "function", "function": {
@@ -44,11 +42,10 @@ def served():
   cfg = configs.get_config("tiny").model
   params = model.init(cfg, jax.random.key(7))
   tok = ByteTokenizer()
-  with persistent_cache_off():
-    engine = Engine(cfg, params, tok, max_batch=16, window_s=0.05)
-    with Background(make_app(engine, "tiny", default_max_tokens=24)) as server:
-      yield server.url.removesuffix("/v1"), engine, cfg, params, tok
-    engine.close()
+  engine = Engine(cfg, params, tok, max_batch=16, window_s=0.05)
+  with Background(make_app(engine, "tiny", default_max_tokens=24)) as server:
+    yield server.url.removesuffix("/v1"), engine, cfg, params, tok
+  engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -267,11 +264,8 @@ def test_cli_serves_a_trained_run_and_refuses_bad_input(tmp_path):
                          text=True, timeout=120)
       assert p.returncode == 2 and fragment in p.stderr.strip().splitlines()[-1], p.stderr
   port = _free_port()
-  # As users run it: without the test session's persistent cache (tests/conftest.py).
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   proc = subprocess.Popen([sys.executable, "-m", "k2jax.serve", "--workdir", str(run), "--port",
-                           str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env)
+                           str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.time() + 240
     while True:

@@ -20,7 +20,6 @@ from k2jax.synth.client import Reply
 from k2jax.synth.dryrun import agent_model
 from k2jax.synth.rephrase import Settings, overlap, split_chunks
 from k2jax.synth.store import Output, in_shard, item_seed
-from tests.conftest import persistent_cache_off
 
 DOCS = [
     {"id": "lovelace", "text": "Ada Lovelace wrote the first published algorithm in 1843.\n\n"
@@ -502,28 +501,27 @@ def test_local_client_and_synth_workdir(tmp_path, capsys):
   from k2jax.synth import LocalClient, Request
   run = str(tmp_path / "run")
   train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), run)
-  with persistent_cache_off():     # the engine's decode thread compiles (tests/conftest.py)
-    client = LocalClient.from_run(run, concurrency=2)
-    try:
-      user = [{"role": "user", "content": "what is 2 + 3?"}]
-      r = client.chat(Request(messages=user, temperature=0.0, max_tokens=12))
-      ids = generate(client.cfg, client.engine.params, [chat.encode(user, tokenizer=client.tok)],
-                     max_new_tokens=12, stop_ids=[client.tok.eos_id])[0]
-      assert r.content == client.tok.decode(ids).split("<|im_end|>")[0]
-      assert r.completion_tokens == len(ids)
-      tools = [agentic.public(agentic.normalize_tool(ECHO))]
-      r = client.chat(Request(messages=user, tools=tools, tool_choice="required", max_tokens=300,
-                              seed=1))
-      assert r.finish_reason == "tool_calls" and r.tool_calls
-      assert all(c["name"] == "echo" and c["arguments"]["text"] in ("hi", "yes")
-                 for c in r.tool_calls)
-    finally:
-      client.engine.close()
-    docs = _write_docs(tmp_path)
-    out = str(tmp_path / "notes.jsonl")
-    cli.main(["math", "--input", docs, "--output", out, "--workdir", run, "--max_tokens", "8",
-              "--concurrency", "3"])
-    _done_once(out, [d["id"] for d in DOCS])
+  client = LocalClient.from_run(run, concurrency=2)
+  try:
+    user = [{"role": "user", "content": "what is 2 + 3?"}]
+    r = client.chat(Request(messages=user, temperature=0.0, max_tokens=12))
+    ids = generate(client.cfg, client.engine.params, [chat.encode(user, tokenizer=client.tok)],
+                   max_new_tokens=12, stop_ids=[client.tok.eos_id])[0]
+    assert r.content == client.tok.decode(ids).split("<|im_end|>")[0]
+    assert r.completion_tokens == len(ids)
+    tools = [agentic.public(agentic.normalize_tool(ECHO))]
+    r = client.chat(Request(messages=user, tools=tools, tool_choice="required", max_tokens=300,
+                            seed=1))
+    assert r.finish_reason == "tool_calls" and r.tool_calls
+    assert all(c["name"] == "echo" and c["arguments"]["text"] in ("hi", "yes")
+               for c in r.tool_calls)
+  finally:
+    client.engine.close()
+  docs = _write_docs(tmp_path)
+  out = str(tmp_path / "notes.jsonl")
+  cli.main(["math", "--input", docs, "--output", out, "--workdir", run, "--max_tokens", "8",
+            "--concurrency", "3"])
+  _done_once(out, [d["id"] for d in DOCS])
   assert "k2jax.synth math: kept" in capsys.readouterr().out
 
 
