@@ -188,9 +188,10 @@ def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=
   return compiled, mesh, state, b, ticks, stack
 
 
-def measure(mesh_shape, virtual=2, steps=3, skip=None, schedule=None):
+def measure(mesh_shape, virtual=2, steps=3, skip=None, schedule=None, **kw):
+  """Collective bytes and step time of `build(...)` (kw: its other arguments)."""
   compiled, mesh, state, b, ticks, stack = build(mesh_shape, virtual, skip=skip,
-                                                 schedule=schedule)
+                                                 schedule=schedule, **kw)
   out, loop, _ = pipeline_collectives(compiled.as_text(), mesh_shape, ticks)
   with jax.set_mesh(mesh):
     state, m = compiled(state, b)
