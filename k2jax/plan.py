@@ -162,17 +162,17 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
   # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each; the
   # loop's buffers have the same shape on every pipeline device, so every device holds them.
-  waiting = tab.sizes.get("cut", 0) * sp.per_stage * cut / seq_len
+  cut_stage = sp.per_stage * cut / seq_len          # 0 unless the schedule splits
+  cut_slots = tab.sizes.get("cut", 0)
   m.offload = settings["offload"]
   where = pipeline.residual_stages(tab, pipeline.offloads(m))
   per = seq_len * micro_batch
   if where["host"]:     # the cut slots are in host memory too, plus their write-only slot
-    cut_host = (tab.sizes.get("cut", 0) + 1) * sp.per_stage * cut / seq_len if tab.split else 0
     return Activations((where["device"] * stage + buffers + working) * per,
-                       (where["host"] * stage + cut_host) * per, settings,
-                       (stage + (sp.per_stage * cut / seq_len if tab.split else 0)) * per)
-  return Activations((where["device"] * stage + buffers + waiting + working) * per, 0.0,
-                     settings)
+                       (where["host"] * stage + (cut_slots + 1) * cut_stage) * per, settings,
+                       (stage + cut_stage) * per)
+  return Activations((where["device"] * stage + buffers + cut_slots * cut_stage + working) * per,
+                     0.0, settings)
 
 
 def check(cfg) -> None:

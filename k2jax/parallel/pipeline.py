@@ -733,7 +733,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   if grads and tab.split:
     cut_shapes = [jax.ShapeDtypeStruct((L,) + a.shape, a.dtype) for a in cut_fn.cut_avals]
   if grads:
-    nbytes = lambda t: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(t))
+    nbytes = lambda t: sum(_nbytes(a) for a in jax.tree.leaves(t))
     log.info("pipeline: a stage keeps %.3g MB for its backward (model.remat=%s; its %.3g MB "
              "of weights are not copied), %d slots per device in %s memory",
              nbytes(res_shapes) / 1e6, cfg.remat, nbytes(at(params, 0)) / 1e6, slots["res"],
