@@ -426,6 +426,9 @@ def main():
            "plan_vs_xla": plan_vs_xla, "plan_vs_xla_activations": plan_vs_xla_activations,
            "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}
+  unknown = [n for n in only if n not in steps]
+  if unknown:
+    ap.error(f"--only: unknown part(s) {', '.join(unknown)}; choose from {', '.join(steps)}")
   for name in only:
     steps[name]()
 

@@ -102,6 +102,11 @@ def main():
   p.add_argument("--tune-budget", type=float, default=40.0,
                  help="tune: seconds per kernel and shape for the tile sweep")
   args = p.parse_args()
+  known = {"offload", "tune", "mfu", "tokamax", "attention", "gmm_roles", "train", "moe",
+           "decode"}
+  unknown = [x for x in args.only.split(",") if x not in known]
+  if unknown:
+    p.error(f"--only {','.join(unknown)}: unknown part; choose from {', '.join(sorted(known))}")
   _map_kernels()
   import jax
   print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
