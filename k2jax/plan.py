@@ -123,9 +123,9 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   (`in_flight`: each what a stage's layers save) and how many stage inputs / cotangents wait
   in its buffers; with model.offload the pipeline keeps its stage residuals (and zbh1's cut)
   in host memory and the device only those of the tick at hand
-  (k2jax.parallel.pipeline.residual_stages). Settings default to the config's. (On one
-  pipeline stage offload is not counted: what the remat policy offloads is counted on the
-  device.)
+  (k2jax.parallel.pipeline.residual_stages). On one pipeline stage model.offload is the
+  layers' offloading remat policy: the trace says which residuals it places in host memory.
+  Settings default to the config's.
   """
   m = mcfg.copy_and_resolve_references()
   settings = dict(remat=remat or m.remat, attention_impl=attention_impl or m.attention_impl,
@@ -136,19 +136,26 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   stages = mesh_shape["pipeline"]
 
   @functools.cache
-  def layer(ffn, remat):     # bytes per token
+  def layer(ffn, remat, memory="all"):     # bytes per token
     c = m.copy_and_resolve_references()
-    c.remat = remat
+    c.remat, c.offload = remat, settings["offload"]
     with kernel_platform.target(platform):
       return transformer.layer_residual_bytes(c, ffn, seq_len, 1, mesh_shape["data"],
-                                              mesh_shape["expert"]) / seq_len
+                                              mesh_shape["expert"], memory=memory) / seq_len
   kinds = {st.ffn: st.size for st in model.stacks(m)}
   # the f32 logits and their gradient of one sequence: each pipeline device has its own
   # slice of the vocabulary (k2jax.parallel.pipeline._head)
   working = max(layer(ffn, "none") for ffn in kinds) + 8 * -(-m.vocab_size // stages)
   if stages == 1:
-    saved = sum(layer(ffn, m.remat) * n for ffn, n in kinds.items())
-    return Activations((saved + working) * seq_len * micro_batch, 0.0, settings)
+    # Each layer's forward writes its offloaded residuals to host memory (and its backward
+    # reads them back): `moved` is the largest layer's share.
+    memories = ("device", "host") if settings["offload"] else ("all",)
+    saved = {w: sum(layer(ffn, m.remat, w) * n for ffn, n in kinds.items()) for w in memories}
+    per = seq_len * micro_batch
+    if not settings["offload"]:
+      return Activations((saved["all"] + working) * per, 0.0, settings)
+    return Activations((saved["device"] + working) * per, saved["host"] * per, settings,
+                       max(layer(ffn, m.remat, "host") for ffn in kinds) * per)
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2
   sp = layout.split(m, stages, virtual_stages)
@@ -279,8 +286,9 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   states = st["params"] + st["grads"] + st["optimizer"]
   lines.append(f"  {'all states on device':<24}{states / GB:>10.2f}   "
                f"(from parallel.state_shardings)")
-  offloaded = (", the stage residuals of the microbatches in flight in host memory "
-               "(model.offload)" if acts.host else "")
+  offloaded = "" if not acts.host else (
+      ", the stage residuals of the microbatches in flight in host memory (model.offload)"
+      if P > 1 else ", the layers' saved activations in host memory (model.offload)")
   lines.append(f"  {'activations':<24}{act / GB:>10.2f}   remat={used['remat']}, "
                f"attention={used['attention_impl']}, storage={used['storage']}, "
                f"{used['platform']} kernels (traced){offloaded}")
@@ -288,10 +296,14 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   if st["optimizer_host"]:
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
                  f"states (optimizer.host_state: on the device during the update only)")
-  if acts.host:
+  if acts.host and P > 1:
     lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   stage residuals waiting "
                  f"for their backward (k2jax.parallel.pipeline._Slots); a tick moves "
                  f"{acts.moved / GB:.2f} GB there and reads back what its backward needs")
+  elif acts.host:
+    lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   what the remat policy "
+                 f"keeps, offloaded by each layer (model.offload); a layer moves up to "
+                 f"{acts.moved / GB:.2f} GB there and reads it back in its backward")
   if P > 1:
     args = (schedule, mesh["data"], mesh["expert"], seq_len, platform)
     tab = pipeline.schedule_table(cfg.model, P, V, M, *args)

@@ -174,6 +174,36 @@ def test_selective_recomputation_keeps_less_than_none():
   assert got["full"] < 1.1 * 4096 * cfg.hidden_size * 2, got
 
 
+def test_offload_on_one_stage_puts_what_the_policy_keeps_in_host_memory():
+  """model.offload without a pipeline is the layers' offloading remat policy: traced, the
+  residuals in host memory are exactly what the policy keeps beyond the layer input (the
+  non-offloading policy's residuals less full recomputation's), and plan counts them on
+  the host, not the device."""
+  from k2jax import plan
+  from k2jax.kernels import platform
+  from k2jax.model import transformer
+  cfg = configs.get_config("tiny").model
+  cfg.update(dict(max_position_embeddings=1024, remat="selective", offload=True))
+  T = 1024
+
+  def traced(remat, memory):
+    c = cfg.copy_and_resolve_references()
+    c.remat = remat
+    with platform.target("gpu"):
+      return transformer.layer_residual_bytes(c, "moe", T, memory=memory)
+  kept, inputs = traced("selective", "all"), traced("full", "all")
+  assert traced("selective", "device") == inputs
+  assert traced("selective", "host") == kept - inputs > 0
+  mesh = {"pipeline": 1, "data": 1, "expert": 1}
+  on = plan.activation_bytes(cfg, mesh, T, offload=True)
+  off = plan.activation_bytes(cfg, mesh, T, offload=False)
+  assert off.host == 0 and on.settings["offload"] and not off.settings["offload"]
+  # the same bytes, now split: nothing counted twice or lost
+  assert abs(on.device + on.host - off.device) < 1e-6 * off.device, (on, off)
+  layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+  assert on.host >= layers * (kept - inputs)
+
+
 def test_plan_reports_the_zbh1_table_the_trainer_builds():
   """One source of truth: plan's idle figure for zbh1 is the trainer's table
   (pipeline.table) read with the trainer's stage costs (pipeline.costs, W's share traced from

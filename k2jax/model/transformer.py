@@ -13,6 +13,7 @@ time does not grow with depth. Public face: pure `init(cfg, rng)` and
 from typing import NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from k2jax.model import spec
@@ -114,20 +115,27 @@ def _run_stack(cfg, ffn, stacked, x, positions, segment_ids, return_latents=Fals
 
 
 def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1, data: int = 1,
-                         expert: int = 1) -> int:
+                         expert: int = 1, *, memory: str = "all") -> int:
   """Bytes one `ffn` layer ("mlp" | "moe") keeps for its backward pass, for `batch`
   sequences of `seq_len` tokens on each device of a data x expert mesh: what jax.vjp of the
   layer under the `model.remat` policy closes over besides its weights (what a scan of
   layers, or a pipeline stage, holds per layer until the backward pass).
 
-  Measured, not modelled: the layer is traced at abstract shapes (jax.eval_shape; nothing is
-  computed or allocated) with the kernels `impl="auto"` picks for the backend kernels target
+  Measured, not modelled: the layer is traced at abstract shapes (nothing is computed or
+  allocated) with the kernels `impl="auto"` picks for the backend kernels target
   (`k2jax.kernels.platform.target`), on an abstract data x expert mesh when it has more than
   one device (the MoE then takes its expert-parallel path, as training on that mesh does),
   so it follows the policy, the attention and MoE implementations and FP8 activation
-  storage exactly. Activations that `model.offload` would move to host memory are counted
-  here (plan reports device memory without offload).
+  storage exactly.
+
+  memory: "all" counts every residual under the policy without offload (what a pipeline
+  stage's layers keep: the pipeline offloads whole stages, k2jax.parallel.pipeline);
+  "device" / "host" trace the layer as `model.offload` runs it (remat.remat_policy's
+  offloading policy when cfg.offload) and count the residuals the trace places in that
+  memory space (each traced residual's aval carries it).
   """
+  if memory not in ("all", "device", "host"):
+    raise ValueError(f"memory={memory!r}: expected all, device or host")
   if data * expert > 1:
     # Traced in a thread of its own: a caller inside `jax.set_mesh` (the trainer) cannot
     # enter an abstract mesh of another size, and the mesh context is per thread.
@@ -136,7 +144,8 @@ def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1, data: int 
 
     def on_mesh():
       with jax.sharding.use_abstract_mesh(mesh):
-        return layer_residual_bytes(cfg, ffn, seq_len, batch * data * expert) // (data * expert)
+        return layer_residual_bytes(cfg, ffn, seq_len, batch * data * expert,
+                                    memory=memory) // (data * expert)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       return pool.submit(on_mesh).result()
   st = next(s for s in stacks(cfg) if s.ffn == ffn)
@@ -148,15 +157,26 @@ def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1, data: int 
 
   def body(p, x):
     return _block(cfg, ffn, x, p, positions, segments)
-  policy = remat_policy(cfg.remat, False)
+  policy = remat_policy(cfg.remat, memory != "all" and bool(cfg.offload))
   if policy is not None:
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
 
   def residuals(p, x):
     _, vjp = jax.vjp(body, p, x)
-    weights = {id(a) for a in jax.tree.leaves(p)}
-    return [a for a in jax.tree.leaves(vjp) if id(a) not in weights and hasattr(a, "dtype")]
-  return sum(a.size * a.dtype.itemsize for a in jax.eval_shape(residuals, specs, x))
+    return [a for a in jax.tree.leaves(vjp) if hasattr(a, "dtype")]
+  # make_jaxpr, not eval_shape: the jaxpr's avals keep their memory space (an offloading
+  # policy's residuals are device_put to host inside the trace).
+  jaxpr = jax.make_jaxpr(residuals)(specs, x).jaxpr
+  weights = set(jaxpr.invars[:len(jax.tree.leaves(specs))])
+  host = jax.memory.Space.Host
+  total = 0
+  for v in jaxpr.outvars:
+    if isinstance(v, jax.extend.core.Var) and v in weights:
+      continue
+    on_host = getattr(v.aval, "memory_space", None) == host
+    if memory == "all" or on_host == (memory == "host"):
+      total += v.aval.size * v.aval.dtype.itemsize
+  return total
 
 
 def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_latents=False):
