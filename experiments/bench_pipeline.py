@@ -150,7 +150,10 @@ def zero_bubble():
   # data = 1. 1F1B's activations in flight do not depend on M.
   for V in (2, 4):
     sp = layout.split(k2.model, 16, V)
-    plain = schedules.stage_costs(k2.model, sp, k2.train.seq_len)
+    # 1f1b's costs as the pipeline runs it (whether stage 0 keeps its prefix is traced:
+    # pipeline.keeps_prefix)
+    plain = pipeline.schedule_costs(k2.model, 16, V, "1f1b", mesh["data"], mesh["expert"],
+                                    k2.train.seq_len)
     split = schedules.stage_costs(k2.model, sp, k2.train.seq_len, w)
     for M in (32, 128, 1024):
       act = {s: plan.activation_bytes(k2.model, mesh, k2.train.seq_len, virtual_stages=V,

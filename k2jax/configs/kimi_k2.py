@@ -66,22 +66,22 @@ def get_config():
                       eval_every=1000, checkpoint_every=500))
   # Report 2.4.2: 16-way PP (virtual stages), 16-way EP, ZeRO-1 DP over the rest (data=1
   # here is the smallest layout, 256 devices; set mesh.data to the devices / 256 you have).
-  # 60 MoE layers over 16 x 4 stages of 1 (64 stored rows, 4 of them padding: stage 0 runs
-  # the embedding + dense layer instead, the last three stages nothing: padding goes where
-  # the work is largest, layout._balanced_counts); the head is split over the 16 pipeline
-  # devices by vocabulary. Interleaved 1F1B keeps at most 79 one-layer stage activations
-  # per device whatever the number of microbatches: 47 GB, 76 GB with the states, within an
-  # 80 GB H800 (`python -m k2jax.plan --config kimi_k2` reads all of it from the code that
-  # runs it). 2 virtual stages of 2 layers keep 94 layers' activations (84.6 GB in all);
-  # zbh1 keeps 12 GB more (what B hands W), so the preset stays 1f1b.
-  c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=4))
+  # 60 MoE layers over 16 x 2 stages of 2 (64 stored rows, 4 of them padding, placed where
+  # the work is largest: the stage with the embedding + dense layer first,
+  # layout._balanced_counts); the head is split over the 16 pipeline devices by vocabulary.
+  # With model.offload the stage residuals of the microbatches in flight wait in host memory
+  # (54.6 GB per device), 33.4 GB on the device in all (84.6 GB without offload; `python -m
+  # k2jax.plan --config kimi_k2 --mesh pipeline=16,expert=16,data=8` reads all of it from the
+  # code that runs it).
+  c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=2))
   # One sequence per device per microbatch (base.one_sequence_per_device): the global batch
   # of 16384 is 1024 microbatches on 256 devices, 128 on the report's PP16 x EP16 x DP8,
-  # and follows an override of mesh.data. The bubble shrinks with the microbatch count while the activations
-  # in flight do not grow: idle 4.8% of device time by stage FLOPs at 1024, 6.7% at 128
-  # (32 microbatches of 32 sequences, the earlier setting, idled 15.8% and kept 32x the
-  # activations). Stage 0 holds padding only and keeps the embedding and dense layer's
-  # residuals in its unused slot (k2jax.parallel.pipeline._Overlay; recomputing them
-  # instead idled 11.2% / 12.3%); three stages hold padding only.
+  # and follows an override of mesh.data. The bubble shrinks with the microbatch count while
+  # the activations in flight do not grow: idle 8.5% of device time by stage FLOPs at 128
+  # microbatches. 16 x 4 stages of 1 idle 12.3% there: stage 0 holds padding only but the
+  # embedding and dense layer's residuals (18432-wide SwiGLU inputs) do not fit the slot's
+  # sequence-laid-out leaves (pipeline._Overlay, keeps_prefix), so its backward recomputes
+  # them and its ticks are the longest. zbh1 idles 8.1% at 16 x 2 and keeps 26 GB more in
+  # host memory (what B hands W), so the preset stays 1f1b.
   base.one_sequence_per_device(c)
   return c

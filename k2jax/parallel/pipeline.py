@@ -110,8 +110,62 @@ def schedule_costs(mcfg, P: int, V: int, schedule: str, data: int = 1, expert: i
   if schedule == "zbh1":
     w = w_share(mcfg, data, expert, seq_len, platform)
   sp = split(mcfg, P, V)
-  return schedules.stage_costs(mcfg, sp, seq_len, w,
-                               keep_prefix=KEEP_PREFIX and sp.prefix_kept and w is None)
+  return schedules.stage_costs(mcfg, sp, seq_len, w, keep_prefix=w is None and keeps_prefix(
+      mcfg, P, V, data, expert, seq_len, platform))
+
+
+def keeps_prefix(mcfg, P: int, V: int, data: int = 1, expert: int = 1, seq_len: int = 4096,
+                 platform=None) -> bool:
+  """Whether stage 0 keeps its prefix's residuals (`_Overlay`) on GPU / TPU (per-device
+  skipping; CPU's per-tick mode recomputes) with schedules that do not split W: it holds no
+  layer of the stack (layout.Split.prefix_kept) and the prefix's residuals fit the slot,
+  traced at abstract shapes (one sequence per device, the kernels `auto` picks on
+  `platform`) by the check the pipeline itself runs (`_plan_overlay`)."""
+  sp = split(mcfg, P, V)
+  if not (KEEP_PREFIX and sp.prefix_kept):
+    return False
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:   # the mesh context is per thread
+    return pool.submit(_traced_overlay, mcfg.to_json(), P, V, data, expert, seq_len,
+                       platform).result()
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_overlay(cfg_json: str, P: int, V: int, data: int, expert: int, seq_len: int,
+                    platform) -> bool:
+  import ml_collections
+  from k2jax.kernels import platform as kernel_platform
+  cfg = _pipeline_model_cfg(ml_collections.ConfigDict(json.loads(cfg_json)))
+  sp = split(cfg, P, V)
+  specs = transformer.param_specs(cfg)
+  dt = jnp.dtype(cfg.param_dtype)
+  aval = lambda shape: jax.ShapeDtypeStruct(shape, dt)
+  pre_names = ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]
+  pre_params = jax.tree.map(lambda s: aval(s.shape), {k: specs[k] for k in pre_names},
+                            is_leaf=model_spec.is_spec)
+  stage_params = jax.tree.map(lambda s: aval((sp.per_stage,) + s.shape[1:]),
+                              specs[sp.stack.name], is_leaf=model_spec.is_spec)
+  stage = _stage_fn(cfg, sp.stack.ffn, True)
+  G = data * expert
+
+  def probe(k):
+    B = k * G
+    tokens = jax.ShapeDtypeStruct((B, seq_len), jnp.int32)
+    x = jax.ShapeDtypeStruct((B, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
+    on = jax.ShapeDtypeStruct((sp.per_stage,), jnp.bool_)
+
+    def residuals(pp, sp_, t, x, on):
+      pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (B, seq_len))
+      seg = jnp.ones((B, seq_len), jnp.int32)
+      pre = _Saved().vjp(lambda a: _pre(cfg, sp, a, t, pos, seg), pp, has_aux=True)[2]
+
+      def stage_out(a, b):
+        y, (ml, load, aux) = stage(a, on, b, pos, seg)
+        return (y, jnp.sum(aux)), (ml, load)
+      return pre, _Saved().vjp(stage_out, sp_, x, has_aux=True)[2]
+    return jax.eval_shape(residuals, pre_params, stage_params, tokens, x, on)
+  mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
+  with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
+    return _plan_overlay(probe, G, G) is not None
 
 
 def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
@@ -337,6 +391,27 @@ def _batch_axes(small, large, B: int):
         and a.shape[grown[0]] % B == 0
     out.append(grown[0] if ok else None)
   return tuple(out)
+
+
+def _sequence_axes(small, large, B: int):
+  """`_batch_axes` restricted to axes of exactly B at B sequences: [.., B, ..], the
+  sequences as the batch lays them out. The overlay's bins (`_Overlay`) are taken only from
+  those: on 8 CPU devices (pipeline x expert parallelism) reading the expert exchange's
+  flattened-token residuals ([tokens k, ..] inside the MoE's shard_map) as bytes changed
+  the routed experts' gradients of every stage, not only stage 0's (rel. 0.3-1.0; the
+  same overlay on pipeline x data, or expert alone, was exact), so they are not bins."""
+  return tuple(ax if ax is not None and a.shape[ax] == B else None
+               for a, ax in zip(small, _batch_axes(small, large, B)))
+
+
+def _plan_overlay(probe, B: int, G: int, pre=None, stage=None):
+  """The `_Overlay` of stage 0's prefix residuals on its stage residual slot, or None where
+  they do not fit. probe(k) -> (prefix residual avals, stage residual avals) at k times the
+  microbatch's B sequences (the batch axes are the ones that double); pre / stage: the
+  avals at k = 1 if the caller has them."""
+  (pre1, st1), (pre2, st2) = probe(1), probe(2)
+  return _Overlay.plan(pre or pre1, _batch_axes(pre1, pre2, B), stage or st1,
+                       _sequence_axes(st1, st2, B), G)
 
 
 class _Overlay(NamedTuple):
@@ -716,10 +791,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       stage_res = _Saved().vjp(lambda a, b: stage_out(a, b, 0, 0, mbs), at(params, 0), xk,
                                has_aux=True)[2]
       return pre_res, stage_res
-    (pre1, st1), (pre2, st2) = (jax.eval_shape(functools.partial(probe, k)) for k in (1, 2))
-    B = act_shape[0]
-    overlay = _Overlay.plan(pre_shapes, _batch_axes(pre1, pre2, B), res_shapes,
-                            _batch_axes(st1, st2, B), G)
+    overlay = _plan_overlay(lambda k: jax.eval_shape(functools.partial(probe, k)),
+                            act_shape[0], G, pre_shapes, res_shapes)
     if overlay is None:
       log.warning("pipeline: stage 0's prefix residuals (%.3g MB) do not fit its residual "
                   "slot; its backward recomputes the prefix",

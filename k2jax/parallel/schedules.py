@@ -142,7 +142,9 @@ def stage_costs(cfg, split, seq_len: int, w_share: float | None = None,
   cfg: the model config; split: k2jax.parallel.layout.Split; w_share: None for a schedule
   without W tasks, else w, the part of a layer's backward (in forwards) its W task takes
   (k2jax.parallel.pipeline.w_share measures it from the split itself); keep_prefix: whether
-  stage 0 keeps the prefix's residuals (None: where it can, as the pipeline does)."""
+  stage 0 keeps the prefix's residuals (None: where the layout lets it; whether they also
+  fit the slot is the pipeline's traced check, which k2jax.parallel.pipeline.schedule_costs
+  passes here)."""
   from k2jax.model import counting, transformer
   S = split.stages * split.virtual
   unit = counting.layer_flops(cfg, split.stack.ffn, seq_len)
@@ -152,7 +154,7 @@ def stage_costs(cfg, split, seq_len: int, w_share: float | None = None,
   w = w_share or 0.0
   F, B, W = real.astype(float), (2.0 - w) * real, w * real
   F[0] += pre
-  if keep_prefix is None:     # the pipeline's default (k2jax.parallel.pipeline.KEEP_PREFIX)
+  if keep_prefix is None:     # the layout's side of k2jax.parallel.pipeline.keeps_prefix
     keep_prefix = split.prefix_kept and w_share is None
   B[0] += (2 if keep_prefix else 3) * pre
   return {"F": F, "B": B, "W": W, "H": 3 * counting.head_flops(cfg) / unit / split.stages}
