@@ -101,13 +101,14 @@ def ep_layer(mesh, **kwargs):
                        in_specs=(P("expert"), batch, batch, batch), out_specs=batch)
 
 
-def ep_transports():
+def ep_transports(part="0/1"):
   """Every expert-parallel transport on a data=2 x expert=4 mesh against a float64 per-token
   reference: the output and the gradients of sum(y r) for x, the combine weights and the
   three expert matrices, for an even routing (every shard receives the balanced load: the
   residuals the forward kept), random, skewed and all-to-one routings (larger buffers: the
   backward recomputes the exchange); with the layer's remat policies around it and FP8
-  storage. Returns the largest relative error per case."""
+  storage. Returns the largest relative error per case; `part` "i/n": the i-th of n
+  interleaved shares of the cases (the test runs the shares in parallel processes)."""
   import jax.numpy as jnp
   from k2jax import configs, parallel
   from k2jax.model.remat import remat_policy
@@ -185,23 +186,25 @@ def ep_transports():
   # padded has one capacity, the worst case, and keeps it
   others = {"skewed": ("bucketed", "none", False), "all_to_one": ("ragged", "selective", False),
             "random": ("padded", "none", False)}
-  for name, idx in routings.items():
+  share, shares = map(int, part.split("/"))
+  jobs = [(name, t) for name in routings for t in (stored if name == "even" else [others[name]])]
+  for name, (transport, remat, fp8) in jobs[share::shares]:
+    idx = routings[name]
     y64, g64 = reference(idx)
-    for transport, remat, fp8 in stored if name == "even" else [others[name]]:
-      run = ep_layer(mesh, transport=transport, fp8_storage=fp8)
-      policy = remat_policy(remat)
-      if policy is not None:
-        run = jax.checkpoint(run, policy=policy)
-      def both(p, x, w):
-        y, vjp = jax.vjp(lambda p, x, w: run(p, x, idx, w), p, x, w)
-        return y, vjp(r)
-      y, grads = jax.jit(both)(p, x, w)
-      got = dict(grads[0], x=grads[1], w=grads[2])
-      case = f"{name}/{transport}/{remat}/{'fp8' if fp8 else 'exact'}"
-      out[case] = dict(y=rel(y, y64), **{n: rel(got[n], g64[n]) for n in g64})
-      if fp8:     # against the E4M3-rounded reference (Frobenius: a value the two round
-        rounded = reference(idx, fp8=True)[1]   # to neighbouring E4M3 numbers moves little)
-        out[case + "/rounded"] = {n: fro(got[n], rounded[n]) for n in g64}
+    run = ep_layer(mesh, transport=transport, fp8_storage=fp8)
+    policy = remat_policy(remat)
+    if policy is not None:
+      run = jax.checkpoint(run, policy=policy)
+    def both(p, x, w):
+      y, vjp = jax.vjp(lambda p, x, w: run(p, x, idx, w), p, x, w)
+      return y, vjp(r)
+    y, grads = jax.jit(both)(p, x, w)
+    got = dict(grads[0], x=grads[1], w=grads[2])
+    case = f"{name}/{transport}/{remat}/{'fp8' if fp8 else 'exact'}"
+    out[case] = dict(y=rel(y, y64), **{n: rel(got[n], g64[n]) for n in g64})
+    if fp8:     # against the E4M3-rounded reference (Frobenius: a value the two round
+      rounded = reference(idx, fp8=True)[1]   # to neighbouring E4M3 numbers moves little)
+      out[case + "/rounded"] = {n: fro(got[n], rounded[n]) for n in g64}
   print("RESULT " + json.dumps(out))
 
 

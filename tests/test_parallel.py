@@ -2,6 +2,7 @@
 start): meshes agree with one device, ZeRO-1 shards optimizer state, checkpoints move between
 meshes, and two jax.distributed processes agree with one."""
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -105,7 +106,9 @@ def test_expert_parallel_transports_equal_a_float64_reference():
   the forward kept (even; padded keeps its one worst-case size) and with the exchange
   recomputed in the backward pass (skewed, all-to-one), under every remat policy; FP8
   storage equals a reference that rounds the same saved values through E4M3."""
-  errors = worker(8, "ep_transports")
+  shares = [start_worker(8, "ep_transports", f"{i}/2") for i in (0, 1)]   # one per core
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    errors = {k: v for part in pool.map(result, shares) for k, v in part.items()}
   assert len(errors) == 10
   for case, err in errors.items():
     if case.endswith("/rounded"):     # FP8: equal to a reference that rounds the same values
@@ -160,9 +163,12 @@ def test_checkpoint_moves_between_meshes(tmp_path, runs):
 # so its token weighting across microbatches is checked too.
 # A vocabulary of 266 (the byte tokenizer's 264 ids + 2 never seen) is not a multiple of 4
 # or 8: the head's columns are padded to split over those pipelines.
+# A dense layer 32 wide (not 384) so that the embedding and dense layer's residuals fit a
+# one-layer stage's slot: the 4 x 3 mesh below runs the prefix overlay.
 PIPE_CLI = [a.replace("num_hidden_layers=2", "num_hidden_layers=9").replace(
     "batch_size=8", "batch_size=16").replace("steps=4", "steps=3") for a in CLI] + [
-    "--config.model.aux_loss_alpha=0.01", "--config.model.vocab_size=266"]
+    "--config.model.aux_loss_alpha=0.01", "--config.model.vocab_size=266",
+    "--config.model.intermediate_size=32"]
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +176,14 @@ def pipeline_runs(tmp_path_factory):
   """One device with the whole batch, and pipelined meshes on 8 devices: PxDxE/aM/vV."""
   out = tmp_path_factory.mktemp("pipeline")
   one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *PIPE_CLI, *NO_CHECKPOINTS)
-  eight = start_worker(8, "meshes", str(out / "eight"), *PIPELINE_MESHES, "--", *PIPE_CLI,
-                       *NO_CHECKPOINTS, cache=False)
-  return {**result(one), **result(eight)}
+  # Two 8-device workers at once: each mesh's run is mostly its (single-threaded) compile,
+  # so on CI's 2 cores the halves take about half the time one worker took (426 s).
+  halves = [start_worker(8, "meshes", str(out / f"eight{i}"), *PIPELINE_MESHES[i::2], "--",
+                         *PIPE_CLI, *NO_CHECKPOINTS, cache=False) for i in (0, 1)]
+  # read all three at once: a worker blocked on a full stderr pipe would wait for the others
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    parts = list(pool.map(result, [one, *halves]))
+  return {k: v for part in parts for k, v in part.items()}
 
 
 # PxDxE/aM/vV/sSCHEDULE; the 1f1b schedule unless named. Each mesh compiles its own
@@ -183,10 +194,10 @@ def pipeline_runs(tmp_path_factory):
 # per-device skipping (no expert axis: the routed experts' weight gradients are W's too).
 # "kdevice": idle phases skipped per device, as on GPU / TPU (CPU's default skips per tick);
 # on meshes where XLA:CPU places no collective-permute inside a branch, so it runs here
-# (4 x 3 stages of 1 for 8 layers: the last 4 stages are padding, skipped per layer; stage 0
-# holds padding only, but at these widths its prefix's 2.14 MB of residuals do not fit the
-# slot's batch-split leaves, so it recomputes the prefix: pipeline._Overlay's numerics are
-# checked on one device, tests/test_pipeline.py). "o": model.offload, the residual (and
+# (4 x 3 stages of 1 for 8 layers: stage 0 and the last stages are padding, skipped per
+# layer; stage 0 keeps the embedding and dense layer's residuals in its slot,
+# pipeline._Overlay, under expert parallelism: with the expert exchange's residuals as bins
+# this mesh's third loss was 7.7e-4 off). "o": model.offload, the residual (and
 # zbh1's cut) slots in host memory (pipeline._Slots; the transfers are no-ops on CPU, the
 # slot logic with its write-only slot is what runs).
 PIPELINE_MESHES = ("2x2x2/a2", "2x4x1/v3/a4/szbh1/o", "2x2x2/v2/a4",
@@ -201,6 +212,19 @@ def test_pipeline_matches_one_device(pipeline_runs, mesh):
   per device on pipeline 4 and 8: losses and max logits of one device with the whole batch
   (rel < 1e-5)."""
   assert_close(pipeline_runs[mesh], pipeline_runs["1x1"])
+
+
+def test_the_pipeline_fixture_runs_the_prefix_overlay_under_expert_parallelism():
+  """The check the pipeline runs (pipeline.keeps_prefix, traced) says the fixture's
+  4 x 3 stage, expert 2 mesh keeps the prefix, so its equality with one device covers the
+  overlay on 8 devices; at the tiny preset's dense width (384) it would not fit."""
+  from k2jax import train
+  from k2jax.parallel import pipeline
+  config, _ = train.parse(["k2jax.train", *PIPE_CLI, "--workdir=/nonexistent"])
+  m = config.model
+  assert pipeline.keeps_prefix(m, 4, 3, 1, 2, config.train.seq_len)
+  m.intermediate_size = 384
+  assert not pipeline.keeps_prefix(m, 4, 3, 1, 2, config.train.seq_len)
 
 
 def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_runs):
