@@ -218,13 +218,20 @@ def test_the_pipeline_fixture_runs_the_prefix_overlay_under_expert_parallelism()
   """The check the pipeline runs (pipeline.keeps_prefix, traced) says the fixture's
   4 x 3 stage, expert 2 mesh keeps the prefix, so its equality with one device covers the
   overlay on 8 devices; at the tiny preset's dense width (384) it would not fit."""
-  from k2jax import train
+  from k2jax import configs
   from k2jax.parallel import pipeline
-  config, _ = train.parse(["k2jax.train", *PIPE_CLI, "--workdir=/nonexistent"])
-  m = config.model
-  assert pipeline.keeps_prefix(m, 4, 3, 1, 2, config.train.seq_len)
+  # PIPE_CLI's model overrides applied here (train.parse defines absl flags: once per process)
+  m = configs.get_config("tiny").model
+  for a in PIPE_CLI:
+    if a.startswith("--config.model."):
+      key, value = a[len("--config.model."):].split("=")
+      m[key] = type(m[key])(float(value)) if isinstance(m[key], float) else int(value)
+  assert (m.num_hidden_layers, m.intermediate_size) == (9, 32)
+  seq_len = 32
+  assert f"--config.train.seq_len={seq_len}" in PIPE_CLI
+  assert pipeline.keeps_prefix(m, 4, 3, 1, 2, seq_len)
   m.intermediate_size = 384
-  assert not pipeline.keeps_prefix(m, 4, 3, 1, 2, config.train.seq_len)
+  assert not pipeline.keeps_prefix(m, 4, 3, 1, 2, seq_len)
 
 
 def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_runs):
