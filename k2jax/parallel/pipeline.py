@@ -640,9 +640,13 @@ class _Slots(NamedTuple):
     if not self.host:
       return _put(buf, slot, value)
 
+    # lax.dynamic_update_slice, not `.at[i].set`: jnp's scatter drops out-of-range rows,
+    # which XLA turns into a select over the whole buffer, and a select of host buffers is
+    # computed on the host (the H100 run of bench_pipeline.offload warned of exactly that)
     def one(b, x):
       i = jnp.where(slot >= 0, slot, b.shape[0] - 1)
-      return b.at[i].set(jax.device_put(x.astype(b.dtype), jax.memory.Space.Host))
+      x = jax.device_put(x.astype(b.dtype)[None], jax.memory.Space.Host)
+      return jax.lax.dynamic_update_slice_in_dim(b, x, i, 0)
     return jax.tree.map(one, buf, value)
 
   def get(self, buf, slot):
@@ -650,7 +654,10 @@ class _Slots(NamedTuple):
     i = jnp.maximum(slot, 0)
     if not self.host:
       return jax.tree.map(lambda b: b[i], buf)
-    return jax.tree.map(lambda b: jax.device_put(b[i], jax.memory.Space.Device), buf)
+    # the slice moves to the device as it is ([1, ...]) and drops its axis there: XLA's
+    # host offloading takes a dynamic slice followed directly by the move to the device
+    return jax.tree.map(lambda b: jax.device_put(jax.lax.dynamic_slice_in_dim(b, i, 1, 0),
+                                                 jax.memory.Space.Device)[0], buf)
 
 
 def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: bool,
