@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k2jax import kernels
 from k2jax.model import decode
 
 
@@ -75,6 +76,7 @@ def _programs(cfg):
   then per shape): one dispatch per generated token."""
   key = cfg.to_json()
   if key not in _PROGRAMS:
+    kernels.prepare(cfg.attention_impl, cfg.moe_impl)   # before the first trace (its doc)
     # The temperature is traced (RL decays it every iteration: no recompilation); only
     # greedy-or-not, top_k and top_p shape the program.
     opts = ("greedy", "top_k", "top_p")

@@ -28,7 +28,8 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from k2jax import configs, data as data_lib, metrics as metrics_lib, model, optim, parallel
+from k2jax import configs, data as data_lib, kernels, metrics as metrics_lib, model, optim
+from k2jax import parallel
 from k2jax import resume, runlock
 from k2jax.checkpoint import CheckpointError, Checkpointer
 from k2jax.metrics import MetricsWriter
@@ -263,6 +264,9 @@ def _locked(config, workdir, changes, build_data, init_params):
 def _run(config, workdir, mesh, data, init_params=None):
   t, m = config.train, config.model
   main_process = jax.process_index() == 0
+  # before any trace: a kernel library imported inside the step's first trace would make
+  # its second call compile again (kernels.prepare)
+  kernels.prepare(m.attention_impl, m.moe_impl)
   # Two views of the state (k2jax.parallel.layout): the trainer's, with the pipelined stack
   # stored in the order the schedule runs it (padded, sharded over `pipeline`), and the
   # logical one checkpoints hold, so they restore on any pipeline size. Without a pipeline

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from k2jax import chat, model, optim, parallel
+from k2jax import chat, kernels, model, optim, parallel
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
 from k2jax.rl.loss import k15_loss, sequence_logprobs, temperature_at
@@ -358,6 +358,7 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
   tok = data_lib.get_tokenizer(config.data.tokenizer)
   train_mesh = parallel.make_mesh(config.mesh)
   inf_mesh = parallel.make_mesh(r.inference_mesh)
+  kernels.prepare(config.model.attention_impl, config.model.moe_impl)   # before any trace
   tx = optim.optimizer(config)
   specs = model.param_specs(config.model)
   from k2jax.step import init_state
