@@ -188,7 +188,10 @@ def ep_transports(part="0/1"):
             "random": ("padded", "none", False)}
   share, shares = map(int, part.split("/"))
   jobs = [(name, t) for name in routings for t in (stored if name == "even" else [others[name]])]
+  only = os.environ.get("K2JAX_EP_ONLY")       # a debugging filter: one case's name prefix
   for name, (transport, remat, fp8) in jobs[share::shares]:
+    if only and not f"{name}/{transport}/{remat}/{'fp8' if fp8 else 'exact'}".startswith(only):
+      continue
     idx = routings[name]
     y64, g64 = reference(idx)
     run = ep_layer(mesh, transport=transport, fp8_storage=fp8)
@@ -202,9 +205,15 @@ def ep_transports(part="0/1"):
     got = dict(grads[0], x=grads[1], w=grads[2])
     case = f"{name}/{transport}/{remat}/{'fp8' if fp8 else 'exact'}"
     out[case] = dict(y=rel(y, y64), **{n: rel(got[n], g64[n]) for n in g64})
-    if fp8:     # against the E4M3-rounded reference (Frobenius: a value the two round
-      rounded = reference(idx, fp8=True)[1]   # to neighbouring E4M3 numbers moves little)
-      out[case + "/rounded"] = {n: fro(got[n], rounded[n]) for n in g64}
+    if fp8:
+      # Against the E4M3-rounded reference, as a fraction of how far rounding moves each
+      # gradient (Frobenius). f32 and f64 round a value lying within f32 error of an E4M3
+      # midpoint to neighbouring numbers, about one per 20 draws here, and one such value
+      # moves a gradient by ~7e-4 of its norm: an absolute bound fails by chance, while
+      # rounding itself moves each gradient by ~1e-2 of its norm
+      rounded = reference(idx, fp8=True)[1]
+      out[case + "/rounded"] = {n: fro(got[n], rounded[n]) / fro(rounded[n], g64[n])
+                                for n in g64}
   print("RESULT " + json.dumps(out))
 
 
