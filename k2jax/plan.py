@@ -149,12 +149,11 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   if stages == 1:
     # Each layer's forward writes its offloaded residuals to host memory (and its backward
     # reads them back): `moved` is the largest layer's share.
-    memories = ("device", "host") if settings["offload"] else ("all",)
-    saved = {w: sum(layer(ffn, m.remat, w) * n for ffn, n in kinds.items()) for w in memories}
     per = seq_len * micro_batch
+    saved = lambda memory: sum(layer(ffn, m.remat, memory) * n for ffn, n in kinds.items())
     if not settings["offload"]:
-      return Activations((saved["all"] + working) * per, 0.0, settings)
-    return Activations((saved["device"] + working) * per, saved["host"] * per, settings,
+      return Activations((saved("all") + working) * per, 0.0, settings)
+    return Activations((saved("device") + working) * per, saved("host") * per, settings,
                        max(layer(ffn, m.remat, "host") for ffn in kinds) * per)
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2

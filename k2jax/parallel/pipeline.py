@@ -54,6 +54,7 @@ in the stored layout; `loss` runs the F phases only (evaluation).
 """
 
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
@@ -129,42 +130,59 @@ def keeps_prefix(mcfg, P: int, V: int, data: int = 1, expert: int = 1, seq_len: 
                        platform).result()
 
 
+@contextlib.contextmanager
+def _abstract(cfg_json: str, data: int, expert: int, platform):
+  """The stages' model config (from its JSON: a cache key) under a data x expert abstract
+  mesh and the kernels `auto` picks on `platform` (default gpu): where the traced figures
+  (`keeps_prefix`, `split_cost`) are taken, at abstract shapes, nothing allocated."""
+  import ml_collections
+  from k2jax.kernels import platform as kernel_platform
+  mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
+  with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
+    yield _pipeline_model_cfg(ml_collections.ConfigDict(json.loads(cfg_json)))
+
+
+def _param_avals(cfg, name: str, rows=-1):
+  """Abstract params of table entry `name` in param_dtype: whole (rows -1), without the
+  leading layers axis (None) or with `rows` layers."""
+  def aval(s):
+    shape = s.shape if rows == -1 else s.shape[1:] if rows is None else (rows,) + s.shape[1:]
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.param_dtype))
+  return jax.tree.map(aval, transformer.param_specs(cfg)[name], is_leaf=model_spec.is_spec)
+
+
+def _sequences(B: int, seq_len: int):
+  """Positions and segment ids of B whole sequences."""
+  return (jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (B, seq_len)),
+          jnp.ones((B, seq_len), jnp.int32))
+
+
 @functools.lru_cache(maxsize=16)
 def _traced_overlay(cfg_json: str, P: int, V: int, data: int, expert: int, seq_len: int,
                     platform) -> bool:
-  import ml_collections
-  from k2jax.kernels import platform as kernel_platform
-  cfg = _pipeline_model_cfg(ml_collections.ConfigDict(json.loads(cfg_json)))
-  sp = split(cfg, P, V)
-  specs = transformer.param_specs(cfg)
-  dt = jnp.dtype(cfg.param_dtype)
-  aval = lambda shape: jax.ShapeDtypeStruct(shape, dt)
-  pre_names = ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]
-  pre_params = jax.tree.map(lambda s: aval(s.shape), {k: specs[k] for k in pre_names},
-                            is_leaf=model_spec.is_spec)
-  stage_params = jax.tree.map(lambda s: aval((sp.per_stage,) + s.shape[1:]),
-                              specs[sp.stack.name], is_leaf=model_spec.is_spec)
-  stage = _stage_fn(cfg, sp.stack.ffn, True)
-  G = data * expert
+  with _abstract(cfg_json, data, expert, platform) as cfg:
+    sp = split(cfg, P, V)
+    pre_params = {k: _param_avals(cfg, k) for k in
+                  ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]}
+    stage_params = _param_avals(cfg, sp.stack.name, sp.per_stage)
+    stage = _stage_fn(cfg, sp.stack.ffn, True)
+    G = data * expert
 
-  def probe(k):
-    B = k * G
-    tokens = jax.ShapeDtypeStruct((B, seq_len), jnp.int32)
-    x = jax.ShapeDtypeStruct((B, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
-    on = jax.ShapeDtypeStruct((sp.per_stage,), jnp.bool_)
+    def probe(k):
+      B = k * G
+      tokens = jax.ShapeDtypeStruct((B, seq_len), jnp.int32)
+      x = jax.ShapeDtypeStruct((B, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
+      on = jax.ShapeDtypeStruct((sp.per_stage,), jnp.bool_)
 
-    def residuals(pp, sp_, t, x, on):
-      pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (B, seq_len))
-      seg = jnp.ones((B, seq_len), jnp.int32)
-      pre = _Saved().vjp(lambda a: _pre(cfg, sp, a, t, pos, seg), pp, has_aux=True)[2]
+      def residuals(pp, sp_, t, x, on):
+        pos, seg = _sequences(B, seq_len)
+        pre = _Saved().vjp(lambda a: _pre(cfg, sp, a, t, pos, seg), pp, has_aux=True)[2]
 
-      def stage_out(a, b):
-        y, (ml, load, aux) = stage(a, on, b, pos, seg)
-        return (y, jnp.sum(aux)), (ml, load)
-      return pre, _Saved().vjp(stage_out, sp_, x, has_aux=True)[2]
-    return jax.eval_shape(residuals, pre_params, stage_params, tokens, x, on)
-  mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
-  with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
+        def stage_out(a, b):
+          y, (ml, load, aux) = stage(a, on, b, pos, seg)
+          return (y, jnp.sum(aux)), (ml, load)
+        return pre, _Saved().vjp(stage_out, sp_, x, has_aux=True)[2]
+      return jax.eval_shape(residuals, pre_params, stage_params, tokens, x, on)
     return _plan_overlay(probe, G, G) is not None
 
 
@@ -179,19 +197,12 @@ def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
 
 @functools.lru_cache(maxsize=16)
 def _traced_split(cfg_json: str, data: int, expert: int, seq_len: int, platform):
-  import ml_collections
-  from k2jax.kernels import platform as kernel_platform
-  cfg = _pipeline_model_cfg(ml_collections.ConfigDict(json.loads(cfg_json)))
-  sp = split(cfg, 1, 1)
-  specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], jnp.dtype(cfg.param_dtype)),
-                       transformer.param_specs(cfg)[sp.stack.name], is_leaf=model_spec.is_spec)
   batch = data * expert        # one sequence per device, as k2jax.plan counts
-  x = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
-  positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-  segments = jnp.ones((batch, seq_len), jnp.int32)
-  mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
-  with jax.sharding.use_abstract_mesh(mesh), kernel_platform.target(platform or "gpu"):
-    cut = _split_layer(cfg, sp.stack.ffn, specs, x, positions, segments, 1.0)[3]
+  with _abstract(cfg_json, data, expert, platform) as cfg:
+    sp = split(cfg, 1, 1)
+    x = jax.ShapeDtypeStruct((batch, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
+    cut = _split_layer(cfg, sp.stack.ffn, _param_avals(cfg, sp.stack.name, None), x,
+                       *_sequences(batch, seq_len), 1.0)[3]
   unit = counting.layer_flops(cfg, sp.stack.ffn, seq_len) * batch * seq_len
   nbytes = lambda avals: sum(math.prod(a.shape) * a.dtype.itemsize for a in avals) / batch
   return cut.flops["W"] / unit, nbytes(cut.cut_avals)
