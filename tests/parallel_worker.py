@@ -175,9 +175,6 @@ def ep_transports(part="0/1"):
   def rel(got, want):
     return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
 
-  def fro(got, want):
-    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
-
   out = {}
   stored = [(t, "none", False) for t in ("padded", "bucketed", "ragged")]
   stored += [("ragged", "selective", False), ("bucketed", "full", False),
@@ -206,14 +203,18 @@ def ep_transports(part="0/1"):
     case = f"{name}/{transport}/{remat}/{'fp8' if fp8 else 'exact'}"
     out[case] = dict(y=rel(y, y64), **{n: rel(got[n], g64[n]) for n in g64})
     if fp8:
-      # Against the E4M3-rounded reference, as a fraction of how far rounding moves each
-      # gradient (Frobenius). f32 and f64 round a value lying within f32 error of an E4M3
-      # midpoint to neighbouring numbers, about one per 20 draws here, and one such value
-      # moves a gradient by ~7e-4 of its norm: an absolute bound fails by chance, while
-      # rounding itself moves each gradient by ~1e-2 of its norm
+      # Against the E4M3-rounded reference, entry by entry: the share of each gradient's
+      # entries off by more than 1e-4 of its largest. Where f32 and f64 round a value lying
+      # within f32 error of an E4M3 midpoint to neighbouring numbers (16% of draws here),
+      # the gradient entries that value feeds differ by up to ~1e-2 (a row of x's, a column
+      # of an expert matrix's): an absolute norm bound fails by chance, this share moves by
+      # 1-2%. The same share for unrounded values (what skipping FP8 would give) is the
+      # check's power.
       rounded = reference(idx, fp8=True)[1]
-      out[case + "/rounded"] = {n: fro(got[n], rounded[n]) / fro(rounded[n], g64[n])
-                                for n in g64}
+      off = lambda got, want: float(np.mean(np.abs(np.asarray(got, np.float64) - want)
+                                            > 1e-4 * np.max(np.abs(want))))
+      out[case + "/rounded"] = {n: off(got[n], rounded[n]) for n in g64}
+      out[case + "/unrounded"] = {n: off(g64[n], rounded[n]) for n in g64}
   print("RESULT " + json.dumps(out))
 
 
