@@ -119,20 +119,15 @@ def step_time(config, reps):
   state = jax.jit(functools.partial(init_state, config, tx))(jax.random.key(0))
   batch = random_batch(config.model, config.train.batch_size, config.train.seq_len)
   step = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0)
-  # two untimed steps: the first compiles; on the H100 (2026-11-26) the second compiled
+  # two untimed steps first: the first compiles; on the H100 (2026-11-26) the second compiled
   # train_step again (same avals), which the 256K-token rows had counted as step time
-  warm = []
-  for _ in range(2):
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch)
-    jax.block_until_ready(state)
-    warm.append(time.perf_counter() - t0)
   ts = []
-  for _ in range(reps):
+  for _ in range(2 + reps):
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(state)
     ts.append(time.perf_counter() - t0)
+  warm, ts = ts[:2], ts[2:]
   # each timed step, so a fixed cost in some steps (a recompile, a stall) shows as such
   print(f"untimed steps (s): {', '.join(f'{t:.3f}' for t in warm)}; timed steps (s): "
         f"{', '.join(f'{t:.3f}' for t in ts)}", flush=True)
