@@ -69,6 +69,14 @@ def _full(shape):
   return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
+def _cost(rows: int, K: int, N: int, a, b, out_dtype):
+  """What one kernel call does with every padded row real: XLA's scheduler reads it, and so
+  does k2jax.parallel.bwsplit when it weighs a backward's two halves."""
+  return pl.CostEstimate(flops=2 * rows * K * N, transcendentals=0,
+                         bytes_accessed=a.size * a.dtype.itemsize + b.size * b.dtype.itemsize
+                         + rows * N * jnp.dtype(out_dtype).itemsize)
+
+
 def _dot(a, b):
   return plgpu.dot(a, b, allow_tf32=a.dtype != jnp.float32)
 
@@ -122,6 +130,7 @@ def gmm(lhs, w, tiles: Tiles, src, dst, out_rows: int, *, scale=None, transpose_
       out_shape=jax.ShapeDtypeStruct((out_rows + 1, N), out_dtype or lhs.dtype),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps,
                                                                   num_stages=stages),
+      cost_estimate=_cost(src.shape[0], K, N, lhs, w, out_dtype or lhs.dtype),
       interpret=interpret, name="moe_gmm")(*meta, lhs, w)
   return out[:out_rows]
 
@@ -162,6 +171,7 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, interpret=Fal
       out_shape=jax.ShapeDtypeStruct((num_groups, K, N), out_dtype or rhs.dtype),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps,
                                                                   num_stages=stages),
+      cost_estimate=_cost(src_l.shape[0], K, N, lhs, rhs, out_dtype or rhs.dtype),
       interpret=interpret, name="moe_tgmm")(*meta, lhs, rhs)
 
 

@@ -147,7 +147,8 @@ def _branch(plan, c, p, x, w, route, save: bool):
   sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
   xs, ws = recv[by_expert], recv_w[by_expert]
   out, (g, u) = _experts(p, xs, ws, sizes)
-  y = _back(plan, route, c, jnp.zeros_like(out).at[by_expert].set(out))
+  # typed as varying where x is (lax.ragged_all_to_all's result is not), so dy is too
+  y = varying_like(_back(plan, route, c, jnp.zeros_like(out).at[by_expert].set(out)), x)
   if not save:
     return y, None
   n = plan.received(c, ep)
@@ -216,45 +217,90 @@ def _exchange_fwd(plan, p, x, w, route):
 
 
 def _exchange_bwd(plan, saved, dy):
+  """The exchange's backward as two switches on the same branch: the input gradients (what
+  the layers below wait for), then the experts' weight gradients. Two switches, not one, so
+  a pipeline schedule that splits a backward into its input- and weight-gradient halves
+  (k2jax.parallel.bwsplit, report 2.4.2) can run the second later: the first hands it the
+  per-row cotangents of the down-projection's output and input, [plan.saved, d + f]."""
   p, x, w, route, res = saved
   ep = route.counts.shape[0]
+  dt = x.dtype
+  kept = [plan.received(c, ep) <= plan.saved for c in plan.caps]
+  S, d, f = plan.saved, x.shape[-1], p["gate"].shape[-1]
+  mm_vjp = lambda a, wt, ct, sizes: jax.vjp(
+      lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(dt))[1](ct)
 
-  def recompute(c):     # the branch again under autodiff: for buffers too large to keep
+  def loaded(c):
+    n = plan.received(c, ep)
+    xs, g, u = (a[:n] for a in _load(plan, res, dt))
+    return n, xs, g, u, res["ws"][:n], res["by_expert"][:n], res["sizes"]
+
+  def recompute(c, wrt):   # the branch again under autodiff: buffers too large to keep
+    primals = dict(p=p, x=x, w=w)
+
     def bwd(dy):
-      _, vjp = jax.vjp(lambda p, x, w: _branch(plan, c, p, x, w, route, False)[0], p, x, w)
-      return _cotangents(vjp(dy), (p, x, w))
+      def branch(*args):
+        a = dict(primals, **dict(zip(wrt, args)))
+        return _branch(plan, c, a["p"], a["x"], a["w"], route, False)[0]
+      _, f_vjp = jax.vjp(branch, *(primals[k] for k in wrt))
+      return _cotangents(f_vjp(dy), tuple(primals[k] for k in wrt))
     return bwd
 
-  def stored(c):
+  # Where W recomputes, it needs dy [A, d]: it travels in the rows' first buffer when that
+  # is large enough (keeping the smallest capacity's residuals, 1.25 A rows), else as itself.
+  A = dy.shape[0]
+  in_rows = S >= A
+
+  def inputs(c):        # -> (dx, dw, rows W reads)
+    if not kept[plan.caps.index(c)]:
+      def redo(dy):
+        d_x, d_w = recompute(c, ("x", "w"))(dy)
+        first = jnp.pad(dy, [(0, S - A), (0, 0)]) if in_rows else jnp.zeros((S, d), dt)
+        rows = (first, jnp.zeros((S, f), dt))
+        return d_x, d_w, jax.tree.map(lambda a: varying_like(a, x), rows)
+      return redo
+
     def bwd(dy):
-      n = plan.received(c, ep)
-      dt = x.dtype
-      xs, g, u = (a[:n] for a in _load(plan, res, dt))
-      ws, by_expert, sizes = res["ws"][:n], res["by_expert"][:n], res["sizes"]
+      n, xs, g, u, ws, by_expert, sizes = loaded(c)
       # _send and _back move rows along the same routes in opposite directions, so each is
       # the other's transpose (padding rows carry nothing either way).
       d_o = _send(plan, route, c, dy, 0)[by_expert]
-      mm_vjp = lambda a, wt, ct: jax.vjp(
-          lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(dt))[1](ct)
       h = _swiglu(g, u)
-      # one matmul gives both: d(w h) W_d^T and the weight gradient (w h)^T dy
-      dh_u, d_down = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o)
+      dh_u = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
+                    sizes)[0]
       d_ws = jnp.sum(dh_u.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
       dh = (ws[:, None] * dh_u.astype(jnp.float32)).astype(dt)
       dg, du = jax.vjp(_swiglu, g, u)[1](dh)
-      dxs_g, d_gate = mm_vjp(xs, p["gate"], dg)
-      dxs_u, d_up = mm_vjp(xs, p["up"], du)
+      dxs = mm_vjp(xs, p["gate"], dg, sizes)[0] + mm_vjp(xs, p["up"], du, sizes)[0]
       unsort = lambda a: jnp.zeros_like(a).at[by_expert].set(a)
-      d_x = _back(plan, route, c, unsort(dxs_g + dxs_u))
+      d_x = _back(plan, route, c, unsort(dxs))
       d_w = _back(plan, route, c, unsort(d_ws))
       d_x = jnp.zeros_like(x).at[route.token].add(d_x)
-      dp = {"gate": d_gate, "up": d_up, "down": d_down}
-      return _cotangents((dp, d_x, d_w), (p, x, w))
+      pad = lambda a: jnp.pad(a, [(0, S - n), (0, 0)])
+      return (*_cotangents((d_x, d_w), (x, w)),
+              jax.tree.map(lambda a: varying_like(a, x), (pad(d_o), pad(dh_u))))
     return bwd
 
-  branches = [stored(c) if plan.received(c, ep) <= plan.saved else recompute(c)
-              for c in plan.caps]
-  dp, dx, dw = jax.lax.switch(route.branch, branches, dy)
+  def weights(c):       # -> the experts' weight gradients
+    if not kept[plan.caps.index(c)]:
+      return lambda rows, *dy: recompute(c, ("p",))(rows[0][:A] if in_rows else dy[0])[0]
+
+    def bwd(rows, *_):
+      n, xs, g, u, ws, by_expert, sizes = loaded(c)
+      d_o, dh_u = (a[:n] for a in rows)
+      h = _swiglu(g, u)
+      # each switch takes one half of a grouped matmul's vjp; XLA drops the other half
+      d_down = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
+                      sizes)[1]
+      dg, du = jax.vjp(_swiglu, g, u)[1]((ws[:, None] * dh_u.astype(jnp.float32)).astype(dt))
+      d_gate = mm_vjp(xs, p["gate"], dg, sizes)[1]
+      d_up = mm_vjp(xs, p["up"], du, sizes)[1]
+      return _cotangents({"gate": d_gate, "up": d_up, "down": d_down}, p)
+    return bwd
+
+  dx, dw, rows = jax.lax.switch(route.branch, [inputs(c) for c in plan.caps], dy)
+  dp = jax.lax.switch(route.branch, [weights(c) for c in plan.caps], rows,
+                      *(() if in_rows else (dy,)))
   return dp, dx, dw, None
 
 
