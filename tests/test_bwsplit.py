@@ -81,3 +81,39 @@ def test_weight_gradients_made_inside_an_atom_stay_in_b():
   np.testing.assert_allclose(early[0], g_w["inner"])
   np.testing.assert_allclose(late[1], g_w["outer"])
   np.testing.assert_allclose(dx[0], g_x)
+
+
+def test_a_shard_map_is_cut_so_its_weight_gradients_are_w():
+  """The MoE's pattern: a shard_map over the batch computing per-device rows with a
+  replicated weight. B needs its input gradient, W its weight gradient (a matmul and a
+  psum over the batch), so bwsplit cuts its body into two shard_maps: the weight gradient
+  is late, W does its matmul, and B and W equal jax.vjp (float64, odd sizes)."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def fn(w, x):
+    def rows(wi, xb):
+      return jnp.tanh(xb @ wi)
+    h = jax.shard_map(rows, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))(
+        w["inner"], x)
+    return h @ w["outer"]
+
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.key(5), 4)
+    n, d, f, o = 5, 7, 11, 3
+    w = {"inner": jax.random.normal(k[0], (d, f), jnp.float64),
+         "outer": jax.random.normal(k[1], (f, o), jnp.float64)}
+    x = jax.random.normal(k[2], (n, d), jnp.float64)
+    y, vjp, wl, res, sp = _split_of(fn, w, x)
+    assert sp.late == (0, 1)                 # both weight gradients are W's
+    # W: the two weight matmuls; B: the two input-gradient ones
+    assert sp.flops["W"] == 2 * n * d * f + 2 * n * f * o
+    assert sp.flops["B"] == 2 * n * d * f + 2 * n * f * o
+    dy = jax.random.normal(k[3], y.shape, jnp.float64)
+    dx, early, cut = sp.b(*wl, *res, dy)
+    late = sp.w(list(wl) + res, cut)
+    g_w, g_x = vjp(dy)
+    assert early == [None, None]
+    np.testing.assert_allclose(dx[0], g_x, rtol=1e-12, atol=1e-12)
+    for got, want in zip(late, jax.tree.leaves(g_w)):
+      np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -195,8 +195,9 @@ def pipeline_runs(tmp_path_factory):
 # pipelined step (the fixture is the suite's longest), so each covers something the others
 # do not: V = 1 with data and expert nested; V = 3 over an uneven split; V = 2 with data and
 # expert; GPipe; pipeline 4 and 8 with per-device skipping; the B/W-split zbh1 schedule
-# (k2jax.parallel.bwsplit) over the uneven V = 3 split with data, and on pipeline 8 with
-# per-device skipping (no expert axis: the routed experts' weight gradients are W's too).
+# (k2jax.parallel.bwsplit) over the uneven V = 3 split with data and expert (the MoE's
+# shard_map cut in two, the experts' weight gradients W's), and on pipeline 8 with
+# per-device skipping.
 # "kdevice": idle phases skipped per device, as on GPU / TPU (CPU's default skips per tick);
 # on meshes where XLA:CPU places no collective-permute inside a branch, so it runs here
 # (4 x 3 stages of 1 for 8 layers: stage 0 and the last stages are padding, skipped per
@@ -205,7 +206,7 @@ def pipeline_runs(tmp_path_factory):
 # this mesh's third loss was 7.7e-4 off). "o": model.offload, the residual (and
 # zbh1's cut) slots in host memory (pipeline._Slots; the transfers are no-ops on CPU, the
 # slot logic with its write-only slot is what runs).
-PIPELINE_MESHES = ("2x2x2/a2", "2x4x1/v3/a4/szbh1/o", "2x2x2/v2/a4",
+PIPELINE_MESHES = ("2x2x2/a2", "2x2x2/v3/a4/szbh1/o", "2x2x2/v2/a4",
                    "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice/o", "8x1x1/a8/kdevice/szbh1")
 
 

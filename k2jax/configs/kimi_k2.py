@@ -81,7 +81,8 @@ def get_config():
   # microbatches. 16 x 4 stages of 1 idle 12.3% there: stage 0 holds padding only but the
   # embedding and dense layer's residuals (18432-wide SwiGLU inputs) do not fit the slot's
   # sequence-laid-out leaves (pipeline._Overlay, keeps_prefix), so its backward recomputes
-  # them and its ticks are the longest. zbh1 idles 8.1% at 16 x 2 and keeps 26 GB more in
-  # host memory (what B hands W), so the preset stays 1f1b.
+  # them and its ticks are the longest. zbh1 idles 6.8% at 16 x 2 but keeps 54 GB more in
+  # host memory (what B hands W: 1.69 GB per layer and sequence, the routed experts' row
+  # cotangents most of it), so the preset stays 1f1b.
   base.one_sequence_per_device(c)
   return c

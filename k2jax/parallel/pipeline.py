@@ -223,8 +223,9 @@ def w_share(cfg, data: int = 1, expert: int = 1, seq_len: int = 4096, platform=N
   """The weight-gradient (W) work of one pipelined layer, in units of its forward, as
   k2jax.parallel.bwsplit cuts its backward on a data x expert mesh (traced at abstract
   shapes, with the kernels `auto` picks on `platform`, default gpu; nothing allocated).
-  Weight gradients made inside an op the input gradient needs (the expert-parallel MoE's
-  shard_map) stay in B, so this is below 1 (the ideal split of a backward, 2 forwards)."""
+  A backward of 2 forwards splits ideally 1 + 1; weight gradients made inside an op the
+  input gradient needs stay in B (below 1), and the expert exchange's weight gradients run
+  over its padded buffers (1.25x the rows it receives when balanced: above 1 for K2)."""
   return split_cost(cfg, data, expert, seq_len, platform)[0]
 
 
