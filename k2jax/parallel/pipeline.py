@@ -63,6 +63,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec, param_spec
@@ -263,10 +264,11 @@ def residual_stages(tab: schedules.Table, offload: bool) -> dict:
   at once, by memory: {"device": n, "host": n}. Without offload, the schedule's in-flight
   count on the device. With it, the table's residual slots plus one that only absorbs the
   writes of idle ticks, in host memory (`_Slots`), and on the device the stage F just
-  made and the one B reads (a tick moves one to host and one back)."""
+  made, the one B reads and, without W tasks, the one fetched for the next tick's B (a
+  tick moves one to host and one back, a tick ahead: `_run`)."""
   if not offload:
     return {"device": tab.in_flight, "host": 0}
-  return {"device": min(2, tab.in_flight), "host": tab.sizes["res"] + 1}
+  return {"device": min(2 if tab.split else 3, tab.in_flight), "host": tab.sizes["res"] + 1}
 
 
 def skip_mode() -> str:
@@ -959,7 +961,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   head_tick = jnp.asarray(schedules.head_ticks(tab))
 
   def tick(carry, t):
-    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc = carry
+    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc, fetched = carry
     sl = {k: a[t, p] for k, a in slot.items()}
     act_buf = _put(act_buf, sl["act_in"], st_f)
     fv, fm = task["F"][t, p, 0], task["F"][t, p, 1]
@@ -976,8 +978,11 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
                            (y, jnp.maximum(task["F"][t, Pn - 1, 1], 0), acc))
     if not grads:
       return (jax.lax.ppermute(y, AXIS, fwd_ring), st_b, act_buf, grad_buf, res_buf,
-              cut_buf, acc), None
+              cut_buf, acc, fetched), None
     res_buf = store.put(res_buf, sl["res_write"], res)
+    if ahead:   # this tick's B reads what the last tick fetched, or what this F just made
+      res = _where(fresh[t, p], res, fetched)
+      fetched = store.get(res_buf, next_read[t, p])
     grad_buf = _put(grad_buf, sl["grad_in"], st_b)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
     if offload:   # host buffers stay out of the barrier: it orders collectives, not copies
@@ -986,7 +991,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       y, grad_buf, res_buf, acc = jax.lax.optimization_barrier((y, grad_buf, res_buf, acc))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
-    res = store.get(res_buf, sl["res_read"])
+    if not ahead:
+      res = store.get(res_buf, sl["res_read"])
     b_args = (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
               {k: a[t] for k, a in flags["B"].items()}, dy, res, acc)
     if tab.split:
@@ -1006,7 +1012,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     st_f = jax.lax.ppermute(y, AXIS, fwd_ring)
     st_f, dx = jax.lax.optimization_barrier((st_f, dx))
     st_b = jax.lax.ppermute(dx, AXIS, bwd_ring)
-    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc), None
+    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc, fetched), None
 
   f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
   acc = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
@@ -1025,9 +1031,23 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   cut_buf = []
   if grads and tab.split:
     cut_buf = store.zeros(slots["cut"], cut_shapes)
+  # With host slots, B's residuals are fetched a tick ahead: the copy of tick t + 1's slot
+  # to the device depends on nothing tick t computes, so it can run during tick t's phases
+  # instead of in front of tick t + 1's B (one more stage's residuals on the device,
+  # `residual_stages`). A B that reads what its own tick's F made (the last stage's) takes
+  # that value directly. Not with zbh1: its W phase reads host slots in place too, and with
+  # B's read a tick ahead XLA:CPU ordered the B / W phases' collectives differently on
+  # different devices (a deadlock on pipeline 2 x data 2 x expert 2).
+  ahead = store.host and not tab.split
+  fetched = []
+  if ahead:
+    rr, rw = tab.slots["res_read"], tab.slots["res_write"]
+    fresh = jnp.asarray((rr >= 0) & (rr == rw))
+    next_read = jnp.asarray(np.concatenate([rr[1:], np.full((1, Pn), -1, rr.dtype)]))
+    fetched = _zeros(res_shapes)
   init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf,
-          cut_buf, acc)
-  (_, _, _, _, _, _, acc), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+          cut_buf, acc, fetched)
+  (_, _, _, _, _, _, acc, _), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
   # The gradient sums keep their parameters' sharding over the automatic axes (the vocab
   # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
   # pipeline 2 x data 2 x expert 2).
