@@ -22,8 +22,13 @@ def _poison(s):
 # vary over an axis is summed over it (the transpose of using a replicated weight on
 # per-device rows). No-ops outside shard_map.
 def vma(a) -> frozenset:
-  """The manual mesh axes `a` varies over (jax 0.10+: manual_axis_type; earlier: vma)."""
-  t = jax.typeof(a)
+  """The manual mesh axes `a` varies over."""
+  return type_vma(jax.typeof(a))
+
+
+def type_vma(t) -> frozenset:
+  """The manual mesh axes a value of type `t` (an aval) varies over (jax 0.10+:
+  manual_axis_type; earlier: vma)."""
   mat = getattr(t, "manual_axis_type", None)
   return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
 

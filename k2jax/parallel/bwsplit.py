@@ -38,6 +38,8 @@ from typing import Callable, NamedTuple
 import jax
 from jax.extend import core as jcore
 
+from k2jax.kernels.pallas_utils import type_vma
+
 # Calls whose body is inlined: their ops join the flat list (a remat's body in a backward
 # is recomputation plus the transposed layer, both ordinary ops once inlined).
 _INLINE = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint")
@@ -85,6 +87,26 @@ def _flatten(jaxpr, consts, in_keys, ops, counter):
       if not isinstance(v, jcore.DropVar):
         env[v] = k
   return [read(a) for a in jaxpr.outvars]
+
+
+def _flat(jaxpr, consts, counter):
+  """A jaxpr's flat op list (`_flatten`) with fresh keys for its inputs -> (ops, input
+  keys, output keys)."""
+  ops, in_keys = [], []
+  for _ in jaxpr.invars:
+    counter[0] += 1
+    in_keys.append(counter[0])
+  return ops, in_keys, _flatten(jaxpr, consts, in_keys, ops, counter)
+
+
+def _producers(ops) -> dict:
+  """key -> index of the op that makes it."""
+  return {k: i for i, op in enumerate(ops) for k in op.outs if k is not None}
+
+
+def _aval(op, j):
+  """The type of op's j-th output."""
+  return op.avals[j] if op.eqn is None else op.eqn.outvars[j].aval
 
 
 def _slice(ops, producer, wanted):
@@ -205,7 +227,7 @@ class Split(NamedTuple):
 def _partition(ops, in_keys, n_kept: int, b_keys, w_keys):
   """Steps 2-4 of the module docstring on a flat op list -> (B's ops, the indices of
   `w_keys` W makes (`late`), W's ops, the cut: the keys B hands W)."""
-  producer = {k: i for i, op in enumerate(ops) for k in op.outs if k is not None}
+  producer = _producers(ops)
   b_ops = _slice(ops, producer, b_keys)
   late = tuple(i for i, k in enumerate(w_keys)
                if isinstance(k, int) and k in producer and producer[k] not in b_ops)
@@ -253,12 +275,6 @@ def _partition(ops, in_keys, n_kept: int, b_keys, w_keys):
   return b_ops, late, w_ops, sorted(k for k in wanted if not redo(k))
 
 
-def _vma(aval) -> frozenset:
-  """The manual mesh axes a value of type `aval` varies over (as kernels.pallas_utils.vma)."""
-  mat = getattr(aval, "manual_axis_type", None)
-  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
 def _open_shard_map(op, b_out, w_out, counter):
   """A shard_map op whose outputs `b_out` B needs and `w_out` only W: its body cut like a
   backward (`_partition`, every body input kept: the outer cut decides how each reaches
@@ -272,13 +288,8 @@ def _open_shard_map(op, b_out, w_out, counter):
   body, consts = params["jaxpr"], ()
   if isinstance(body, jcore.ClosedJaxpr):
     body, consts = body.jaxpr, body.consts
-  sub, sub_counter = [], [0]
-  keys = []
-  for _ in body.invars:
-    sub_counter[0] += 1
-    keys.append(sub_counter[0])
-  outs = _flatten(body, consts, keys, sub, sub_counter)
-  producer = {k: i for i, e in enumerate(sub) for k in e.outs if k is not None}
+  sub, keys, outs = _flat(body, consts, [0])
+  producer = _producers(sub)
   while True:
     b_ops, late, w_ops, cut = _partition(sub, keys, len(keys), [outs[j] for j in b_out],
                                          [outs[j] for j in w_out])
@@ -294,9 +305,9 @@ def _open_shard_map(op, b_out, w_out, counter):
     return None
   mesh, check = params["mesh"], params["check_vma"]
   manual = _manual(params)
-  aval_of = {k: e.eqn.outvars[j].aval for e in sub for j, k in enumerate(e.outs) if k in cut}
+  aval_of = {k: _aval(e, j) for e in sub for j, k in enumerate(e.outs) if k in cut}
   cut_axes = [tuple(a for a in mesh.axis_names
-                    if a in manual and (a in _vma(aval_of[k]) or not check)) for k in cut]
+                    if a in manual and (a in type_vma(aval_of[k]) or not check)) for k in cut]
   cut_specs = tuple(PartitionSpec(ax or None) for ax in cut_axes)
   cut_avals = tuple(jax.ShapeDtypeStruct((math.prod(mesh.shape[a] for a in ax),)
                                       + aval_of[k].shape, aval_of[k].dtype)
@@ -330,7 +341,7 @@ def _open_shard_map(op, b_out, w_out, counter):
   for _ in cut:
     counter[0] += 1
     new_keys.append(counter[0])
-  avals = [v.aval for v in op.eqn.outvars]
+  avals = [_aval(op, j) for j in range(len(op.outs))]
   flops = lambda idx: _devices(op.eqn) * sum(_op_flops(sub[i]) for i in idx)
   b_op = _Op(None, tuple(op.ins[j] for j in b_in), tuple(op.outs[j] for j in b_out) +
              tuple(new_keys), b_fn, tuple(avals[j] for j in b_out) + cut_avals, flops(b_ops))
@@ -345,7 +356,7 @@ def _open(ops, dx_keys, dw_keys, counter):
   (`_open_shard_map`): e.g. the MoE's, whose experts' weight gradients would otherwise
   be made in B."""
   while True:
-    producer = {k: i for i, op in enumerate(ops) for k in op.outs if k is not None}
+    producer = _producers(ops)
     b_ops = _slice(ops, producer, dx_keys)
     by_b = {k for i in b_ops for k in ops[i].ins if isinstance(k, int)} | set(dx_keys)
     used = {k for op in ops for k in op.ins if isinstance(k, int)} | set(dw_keys)
@@ -369,19 +380,14 @@ def split(bwd, n_weights: int, n_kept: int, *avals) -> Split:
   The first `n_kept` inputs (weights, stored residuals) are still there when W runs; the
   rest (the output cotangent) reach W through the cut if it needs them."""
   closed = jax.make_jaxpr(bwd)(*avals)
-  ops, counter = [], [0]
-  in_keys = []
-  for _ in closed.jaxpr.invars:
-    counter[0] += 1
-    in_keys.append(counter[0])
-  outs = _flatten(closed.jaxpr, closed.consts, in_keys, ops, counter)
+  counter = [0]
+  ops, in_keys, outs = _flat(closed.jaxpr, closed.consts, counter)
   dw_keys, dx_keys = outs[:n_weights], outs[n_weights:]
   ops = _open(ops, dx_keys, dw_keys, counter)
   b_ops, late, w_ops, cut = _partition(ops, in_keys, n_kept, dx_keys, dw_keys)
   b_order, w_order = sorted(b_ops), sorted(w_ops)
   aval_of = {k: a.aval for k, a in zip(in_keys, closed.jaxpr.invars)}
-  aval_of.update({k: (op.avals[j] if op.eqn is None else op.eqn.outvars[j].aval)
-                  for op in ops for j, k in enumerate(op.outs) if k in cut})
+  aval_of.update({k: _aval(op, j) for op in ops for j, k in enumerate(op.outs) if k in cut})
 
   def b(*ins):
     env = dict(zip(in_keys, ins))

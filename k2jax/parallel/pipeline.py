@@ -264,11 +264,20 @@ def residual_stages(tab: schedules.Table, offload: bool) -> dict:
   at once, by memory: {"device": n, "host": n}. Without offload, the schedule's in-flight
   count on the device. With it, the table's residual slots plus one that only absorbs the
   writes of idle ticks, in host memory (`_Slots`), and on the device the stage F just
-  made, the one B reads and, without W tasks, the one fetched for the next tick's B (a
-  tick moves one to host and one back, a tick ahead: `_run`)."""
+  made, the one B reads and, where B reads a tick ahead (`fetches_ahead`), the one fetched
+  for the next tick's B (a tick moves one to host and one back)."""
   if not offload:
     return {"device": tab.in_flight, "host": 0}
-  return {"device": min(2 if tab.split else 3, tab.in_flight), "host": tab.sizes["res"] + 1}
+  return {"device": min(3 if fetches_ahead(tab, offload) else 2, tab.in_flight),
+          "host": tab.sizes["res"] + 1}
+
+
+def fetches_ahead(tab: schedules.Table, offload: bool) -> bool:
+  """Whether B's residuals come from host memory a tick ahead (`_run`): with host slots,
+  for schedules without W tasks. zbh1's W phase reads host slots in place too, and with
+  B's read a tick ahead XLA:CPU ordered the B / W phases' collectives differently on
+  different devices (a deadlock on pipeline 2 x data 2 x expert 2)."""
+  return offload and not tab.split
 
 
 def skip_mode() -> str:
@@ -1035,10 +1044,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   # to the device depends on nothing tick t computes, so it can run during tick t's phases
   # instead of in front of tick t + 1's B (one more stage's residuals on the device,
   # `residual_stages`). A B that reads what its own tick's F made (the last stage's) takes
-  # that value directly. Not with zbh1: its W phase reads host slots in place too, and with
-  # B's read a tick ahead XLA:CPU ordered the B / W phases' collectives differently on
-  # different devices (a deadlock on pipeline 2 x data 2 x expert 2).
-  ahead = store.host and not tab.split
+  # that value directly (`fetches_ahead`: not with zbh1).
+  ahead = fetches_ahead(tab, store.host)
   fetched = []
   if ahead:
     rr, rw = tab.slots["res_read"], tab.slots["res_write"]
