@@ -87,7 +87,7 @@ def ceilings():
 
 
 def make_config(model_kw, batch, seq, attention_impl, moe_impl, grad_accum=1,
-                ns_dtype="float32", remat=None):
+                ns_dtype="float32", remat=None, cast_once=True):
   from k2jax import configs
   c = configs.get_config("tiny")
   c.model.update(model_kw)
@@ -96,7 +96,8 @@ def make_config(model_kw, batch, seq, attention_impl, moe_impl, grad_accum=1,
     c.model.remat = remat
   c.optimizer.update(dict(name="muonclip", tau=100.0, learning_rate=1e-4, warmup_steps=10,
                           ns_dtype=ns_dtype))
-  c.train.update(dict(batch_size=batch, seq_len=seq, grad_accum=grad_accum))
+  c.train.update(dict(batch_size=batch, seq_len=seq, grad_accum=grad_accum,
+                      cast_once=cast_once))
   return c
 
 
@@ -253,6 +254,9 @@ def main(argv=None):
                  help="optimizer.ns_dtype: Newton-Schulz's dtype in the step")
   p.add_argument("--remat", default=None, choices=("none", "selective", "full"),
                  help="model.remat (default the model's: selective, report 2.4.3)")
+  p.add_argument("--cast-once", default="on", choices=("on", "off", "both"),
+                 help="train.cast_once (weights cast to bf16 once per step, not per "
+                      "microbatch); both: each kernel choice with and without, same process")
   p.add_argument("--tag", default="", help="suffix of the CSV names (several runs, one folder)")
   p.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
   p.add_argument("--no-breakdown", action="store_true")
@@ -268,12 +272,13 @@ def main(argv=None):
   print(f"{dev.device_kind}: measured bf16 matmul {mm:.0f} TFLOP/s, copy {bw:.0f} GB/s; "
         f"datasheet dense bf16 peak {peak or float('nan')} TFLOP/s", flush=True)
   rows, parts_rows = [], []
-  for name in args.kernels.split(","):
+  casts = {"on": (True,), "off": (False,), "both": (False, True)}[args.cast_once]
+  for name, cast_once in [(n, c) for n in args.kernels.split(",") for c in casts]:
     attn_impl, moe_impl = KERNELS[name]
     batch = args.batch
     while True:
       config = make_config(model_kw, batch, args.seq, attn_impl, moe_impl,
-                           min(args.grad_accum, batch), args.ns_dtype, args.remat)
+                           min(args.grad_accum, batch), args.ns_dtype, args.remat, cast_once)
       try:
         step_s, state, metrics = step_time(config, args.reps)
         break
@@ -297,7 +302,8 @@ def main(argv=None):
     rows.append(dict(kernels=name, attention_impl=attn_impl, moe_impl=moe_impl,
                      peak_GB=mem.get("peak_bytes_in_use", float("nan")) / 1e9,
                      limit_GB=mem.get("bytes_limit", float("nan")) / 1e9,
-                     grad_accum=config.train.grad_accum, ns_dtype=args.ns_dtype,
+                     grad_accum=config.train.grad_accum, cast_once=cast_once,
+                     ns_dtype=args.ns_dtype,
                      remat=m.remat, moe_tiles=_moe_tiles(),
                      activated_B=counts["activated"] / 1e9, total_B=counts["total"] / 1e9,
                      batch=batch, seq=args.seq, step_ms=1e3 * step_s, tokens_per_s=tokens / step_s,
@@ -328,14 +334,14 @@ def main(argv=None):
   print(f"\n{dev.device_kind}: ceilings measured now: bf16 matmul {mm:.0f} TFLOP/s, copy "
         f"{bw:.0f} GB/s; MFU against the datasheet's {peak} TFLOP/s")
   print(f"{'kernels':<18}{'act B':>6}{'tot B':>6}{'batch':>6}{'accum':>6}{'remat':>10}"
-        f"{'NS':>6}{'step ms':>9}{'tok/s':>9}{'TFLOP/s':>9}{'MFU':>7}{'/matmul':>8}"
+        f"{'NS':>6}{'cast1':>6}{'step ms':>9}{'tok/s':>9}{'TFLOP/s':>9}{'MFU':>7}{'/matmul':>8}"
         f"{'peak GB':>9}{'of':>6}")
   for r in rows:
     if "step_ms" not in r:
       print(f"{r['kernels']:<18} {r['note']}")
       continue
     print(f"{r['kernels']:<18}{r['activated_B']:>6.2f}{r['total_B']:>6.2f}{r['batch']:>6}"
-          f"{r['grad_accum']:>6}{r['remat']:>10}{'f32' if r['ns_dtype'] == 'float32' else 'bf16':>6}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['model_TFLOPs']:>9.1f}"
+          f"{r['grad_accum']:>6}{r['remat']:>10}{'f32' if r['ns_dtype'] == 'float32' else 'bf16':>6}{'yes' if r['cast_once'] else 'no':>6}{r['step_ms']:>9.1f}{r['tokens_per_s']:>9.0f}{r['model_TFLOPs']:>9.1f}"
           f"{r['MFU_datasheet']:>7.1%}{r['MFU_measured_matmul']:>8.1%}{r['peak_GB']:>9.1f}"
           f"{r['limit_GB']:>6.0f}")
   if parts_rows:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from k2jax import model
+from k2jax.model import spec
 from k2jax.optim import load_imbalance
 from k2jax.parallel import layout, pipeline
 
@@ -66,16 +67,26 @@ def _pipelined_grads(mcfg, params, batch, tab, skip=None):
   return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
 
 
-def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None):
+def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None, cast_once=True):
   """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32
   (report 2.4.2's fp32 gradient buffer, whatever the parameters' dtype).
 
   -> (grads, mean loss, ForwardStats: max_logits maxed and expert_load summed over
   microbatches). Accumulator shapes come from the config, not from a trial forward pass.
   With a pipeline schedule table `tab` the microbatches run through the pipeline instead.
+
+  cast_once (train.cast_once): with several microbatches and parameters stored wider than
+  model.dtype, the weights the forward reads in model.dtype are cast once per step
+  (model.spec.cast_once) and differentiated there, instead of inside every microbatch's
+  forward and again in its recomputation: the same gradients, (grad_accum - 1) x 2 fewer
+  passes over the weights (read float32, write bf16), and the per-microbatch weight
+  gradients reach the float32 accumulator in model.dtype. Costs one model.dtype copy of
+  those weights for the step.
   """
   if tab is not None:
     return _pipelined_grads(mcfg, params, batch, tab, skip)
+  if cast_once and grad_accum > 1:
+    params = spec.cast_once(model.param_specs(mcfg), params, mcfg.dtype)
 
   def micro(mb):
     def f(p):
@@ -145,7 +156,8 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   built for it (`optim.optimizer(layout.stored_config(config))`)."""
   mcfg, ocfg = config.model, config.optimizer
   grads, loss, aux = _grads(mcfg, state.params, batch, config.train.grad_accum,
-                            _table(config), _skip(config))
+                            _table(config), _skip(config),
+                            cast_once=config.train.get("cast_once", True))
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   old_opt = on_device(ocfg, state.opt_state)

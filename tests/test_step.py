@@ -46,6 +46,48 @@ def test_grad_accumulation_equals_one_batch():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
+def test_weights_cast_once_per_step_give_the_same_gradients(monkeypatch):
+  """train.cast_once: with float32 parameters, bf16 compute and 2 microbatches, the weights
+  cast once per step give the gradients, loss and max logits of casting them inside each
+  microbatch, to the bit, and the microbatch loop then reads no float32 copy of them. The leaves the
+  forward reads in float32 or gathers (router, embedding) must stay out of it: cast too,
+  they change the gradients (checked, so the first comparison can fail)."""
+  from k2jax import model
+  from k2jax.model import spec
+  from k2jax.step import _grads
+  cfg = configs.get_config("tiny")
+  cfg.model.update(dict(num_hidden_layers=3, dtype="bfloat16"))
+  params = model.init(cfg.model, jax.random.key(0))
+  batch = _batch(cfg, 4, 16)
+  batch["inputs"] = batch["inputs"] % 5   # repeated tokens: the embedding's rows sum
+  fn = lambda co: (lambda p, b: _grads(cfg.model, p, b, 2, cast_once=co))
+  ref, got = jax.jit(fn(False))(params, batch), jax.jit(fn(True))(params, batch)
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(a, b)
+  # what the microbatch loop (the one top-level scan) reads: the cast leaves in bf16 only
+  specs = model.param_specs
+  flags = jax.tree.leaves(jax.tree.map(lambda s: s.cast, specs(cfg.model),
+                                       is_leaf=spec.is_spec))
+  cast = {x.shape for x, c in zip(jax.tree.leaves(params), flags) if c}
+  kept = {x.shape for x, c in zip(jax.tree.leaves(params), flags) if not c}
+  wide = {}
+  for co in (False, True):
+    loop = [e for e in jax.make_jaxpr(fn(co))(params, batch).eqns
+            if e.primitive.name == "scan"]
+    assert len(loop) == 1
+    consts = loop[0].invars[:loop[0].params["num_consts"]]   # (the carry is the f32 sum)
+    wide[co] = {v.aval.shape for v in consts if v.aval.dtype == jnp.float32}
+  assert cast - kept <= wide[False] and not (cast - kept) & wide[True], wide
+  for name in ("router", "embed"):
+    monkeypatch.setattr(model, "param_specs", lambda c, name=name: jax.tree_util.
+                        tree_map_with_path(lambda path, s: s._replace(cast=True)
+                                           if name in jax.tree_util.keystr(path) else s,
+                                           specs(c), is_leaf=spec.is_spec))
+    bad = jax.jit(fn(True))(params, batch)
+    assert any(bool(jnp.any(a != b)) for a, b in
+               zip(jax.tree.leaves(ref[0]), jax.tree.leaves(bad[0]))), name
+
+
 def test_bfloat16_step_is_finite_and_keeps_float32_params():
   cfg = configs.get_config("tiny")
   cfg.model.update(dict(num_hidden_layers=2, dtype="bfloat16"))

@@ -32,10 +32,11 @@ def moe_specs(cfg):
   d, E, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
   s = {
       # The router is small and trained with AdamW (Moonlight recipe); "router" is its own
-      # logical axis so expert sharding does not split it.
-      "router": spec.ParamSpec(shape=(d, E), axes=("embed", "router"), group="adamw"),
+      # logical axis so expert sharding does not split it. Both are read in float32 (route).
+      "router": spec.ParamSpec(shape=(d, E), axes=("embed", "router"), group="adamw",
+                               cast=False),
       "router_bias": spec.ParamSpec(shape=(E,), axes=("router",), init="zeros", group="frozen",
-                                    n_in=0, decay=False),
+                                    n_in=0, decay=False, cast=False),
       "experts": {"gate": spec.matrix((E, d, f), ("experts", "embed", "mlp")),
                   "up": spec.matrix((E, d, f), ("experts", "embed", "mlp")),
                   "down": spec.matrix((E, f, d), ("experts", "mlp", "embed"))},

@@ -29,6 +29,7 @@ class ParamSpec(NamedTuple):
   group: str = "muon"    # optimizer role: muon | adamw | frozen (not trained by gradients)
   n_in: int = 1          # number of fan-in axes after the batch axes (matrices)
   decay: bool = True     # weight decay applies
+  cast: bool = True      # the forward reads it cast whole to model.dtype (see cast_once)
 
 
 def matrix(shape, axes, n_in=1):
@@ -86,6 +87,21 @@ def init_params(specs, rng, std: float, dtype=jnp.float32):
     else:
       out.append(jnp.zeros(s.shape, jnp.float32 if s.group == "frozen" else dtype))
   return jax.tree.unflatten(treedef, out)
+
+
+def cast_once(specs, params, dtype):
+  """`params` with every leaf whose spec has `cast` converted to `dtype`; the rest as stored.
+
+  The forward reads such a leaf only as `w.astype(model.dtype)` (whole, or one layer's slice
+  under the layers' scan), so differentiating it at a copy cast beforehand gives the same
+  values and the same gradient: the cast's transpose only widens the model.dtype
+  cotangent that reaches it. Not `cast`: the router (its logits are float32, as in
+  DeepSeek-V3's gate) and the embedding (read by a gather, whose transpose sums the rows of
+  repeated tokens: that sum stays float32).
+  """
+  dt = jnp.dtype(dtype)
+  return jax.tree.map(lambda s, p: p.astype(dt) if s.cast and p.dtype != dt else p,
+                      specs, params, is_leaf=is_spec)
 
 
 def size(s: ParamSpec) -> int:

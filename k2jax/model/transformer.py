@@ -67,7 +67,9 @@ def param_specs(cfg):
             "mlp_norm": spec.vector(d, "embed"), kind: ffn}
 
   ffn = {"mlp": lambda: mlp_specs(d, cfg.intermediate_size), "moe": lambda: moe_specs(cfg)}
-  s = {"embed": spec.ParamSpec(shape=(V, d), axes=("vocab", "embed"), group="adamw")}
+  # the embedding's gradient scatter-adds repeated tokens' rows: kept in the stored dtype
+  s = {"embed": spec.ParamSpec(shape=(V, d), axes=("vocab", "embed"), group="adamw",
+                               cast=False)}
   for st in stacks(cfg):
     s[st.name] = spec.stack(layer(st.ffn, ffn[st.ffn]()), st.size)
   s["final_norm"] = spec.vector(d, "embed")
