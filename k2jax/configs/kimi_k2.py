@@ -45,8 +45,8 @@ def get_config():
       param_dtype="bfloat16",
       # Report 2.4.3: selective recomputation, FP8 (E4M3, 1 x 128 tiles) storage of the MoE
       # up-projection and SwiGLU inputs, and the saved activations offloaded to host memory:
-      # on this pipeline the schedule's residual slots are host memory (the 79 microbatches
-      # in flight: 45.5 GB per device there, 3.8 GB of activations left on the device;
+      # on this pipeline the schedule's residual slots are host memory (the 47 stages in
+      # flight: 54.6 GB per device there, 4.4 GB of activations left on the device;
       # `python -m k2jax.plan --config kimi_k2 --devices 2048`).
       remat="selective",
       activation_storage="fp8",
@@ -70,7 +70,7 @@ def get_config():
   # the work is largest: the stage with the embedding + dense layer first,
   # layout._balanced_counts); the head is split over the 16 pipeline devices by vocabulary.
   # With model.offload the stage residuals of the microbatches in flight wait in host memory
-  # (54.6 GB per device), 34.6 GB on the device in all (84.6 GB without offload; `python -m
+  # (54.6 GB per device), 33.4 GB on the device in all (84.6 GB without offload; `python -m
   # k2jax.plan --config kimi_k2 --mesh pipeline=16,expert=16,data=8` reads all of it from the
   # code that runs it).
   c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=2))

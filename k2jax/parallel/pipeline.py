@@ -264,20 +264,15 @@ def residual_stages(tab: schedules.Table, offload: bool) -> dict:
   at once, by memory: {"device": n, "host": n}. Without offload, the schedule's in-flight
   count on the device. With it, the table's residual slots plus one that only absorbs the
   writes of idle ticks, in host memory (`_Slots`), and on the device the stage F just
-  made, the one B reads and, where B reads a tick ahead (`fetches_ahead`), the one fetched
-  for the next tick's B (a tick moves one to host and one back)."""
+  made and the one B reads (a tick moves one to host and one back).
+
+  B reads its slot in the tick it runs. Fetching it a tick ahead (so the copy could run
+  behind the tick's phases) kept one more stage on the device and saved nothing on one
+  H200 (2026-11-26: 1.99x the device slots' step time vs 1.96x reading in place,
+  experiments/results/pipeline/gpu_offload_fetch_ahead.csv), so it was taken out."""
   if not offload:
     return {"device": tab.in_flight, "host": 0}
-  return {"device": min(3 if fetches_ahead(tab, offload) else 2, tab.in_flight),
-          "host": tab.sizes["res"] + 1}
-
-
-def fetches_ahead(tab: schedules.Table, offload: bool) -> bool:
-  """Whether B's residuals come from host memory a tick ahead (`_run`): with host slots,
-  for schedules without W tasks. zbh1's W phase reads host slots in place too, and with
-  B's read a tick ahead XLA:CPU ordered the B / W phases' collectives differently on
-  different devices (a deadlock on pipeline 2 x data 2 x expert 2)."""
-  return offload and not tab.split
+  return {"device": min(2, tab.in_flight), "host": tab.sizes["res"] + 1}
 
 
 def skip_mode() -> str:
@@ -970,7 +965,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   head_tick = jnp.asarray(schedules.head_ticks(tab))
 
   def tick(carry, t):
-    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc, fetched = carry
+    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc = carry
     sl = {k: a[t, p] for k, a in slot.items()}
     act_buf = _put(act_buf, sl["act_in"], st_f)
     fv, fm = task["F"][t, p, 0], task["F"][t, p, 1]
@@ -987,11 +982,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
                            (y, jnp.maximum(task["F"][t, Pn - 1, 1], 0), acc))
     if not grads:
       return (jax.lax.ppermute(y, AXIS, fwd_ring), st_b, act_buf, grad_buf, res_buf,
-              cut_buf, acc, fetched), None
+              cut_buf, acc), None
     res_buf = store.put(res_buf, sl["res_write"], res)
-    if ahead:   # this tick's B reads what the last tick fetched, or what this F just made
-      res = _where(fresh[t, p], res, fetched)
-      fetched = store.get(res_buf, next_read[t, p])
     grad_buf = _put(grad_buf, sl["grad_in"], st_b)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
     if offload:   # host buffers stay out of the barrier: it orders collectives, not copies
@@ -1000,8 +992,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       y, grad_buf, res_buf, acc = jax.lax.optimization_barrier((y, grad_buf, res_buf, acc))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
-    if not ahead:
-      res = store.get(res_buf, sl["res_read"])
+    res = store.get(res_buf, sl["res_read"])
     b_args = (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
               {k: a[t] for k, a in flags["B"].items()}, dy, res, acc)
     if tab.split:
@@ -1021,7 +1012,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     st_f = jax.lax.ppermute(y, AXIS, fwd_ring)
     st_f, dx = jax.lax.optimization_barrier((st_f, dx))
     st_b = jax.lax.ppermute(dx, AXIS, bwd_ring)
-    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc, fetched), None
+    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc), None
 
   f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
   acc = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
@@ -1040,21 +1031,9 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   cut_buf = []
   if grads and tab.split:
     cut_buf = store.zeros(slots["cut"], cut_shapes)
-  # With host slots, B's residuals are fetched a tick ahead: the copy of tick t + 1's slot
-  # to the device depends on nothing tick t computes, so it can run during tick t's phases
-  # instead of in front of tick t + 1's B (one more stage's residuals on the device,
-  # `residual_stages`). A B that reads what its own tick's F made (the last stage's) takes
-  # that value directly (`fetches_ahead`: not with zbh1).
-  ahead = fetches_ahead(tab, store.host)
-  fetched = []
-  if ahead:
-    rr, rw = tab.slots["res_read"], tab.slots["res_write"]
-    fresh = jnp.asarray((rr >= 0) & (rr == rw))
-    next_read = jnp.asarray(np.concatenate([rr[1:], np.full((1, Pn), -1, rr.dtype)]))
-    fetched = _zeros(res_shapes)
   init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf,
-          cut_buf, acc, fetched)
-  (_, _, _, _, _, _, acc, _), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+          cut_buf, acc)
+  (_, _, _, _, _, _, acc), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
   # The gradient sums keep their parameters' sharding over the automatic axes (the vocab
   # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
   # pipeline 2 x data 2 x expert 2).
