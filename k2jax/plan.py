@@ -35,7 +35,7 @@ from k2jax.model import transformer
 from k2jax.configs.sharding_rules import mesh_axes
 from k2jax.parallel import MESH_AXES, layout, pipeline, state_shardings
 from k2jax.parallel.mesh import entry_axes
-from k2jax.step import init_state
+from k2jax.step import differentiated, init_state
 
 GB = 1e9
 
@@ -89,7 +89,14 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
       names[name] = names.get(name, 0) + extra
   n = model.count_params(config.model)["total"]
   param_size = np.dtype(config.model.param_dtype).itemsize
+  # the weights' model.dtype copy a step without a pipeline differentiates (train.cast_once)
+  cast_tree = jax.eval_shape(lambda p: differentiated(
+      stored.model, p, stored.train.grad_accum, stored.train.get("cast_once", True)),
+      abstract.params) if mesh_shape.get("pipeline", 1) == 1 else abstract.params
+  cast = [(c, s) for c, a, s in zip(jax.tree.leaves(cast_tree), jax.tree.leaves(abstract.params),
+                                    jax.tree.leaves(sh.params)) if c.dtype != a.dtype]
   return dict(params=per_device(abstract.params, sh.params),
+              cast_copy=per_device([c for c, _ in cast], [s for _, s in cast]),
               grads=per_device(abstract.params, sh.params, grad_bytes),
               optimizer=per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
               optimizer_host=per_device(abstract.opt_state, sh.opt_state,
@@ -285,6 +292,10 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   states = st["params"] + st["grads"] + st["optimizer"]
   lines.append(f"  {'all states on device':<24}{states / GB:>10.2f}   "
                f"(from parallel.state_shardings)")
+  if st["cast_copy"]:
+    lines.append(f"  {'weights in ' + cfg.model.dtype:<24}{st['cast_copy'] / GB:>10.2f}   cast once "
+                 f"per step for its {M} microbatches (train.cast_once)")
+    states += st["cast_copy"]
   offloaded = "" if not acts.host else (
       ", the stage residuals of the microbatches in flight in host memory (model.offload)"
       if P > 1 else ", the layers' saved activations in host memory (model.offload)")

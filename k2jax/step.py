@@ -67,6 +67,16 @@ def _pipelined_grads(mcfg, params, batch, tab, skip=None):
   return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
 
 
+def differentiated(mcfg, params, grad_accum, cast_once=True):
+  """The parameters `_grads` differentiates without a pipeline: with train.cast_once and
+  several microbatches, the leaves the forward reads in model.dtype cast once
+  (model.spec.cast_once; a no-op where the stored dtype is model.dtype already), else
+  `params` as stored. plan counts the copy from here."""
+  if cast_once and grad_accum > 1:
+    return spec.cast_once(model.param_specs(mcfg), params, mcfg.dtype)
+  return params
+
+
 def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None, cast_once=True):
   """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32
   (report 2.4.2's fp32 gradient buffer, whatever the parameters' dtype).
@@ -85,8 +95,7 @@ def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None, cast_once=True)
   """
   if tab is not None:
     return _pipelined_grads(mcfg, params, batch, tab, skip)
-  if cast_once and grad_accum > 1:
-    params = spec.cast_once(model.param_specs(mcfg), params, mcfg.dtype)
+  params = differentiated(mcfg, params, grad_accum, cast_once)
 
   def micro(mb):
     def f(p):

@@ -32,6 +32,29 @@ def test_single_device_bytes_equal_parameter_count():
   assert st["params"] == st["grads"] == 4 * model.count_params(config.model)["total"]
 
 
+def test_the_weights_cast_once_are_counted_where_the_step_makes_them():
+  """train.cast_once's bf16 copy: 2 bytes per parameter the forward reads in bf16 (every
+  leaf but the router's and the embedding's, counted from the spec table), only with
+  several microbatches and float32 parameters."""
+  from k2jax.model import spec
+  import jax
+  config = configs.get_config("tiny")
+  config.model.dtype = "bfloat16"
+  config.train.grad_accum = 4
+  one = {"pipeline": 1, "data": 1, "expert": 1}
+  specs = jax.tree.leaves(model.param_specs(config.model), is_leaf=spec.is_spec)
+  cast = sum(spec.size(s) for s in specs if s.cast)
+  assert 0 < cast < sum(spec.size(s) for s in specs)
+  assert plan.state_bytes(config, one)["cast_copy"] == 2 * cast
+  for key, value in (("grad_accum", 1), ("cast_once", False)):
+    c = config.copy_and_resolve_references()
+    c.train[key] = value
+    assert plan.state_bytes(c, one)["cast_copy"] == 0, key
+  c = config.copy_and_resolve_references()
+  c.model.param_dtype = "bfloat16"
+  assert plan.state_bytes(c, one)["cast_copy"] == 0
+
+
 def test_everything_with_a_model_dimension_splits_over_the_expert_axis():
   config = configs.get_config("tiny")
   one = plan.state_bytes(config, {"pipeline": 1, "data": 1, "expert": 1})
