@@ -322,7 +322,7 @@ def main(argv=None):
       except Exception as e:
         br = [dict(part=f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")]
       for r in br:
-        parts_rows.append(dict(kernels=name, **r))
+        parts_rows.append(dict(kernels=name, cast_once=cast_once, **r))
         print(parts_rows[-1], flush=True)
     state = params = None
   ns = k2_newton_schulz_share()

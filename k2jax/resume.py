@@ -32,6 +32,7 @@ RESUMABLE = (
     ("train.max_nan_steps", "divergence guard"),
     ("train.profile", "profiling"),
     ("train.grad_accum", "microbatching (same step, split differently)"),
+    ("train.cast_once", "where the weights are cast (same gradients)"),
     ("mesh.", "mesh layout (checkpoints reshard on restore)"),
     ("data.worker_count", "data loading workers"),
     ("model.remat", "recomputation policy"),

@@ -173,6 +173,15 @@ def _capacity_rows(C, x, expert_ids, combine, gate, up, down, rank, fp8=False):
   return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
 
 
+# The impls whose expert weights reach their matmuls other than as one cast of the whole
+# stack: gather casts each row's gathered matrix, capacity reads the stack in two places
+# (its capacity rows and the overflow's blocked pass). Their weight gradients are summed
+# before the cast's transpose, in float32 when the weights are stored so; cast once per step
+# (k2jax.model.spec.cast_once) that sum would run in bf16, so the experts' spec keeps them
+# as stored for these impls (k2jax.model.moe.moe_specs).
+SUM_BEFORE_CAST = ("gather", "capacity")
+
+
 def _capacity(x, expert_ids, combine, gate, up, down, factor=CAPACITY_FACTOR, fp8=False):
   N, k = expert_ids.shape
   E = gate.shape[0]

@@ -46,17 +46,21 @@ def test_grad_accumulation_equals_one_batch():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
-def test_weights_cast_once_per_step_give_the_same_gradients(monkeypatch):
+@pytest.mark.parametrize("impl", ["blocked", "ragged", "dense", "capacity", "gather"])
+def test_weights_cast_once_per_step_give_the_same_gradients(monkeypatch, impl):
   """train.cast_once: with float32 parameters, bf16 compute and 2 microbatches, the weights
-  cast once per step give the gradients, loss and max logits of casting them inside each
-  microbatch, to the bit, and the microbatch loop then reads no float32 copy of them. The leaves the
-  forward reads in float32 or gathers (router, embedding) must stay out of it: cast too,
-  they change the gradients (checked, so the first comparison can fail)."""
+  cast once per step give the gradients, loss, max logits and expert load of casting them
+  inside each microbatch, to the bit, under every MoE impl that runs on CPU. The leaves the
+  forward reads otherwise than as one cast of the whole leaf (router: float32; embedding:
+  a gather; the experts under kernels.moe.SUM_BEFORE_CAST) must stay out of it: cast too,
+  they change the gradients (checked, so the equality can fail). With blocked, the
+  microbatch loop reads no float32 copy of a cast leaf."""
   from k2jax import model
+  from k2jax.kernels import moe as moe_kernels
   from k2jax.model import spec
-  from k2jax.step import _grads
+  from k2jax.step import _grads, differentiated
   cfg = configs.get_config("tiny")
-  cfg.model.update(dict(num_hidden_layers=3, dtype="bfloat16"))
+  cfg.model.update(dict(num_hidden_layers=3, dtype="bfloat16", moe_impl=impl))
   params = model.init(cfg.model, jax.random.key(0))
   batch = _batch(cfg, 4, 16)
   batch["inputs"] = batch["inputs"] % 5   # repeated tokens: the embedding's rows sum
@@ -64,8 +68,21 @@ def test_weights_cast_once_per_step_give_the_same_gradients(monkeypatch):
   ref, got = jax.jit(fn(False))(params, batch), jax.jit(fn(True))(params, batch)
   for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
     np.testing.assert_array_equal(a, b)
-  # what the microbatch loop (the one top-level scan) reads: the cast leaves in bf16 only
   specs = model.param_specs
+  wrong = (["experts"] if impl in moe_kernels.SUM_BEFORE_CAST
+           else ["router", "embed"] if impl == "blocked" else [])
+  for name in wrong:
+    monkeypatch.setattr(model, "param_specs", lambda c, name=name: jax.tree_util.
+                        tree_map_with_path(lambda path, s: s._replace(cast=True)
+                                           if name in jax.tree_util.keystr(path) else s,
+                                           specs(c), is_leaf=spec.is_spec))
+    bad = jax.jit(fn(True))(params, batch)
+    assert any(bool(jnp.any(a != b)) for a, b in
+               zip(jax.tree.leaves(ref[0]), jax.tree.leaves(bad[0]))), name
+  monkeypatch.setattr(model, "param_specs", specs)
+  if impl != "blocked":
+    return
+  # what the microbatch loop (the one top-level scan) reads: the cast leaves in bf16 only
   flags = jax.tree.leaves(jax.tree.map(lambda s: s.cast, specs(cfg.model),
                                        is_leaf=spec.is_spec))
   cast = {x.shape for x, c in zip(jax.tree.leaves(params), flags) if c}
@@ -78,14 +95,12 @@ def test_weights_cast_once_per_step_give_the_same_gradients(monkeypatch):
     consts = loop[0].invars[:loop[0].params["num_consts"]]   # (the carry is the f32 sum)
     wide[co] = {v.aval.shape for v in consts if v.aval.dtype == jnp.float32}
   assert cast - kept <= wide[False] and not (cast - kept) & wide[True], wide
-  for name in ("router", "embed"):
-    monkeypatch.setattr(model, "param_specs", lambda c, name=name: jax.tree_util.
-                        tree_map_with_path(lambda path, s: s._replace(cast=True)
-                                           if name in jax.tree_util.keystr(path) else s,
-                                           specs(c), is_leaf=spec.is_spec))
-    bad = jax.jit(fn(True))(params, batch)
-    assert any(bool(jnp.any(a != b)) for a, b in
-               zip(jax.tree.leaves(ref[0]), jax.tree.leaves(bad[0]))), name
+  # bf16 params under float32 compute: nothing is widened
+  c = cfg.model.copy_and_resolve_references()
+  c.update(dict(dtype="float32", param_dtype="bfloat16"))
+  narrow = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  assert all(a is b for a, b in zip(jax.tree.leaves(differentiated(c, narrow, 2)),
+                                    jax.tree.leaves(narrow)))
 
 
 def test_bfloat16_step_is_finite_and_keeps_float32_params():

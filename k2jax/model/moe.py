@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k2jax.configs import sharding_rules as rules
-from k2jax.kernels import routed_experts
+from k2jax.kernels import moe as moe_kernels, routed_experts
 from k2jax.model import spec
 from k2jax.model.expert_parallel import experts_all_to_all
 from k2jax.model.layers import mlp, mlp_specs
@@ -41,6 +41,8 @@ def moe_specs(cfg):
                   "up": spec.matrix((E, d, f), ("experts", "embed", "mlp")),
                   "down": spec.matrix((E, f, d), ("experts", "mlp", "embed"))},
   }
+  if cfg.get("moe_impl", "auto") in moe_kernels.SUM_BEFORE_CAST:   # see there
+    s["experts"] = {k: v._replace(cast=False) for k, v in s["experts"].items()}
   if cfg.n_shared_experts:
     s["shared"] = mlp_specs(d, f * cfg.n_shared_experts)
   return s

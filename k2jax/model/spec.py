@@ -90,18 +90,21 @@ def init_params(specs, rng, std: float, dtype=jnp.float32):
 
 
 def cast_once(specs, params, dtype):
-  """`params` with every leaf whose spec has `cast` converted to `dtype`; the rest as stored.
+  """`params` with every leaf whose spec has `cast` narrowed to `dtype` (a leaf stored
+  narrower, bf16 params under float32 compute, stays: widening gains nothing); the rest as
+  stored.
 
   The forward reads such a leaf only as `w.astype(model.dtype)` (whole, or one layer's slice
   under the layers' scan), so differentiating it at a copy cast beforehand gives the same
   values and the same gradient: the cast's transpose only widens the model.dtype
   cotangent that reaches it. Not `cast`: the router (its logits are float32, as in
-  DeepSeek-V3's gate) and the embedding (read by a gather, whose transpose sums the rows of
-  repeated tokens: that sum stays float32).
+  DeepSeek-V3's gate), the embedding (read by a gather, whose transpose sums the rows of
+  repeated tokens: that sum stays float32), and the experts under the MoE impls that read
+  them otherwise (kernels.moe.SUM_BEFORE_CAST).
   """
   dt = jnp.dtype(dtype)
-  return jax.tree.map(lambda s, p: p.astype(dt) if s.cast and p.dtype != dt else p,
-                      specs, params, is_leaf=is_spec)
+  return jax.tree.map(lambda s, p: p.astype(dt) if s.cast and p.dtype.itemsize > dt.itemsize
+                      else p, specs, params, is_leaf=is_spec)
 
 
 def size(s: ParamSpec) -> int:

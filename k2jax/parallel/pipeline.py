@@ -63,7 +63,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec, param_spec
