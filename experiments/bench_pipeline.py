@@ -252,6 +252,16 @@ def offload(name="offload.csv", tiny=True, reps=3):
         g = jax.block_until_ready(compiled(params))
       dt = (time.perf_counter() - t) / reps
     grads[off] = g
+    if off and jax.default_backend() != "cpu":
+      # what XLA made of the host slots, for whoever profiles why the copies are not hidden:
+      # the compiled program, and its host <-> device copies and host-side ops counted
+      hlo = compiled.as_text()
+      os.makedirs(OUT, exist_ok=True)
+      with open(os.path.join(OUT, f"{os.path.splitext(name)[0]}_hlo.txt"), "w") as f:
+        f.write(hlo)
+      print("offload HLO:", {k: hlo.count(k) for k in (
+          "copy-start", "copy-done", "S(5)", "MoveToHost", "MoveToDevice",
+          "dynamic-update-slice", "dynamic-slice", "_xla_stream_annotation")}, flush=True)
     ma = compiled.memory_analysis()
     rows.append(dict(device=jax.devices()[0].device_kind, offload=off,
                      device_temp_GB=ma.temp_size_in_bytes / 1e9,

@@ -25,7 +25,8 @@ the order given, each catching its own failures:
   mfu        the end-to-end figures: 8K tokens per step with and without recomputation,
              then 256K tokens per step (32 microbatches) with the faster (train_runs);
   offload    the pipeline's stage residuals in host memory (model.offload) against device
-             memory on one GPU: equal gradients, device / host temp bytes, step time
+             memory on one GPU: equal gradients, device / host temp bytes, step time,
+             and the offloaded step's compiled HLO with its host copies counted
              (bench_pipeline.offload; XLA's host offloading is what this checks);
   moe        the older grouped-matmul / fused-layer table and our Triton tile sweeps;
   decode     tokens/s of decoding (bench_decode.py --gpu).
