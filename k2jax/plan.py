@@ -90,9 +90,7 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   n = model.count_params(config.model)["total"]
   param_size = np.dtype(config.model.param_dtype).itemsize
   # the weights' model.dtype copy a step without a pipeline differentiates (train.cast_once)
-  cast_tree = jax.eval_shape(lambda p: differentiated(
-      stored.model, p, stored.train.grad_accum, stored.train.get("cast_once", True)),
-      abstract.params) if stored.mesh.pipeline == 1 else abstract.params
+  cast_tree = jax.eval_shape(functools.partial(differentiated, stored), abstract.params)
   cast = [(c, s) for c, a, s in zip(jax.tree.leaves(cast_tree), jax.tree.leaves(abstract.params),
                                     jax.tree.leaves(sh.params)) if c.dtype != a.dtype]
   return dict(params=per_device(abstract.params, sh.params),

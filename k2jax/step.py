@@ -67,35 +67,33 @@ def _pipelined_grads(mcfg, params, batch, tab, skip=None):
   return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
 
 
-def differentiated(mcfg, params, grad_accum, cast_once=True):
-  """The parameters `_grads` differentiates without a pipeline: with train.cast_once and
-  several microbatches, the leaves the forward reads in model.dtype cast once
-  (model.spec.cast_once; a no-op where the stored dtype is model.dtype already), else
-  `params` as stored. plan counts the copy from here."""
-  if cast_once and grad_accum > 1:
-    return spec.cast_once(model.param_specs(mcfg), params, mcfg.dtype)
-  return params
+def differentiated(config, params):
+  """The parameters the step differentiates (`config` the full config): with train.cast_once,
+  several microbatches and no pipeline, the leaves the forward reads in model.dtype cast
+  once per step (model.spec.cast_once; a no-op where they are stored in model.dtype),
+  instead of inside every microbatch's forward and again in its recomputation: the same
+  gradients, (grad_accum - 1) x 2 fewer passes over the weights (read float32, write bf16),
+  and the per-microbatch weight gradients reach the float32 accumulator in model.dtype.
+  Costs one model.dtype copy of those weights for the step; plan counts it from here.
+  Else `params` as stored (a pipeline step has its own layout path)."""
+  t = config.train
+  if _pipelined(config) or not t.get("cast_once", True) or t.grad_accum <= 1:
+    return params
+  return spec.cast_once(model.param_specs(config.model), params, config.model.dtype)
 
 
-def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None, cast_once=True):
+def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None):
   """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32
   (report 2.4.2's fp32 gradient buffer, whatever the parameters' dtype).
 
   -> (grads, mean loss, ForwardStats: max_logits maxed and expert_load summed over
   microbatches). Accumulator shapes come from the config, not from a trial forward pass.
   With a pipeline schedule table `tab` the microbatches run through the pipeline instead.
-
-  cast_once (train.cast_once): with several microbatches and parameters stored wider than
-  model.dtype, the weights the forward reads in model.dtype are cast once per step
-  (model.spec.cast_once) and differentiated there, instead of inside every microbatch's
-  forward and again in its recomputation: the same gradients, (grad_accum - 1) x 2 fewer
-  passes over the weights (read float32, write bf16), and the per-microbatch weight
-  gradients reach the float32 accumulator in model.dtype. Costs one model.dtype copy of
-  those weights for the step.
+  `params` may hold leaves already cast to model.dtype (`differentiated`); gradients still
+  accumulate in float32.
   """
   if tab is not None:
     return _pipelined_grads(mcfg, params, batch, tab, skip)
-  params = differentiated(mcfg, params, grad_accum, cast_once)
 
   def micro(mb):
     def f(p):
@@ -141,8 +139,12 @@ def _gate(finite, new_state, old_state):
       new_state, old_state)
 
 
+def _pipelined(config) -> bool:
+  return config.mesh.pipeline > 1
+
+
 def _table(config):
-  return pipeline.table(config) if config.mesh.pipeline > 1 else None
+  return pipeline.table(config) if _pipelined(config) else None
 
 
 def _skip(config):
@@ -164,9 +166,8 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   with a pipeline, `state` is in the stored layout (k2jax.parallel.layout) and `tx` was
   built for it (`optim.optimizer(layout.stored_config(config))`)."""
   mcfg, ocfg = config.model, config.optimizer
-  grads, loss, aux = _grads(mcfg, state.params, batch, config.train.grad_accum,
-                            _table(config), _skip(config),
-                            cast_once=config.train.get("cast_once", True))
+  grads, loss, aux = _grads(mcfg, differentiated(config, state.params), batch,
+                            config.train.grad_accum, _table(config), _skip(config))
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   old_opt = on_device(ocfg, state.opt_state)
