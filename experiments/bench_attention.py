@@ -216,12 +216,111 @@ def gpu_tune(T=4096, heads=16):
   return rows, best
 
 
-def gpu_bench(lengths, heads, tuning=None, only=None):
+def tokamax_tune(out, T=4096, heads=16, budget=300.0, name="mosaic_gpu", tokens=65536):
+  """tokamax's own candidate tiles for its `name` attention (forward, then backward with the
+  best forward) at MLA's training shape, timed the way k2jax calls it (causal mask,
+  residuals returned for S_max); then k2jax's `impl="tokamax"` with the best pair put in
+  kernels/flash_tokamax.TILES against tokamax's own choice (its cache or heuristics), at
+  every length of `--lengths`. `tokens` per call (B = tokens / T): at 16K tokens a call
+  takes under a millisecond and the host's dispatch shows in the timing. Writes
+  tokamax_tune.csv (every candidate) and tokamax_tiles.json (the TILES entry to commit)."""
+  import dataclasses
+  import json
+  from k2jax.kernels import flash_tokamax as ft
+  ops, Mask = ft._ops()
+  op = ops[name]
+  kind = jax.devices()[0].device_kind
+  peak = matmul_tflops()
+  D, Dv = 192, 128
+  B = max(1, tokens // T)
+  scale = D ** -0.5
+  q, k, v = inputs(B, T, heads, D, Dv, jnp.bfloat16)
+  fl = flash.flops(B, T, heads, D, Dv, causal=True)
+  mask = Mask(is_causal=True)
+
+  def call(o):
+    return lambda q, k, v: o(q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
+
+  def grad(o):
+    f = call(o)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[0].astype(jnp.float32)),
+                            argnums=(0, 1, 2)))
+  ba = op.bind(q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
+  print(f"tokamax_tune: tokamax's own choice here is {ba.default_config}", flush=True)
+  fwd_cands = [None] + sorted(ba.autotuning_configs, key=str) + [None]   # its choice twice: drift
+  from tokamax._src.ops.attention import pallas_mosaic_gpu_vjp_kernel_sm90 as vjp90
+  bwd_cands = [None] + sorted(vjp90.get_autotuning_configs(None), key=str)
+  rows, t_start = [], time.time()
+  best = {}
+  for phase, cands in (("fwd", fwd_cands), ("fwd+bwd", bwd_cands)):
+    for cfg in cands:
+      if time.time() - t_start > budget:
+        print(f"tokamax_tune: budget of {budget:.0f}s spent, {phase} {cfg} and later untried")
+        break
+      try:
+        if phase == "fwd":
+          o = op if cfg is None else op.replace(config=cfg)
+          t = timeit(jax.jit(call(o)), q, k, v, reps=10)
+          tf = fl / t / 1e12
+        else:
+          o = op if best.get("fwd") is None else op.replace(config=best["fwd"][1])
+          if cfg is not None:
+            o = o.replace(vjp=o.vjp.replace(config=cfg))
+          t = timeit(grad(o), q, k, v, reps=5)
+          tf = 3.5 * fl / t / 1e12
+        rows.append(dict(device=kind, phase=phase, config=str(cfg or "tokamax's choice"),
+                         ms=1e3 * t, TFLOPs=tf, matmul_peak_TFLOPs=peak, T=T, B=B,
+                         heads=heads, note=""))
+        if cfg is not None and tf > best.get(phase, (0.0, None))[0]:
+          best[phase] = (tf, cfg)
+      except Exception as e:  # a candidate the kernel refuses: report, go on
+        rows.append(dict(device=kind, phase=phase, config=str(cfg), ms=float("nan"),
+                         TFLOPs=float("nan"), matmul_peak_TFLOPs=peak, T=T, B=B, heads=heads,
+                         note=f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+      print(rows[-1], flush=True)
+  entry = None
+  if "fwd" in best and "fwd+bwd" in best:
+    entry = (dataclasses.asdict(best["fwd"][1]), dataclasses.asdict(best["fwd+bwd"][1]))
+  # Through k2jax's own call, tokamax's choice vs the tuned pair, same inputs and S_max.
+  for lengths_T in sorted({T, *getattr(tokamax_tune, "lengths", ())}):
+    Bt = max(1, tokens // lengths_T)
+    qt, kt, vt = inputs(Bt, lengths_T, heads, D, Dv, jnp.bfloat16)
+    flt = flash.flops(Bt, lengths_T, heads, D, Dv, causal=True)
+    outs = {}
+    for label, tiles in (("k2jax tokamax, tokamax's choice", None), ("k2jax tokamax, tuned", entry)):
+      if label.endswith("tuned") and entry is None:
+        continue
+      ft.TILES.pop((kind, name, D, Dv), None)
+      if tiles is not None:
+        ft.TILES[(kind, name, D, Dv)] = tiles
+      f, g = fwd_and_grad("tokamax", scale)
+      outs[label] = f(qt, kt, vt)
+      tf_, tb_ = timeit(f, qt, kt, vt, reps=10), timeit(g, qt, kt, vt, reps=5)
+      rows.append(dict(device=kind, phase="k2jax fwd / fwd+bwd", config=label,
+                       ms=1e3 * tf_, TFLOPs=flt / tf_ / 1e12, fwd_bwd_ms=1e3 * tb_,
+                       fwd_bwd_TFLOPs=3.5 * flt / tb_ / 1e12, matmul_peak_TFLOPs=peak,
+                       T=lengths_T, B=Bt, heads=heads, note=""))
+      print(rows[-1], flush=True)
+    if len(outs) == 2:
+      (o1, m1), (o2, m2) = outs.values()
+      rows[-1]["note"] = (f"vs tokamax's choice: out max |diff| "
+                          f"{float(jnp.max(jnp.abs(o1.astype(jnp.float32) - o2.astype(jnp.float32)))):.3g}, "
+                          f"S_max max |diff| {float(jnp.max(jnp.abs(m1 - m2))):.3g}")
+  ft.TILES.pop((kind, name, D, Dv), None)
+  write(os.path.join(out, "tokamax_tune.csv"), rows)
+  with open(os.path.join(out, "tokamax_tiles.json"), "w") as f:
+    json.dump(dict(device=kind, name=name, D=D, Dv=Dv, T=T, heads=heads, entry=entry,
+                   best_TFLOPs={p: b[0] for p, b in best.items()}), f, indent=1)
+  print(f"tokamax_tune ({kind}): TILES[{(kind, name, D, Dv)!r}] = {entry!r}")
+  return rows
+
+
+def gpu_bench(lengths, heads, tuning=None, only=None, tokens=16384):
   peak = matmul_tflops()
   rows = []
   D, Dv = 192, 128
   for T in lengths:
-    B = max(1, 16384 // T)
+    B = max(1, tokens // T)
     q, k, v = inputs(B, T, heads, D, Dv, jnp.bfloat16)
     fl = flash.flops(B, T, heads, D, Dv, causal=True)
     cands = {"pallas_gpu": lambda: fwd_and_grad("pallas_gpu", D ** -0.5, tuning=tuning)}
@@ -314,7 +413,8 @@ def gpu(args):
     tune_rows, best = gpu_tune(heads=args.heads)
     write(os.path.join(out, "gpu_tuning.csv"), tune_rows)
     print(f"best tuning (block_q, block_k, warps, stages): {best}", flush=True)
-  rows = gpu_bench(args.gpu_lengths, args.heads, tuning=best, only=getattr(args, "only", None))
+  rows = gpu_bench(args.gpu_lengths, args.heads, tuning=best, only=getattr(args, "only", None),
+                   tokens=getattr(args, "tokens", 16384))
   write(os.path.join(out, "gpu_attention.csv"), rows)
   print(f"\ncorrectness on {jax.devices()[0].device_kind}: pallas_gpu vs xla (max rel error)")
   for r in check:

@@ -1,6 +1,7 @@
 """Everything that needs a GPU, in one call: kernel checks and timings, and end-to-end MFU.
 
     python experiments/gpu_check.py [--out DIR] [--only offload,tune,mfu,tokamax,attention,gmm_roles]
+    python experiments/gpu_check.py --only attention_tune   # tokamax's attention tiles, timed
 
 Runs on a machine with one NVIDIA GPU and jax[cuda] (plus tokamax for its rows). Parts, in
 the order given, each catching its own failures:
@@ -16,6 +17,10 @@ the order given, each catching its own failures:
   attention  correctness of pallas_gpu and checked tokamax kernels against XLA in f32 /
              bf16 (values, S_max, gradients), then TFLOP/s at MLA's 192 / 128 against
              cuDNN (bench_attention.gpu, --tune to sweep pallas_gpu's tiles again);
+  attention_tune  tokamax's own candidate tiles for its Mosaic GPU attention (forward, then
+             backward), timed at MLA's shape as k2jax calls it, and k2jax's impl="tokamax"
+             with the best pair against tokamax's own choice (bench_attention.tokamax_tune;
+             the entry for kernels/flash_tokamax.TILES goes to attention/tokamax_tiles.json);
   tune       tile sweep of our grouped-matmul kernels (forward, input and weight gradients)
              at the bench_train model's and K2's expert shapes, against the previous
              weight-gradient kernel; the winners serve the rest of the run
@@ -95,6 +100,9 @@ def main():
   p.add_argument("--no-check", action="store_true", help="attention: timings only")
   p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="attention")
   p.add_argument("--attention-impls", default="", help="attention: rows to time (default all)")
+  p.add_argument("--attention-tokens", type=int, default=16384,
+                 help="attention: tokens per timed call (B = tokens / T); at 16K a call takes "
+                      "about a millisecond and the host's dispatch shows in its time")
   p.add_argument("--kernels", default="auto,tokamax", help="train: kernel choices")
   p.add_argument("--train-args", default="", help="train: extra bench_train.py arguments")
   p.add_argument("--mfu-kernels", default="tokamax_attention", help="mfu: kernel choices")
@@ -104,7 +112,7 @@ def main():
                  help="tune: seconds per kernel and shape for the tile sweep")
   args = p.parse_args()
   known = {"offload", "tune", "mfu", "tokamax", "attention", "gmm_roles", "train", "moe",
-           "decode"}
+           "decode", "attention_tune"}
   unknown = [x for x in args.only.split(",") if x not in known]
   if unknown:
     p.error(f"--only {','.join(unknown)}: unknown part; choose from {', '.join(sorted(known))}")
@@ -120,8 +128,13 @@ def main():
         import bench_attention
         bench_attention.gpu(argparse.Namespace(
             out=os.path.join(args.out, "attention"), gpu_lengths=args.lengths, heads=16,
-            tune=args.tune, check=not args.no_check,
+            tune=args.tune, check=not args.no_check, tokens=args.attention_tokens,
             only=args.attention_impls.split(",") if args.attention_impls else None))
+      elif part == "attention_tune":
+        import bench_attention
+        bench_attention.tokamax_tune.lengths = tuple(args.lengths)
+        bench_attention.tokamax_tune(os.path.join(args.out, "attention"),
+                                     budget=args.tune_budget * 8)
       elif part == "gmm_roles":
         import bench_moe
         bench_moe.gpu_roles(argparse.Namespace(out=os.path.join(args.out, "moe"),

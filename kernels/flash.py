@@ -77,13 +77,16 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
 
 
 # GPU device kinds where `auto` takes tokamax over pallas_gpu, from measurements
-# (experiments/results/attention/gpu_attention.csv, 2026-11-24, tokamax 0.0.17, jax 0.11.2;
-# MLA 192 / 128, bf16, causal, 16 heads, T 4096, 16K tokens per call, S_max emitted):
-#   NVIDIA H100 80GB HBM3  tokamax mosaic_gpu 464 TFLOP/s fwd, 368 fwd+bwd; pallas_gpu 247 /
-#                          243; cuDNN (no S_max, v padded to 192) 309 / 272
-#   NVIDIA H200            (2026-11-26, same versions; tokamax has no autotuning cache entries
-#                          for this kind, so it runs its default tiles) tokamax mosaic_gpu 304 /
-#                          337; pallas_gpu 228 / 253; cuDNN 301 / 259
+# (experiments/results/attention/, tokamax 0.0.17, jax 0.11.2; MLA 192 / 128, bf16, causal,
+# 16 heads, S_max emitted; forward / forward + backward TFLOP/s):
+#   NVIDIA H100 80GB HBM3  (2026-11-27, 64K tokens a call, gpu_attention_h100_64k.csv) T 4096:
+#                          tokamax mosaic_gpu 529 / 401, pallas_gpu 276 / 267, cuDNN (no
+#                          S_max, v padded to 192) 396 / 289; T 8192: 611 / 434, 306 / 293,
+#                          470 / 310
+#   NVIDIA H200            (2026-11-27, 64K tokens a call, tokamax_tune_h200.csv) T 4096:
+#                          tokamax mosaic_gpu 559 / 411 (11-26, 16K tokens a call, where the
+#                          host's dispatch shows: 304 / 337; pallas_gpu 228 / 253; cuDNN 301 /
+#                          259)
 # A kind not listed keeps ours, and so does lowering for CUDA on a machine without a GPU (the
 # choice needs the device kind).
 AUTO_GPU = {"NVIDIA H100 80GB HBM3": "tokamax", "NVIDIA H200": "tokamax"}

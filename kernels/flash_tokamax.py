@@ -60,6 +60,40 @@ def _ops():
   return api.IMPLEMENTATIONS, base.Mask
 
 
+# tokamax's tiles per (GPU device kind, implementation, q / k head dim, v head dim):
+# (forward config, backward config) as keyword dicts of its config classes (`_CONFIGS`).
+# Where no entry matches, tokamax chooses (its autotuning cache for the device kind, else its
+# heuristics). Entries come from tokamax's own candidate sets timed at MLA's training shape
+# (experiments/bench_attention.py `tokamax_tune`, `gpu_check.py --only attention_tune`).
+# None yet: on one H100 and one H200 (2026-11-27, T 4096, 64K tokens a call) no candidate
+# beat the tiles its heuristics pick (H200 forward 554 vs 559 TFLOP/s, backward level;
+# experiments/results/attention/tokamax_tune_{h100,h200}.csv).
+TILES = {}
+
+# Where each implementation's config classes live (forward, backward), by tokamax module.
+_CONFIGS = {"mosaic_gpu": (("pallas_mosaic_gpu_kernel_sm90", "Config"),
+                           ("pallas_mosaic_gpu_vjp_common", "Config"))}
+
+
+def _device_kind() -> str | None:
+  try:
+    return jax.devices("gpu")[0].device_kind
+  except RuntimeError:          # no GPU: lowering for one from a CPU machine keeps defaults
+    return None
+
+
+def configured(op, name: str, q, v, kind: str | None = None):
+  """tokamax op `name` with the TILES entry for this GPU and head dims applied (`kind`:
+  the device kind, default this machine's GPU), or `op` unchanged without one."""
+  entry = TILES.get((kind or _device_kind(), name, q.shape[-1], v.shape[-1]))
+  if entry is None:
+    return op
+  import importlib
+  fwd_cls, bwd_cls = (getattr(importlib.import_module(f"tokamax._src.ops.attention.{m}"), c)
+                      for m, c in _CONFIGS[name])
+  return op.replace(config=fwd_cls(**entry[0]), vjp=op.vjp.replace(config=bwd_cls(**entry[1])))
+
+
 # Implementations without a kernel for some input dtypes (measured: the Mosaic GPU flash
 # attention refuses float32 with "Unsupported precision: TF32_TF32_F32").
 UNSUPPORTED = {"mosaic_gpu": ("float32", "float64")}
@@ -106,6 +140,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
         f"`python experiments/gpu_check.py --only tokamax` and add the factor to "
         "kernels/flash_tokamax.RESIDUAL_MAX, or use attention_impl=auto")
   ops, Mask = _ops()
+  op = configured(ops[name], name, q, v)
   if segment_ids is None:
     mask = Mask(is_causal=causal)
   else:
@@ -113,7 +148,7 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
     # [B, 1, T]: one key range per query row, shared by the heads
     mask = Mask(k_start=start[:, None], k_end=None if causal else end[:, None],
                 is_causal=causal)
-  out, (row_max, _) = ops[name](q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
+  out, (row_max, _) = op(q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
   row_max = jax.lax.stop_gradient(row_max).astype(jnp.float32) * RESIDUAL_MAX[name]
   if segment_ids is not None:      # padding rows (id 0) are not counted
     row_max = jnp.where((segment_ids > 0)[:, None, :], row_max, -jnp.inf)

@@ -363,3 +363,28 @@ def test_tpu_kernel_fetches_only_the_blocks_of_each_blocks_documents(monkeypatch
   for bq, bk in [(64, 64), (32, 64), (64, 32)]:
     copies, share, band = check_tpu_copies(monkeypatch, seg, bq, bk, causal)
     assert max(copies.values()) <= share < band, (bq, bk, copies, share, band)
+
+
+@needs_tokamax
+def test_tokamax_tiles_reach_the_op_only_on_their_device_kind_and_head_dims(monkeypatch):
+  """kernels/flash_tokamax.TILES: an entry's forward and backward configs are what the
+  Mosaic GPU op and its vjp run with on that device kind and (q, v) head widths; any other
+  kind, width or implementation keeps tokamax's own choice (the op unchanged)."""
+  from k2jax.kernels import flash_tokamax as ft
+  ops, _ = ft._ops()
+  if "mosaic_gpu" not in ops:
+    pytest.skip("this tokamax has no Mosaic GPU attention")
+  fwd = dict(block_q=128, block_kv=64, num_stages=3)
+  bwd = dict(block_q_dkv=64, block_kv_dkv=128, block_q_dq=64, block_kv_dq=128, num_stages=3,
+             compute_wgs=1)
+  monkeypatch.setitem(ft.TILES, ("Some GPU", "mosaic_gpu", 192, 128), (fwd, bwd))
+  q, v = jnp.zeros((1, 8, 2, 192)), jnp.zeros((1, 8, 2, 128))
+  op = ops["mosaic_gpu"]
+  got = ft.configured(op, "mosaic_gpu", q, v, kind="Some GPU")
+  assert {k: getattr(got.config, k) for k in fwd} == fwd
+  assert {k: getattr(got.vjp.config, k) for k in bwd} == bwd
+  assert op.config is None and op.vjp.config is None          # the library's op untouched
+  assert ft.configured(op, "mosaic_gpu", q, v, kind="Another GPU") is op
+  assert ft.configured(op, "mosaic_gpu", q, q, kind="Some GPU") is op      # v 192 wide
+  assert ft.configured(ops["xla"], "xla", q, v, kind="Some GPU") is ops["xla"]
+  assert ft.configured(op, "mosaic_gpu", q, v) is op          # no GPU here: no kind
