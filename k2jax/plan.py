@@ -317,8 +317,11 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
     tab = pipeline.schedule_table(cfg.model, P, V, M, *args)
     costs = pipeline.schedule_costs(cfg.model, P, V, *args)
     sp = layout.split(cfg.model, P, V)
+    layout_note = ("one task per device and tick" if tab.grid
+                   else "1F1B's ticks with the W tasks placed in them")
     split_note = "" if not tab.split else (
-        f"; W takes {pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
+        f"; {layout_note} (the faster of the two under these stage costs); W takes "
+        f"{pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
         f"backward (k2jax.parallel.bwsplit), "
         f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above)")
     kept = not tab.split and pipeline.keeps_prefix(cfg.model, P, V, *args[1:])

@@ -17,9 +17,14 @@ def meshes(out, *rest):
   """Train with the k2jax.train command line CLI_ARGS on each mesh spec: DxE (data x
   expert) or PxDxE (pipeline x data x expert), optionally /bB (train.batch_size B), /aA
   (train.grad_accum A), /vV (mesh.virtual_stages V), /sNAME (mesh.pipeline_schedule),
-  /kMODE (mesh.pipeline_skip) and /o (model.offload: the pipeline's residual slots in host
-  memory)."""
+  /kMODE (mesh.pipeline_skip), /o (model.offload: the pipeline's residual slots in host
+  memory) and /g (zbh1's table built for stages of equal cost, which runs on its grid of one
+  task per device and tick, schedules._grid; the tiny model's traced costs pick 1F1B's
+  ticks)."""
+  import contextlib
+  from unittest import mock
   from k2jax import metrics, train
+  from k2jax.parallel import pipeline, schedules
   sep = rest.index("--")
   specs, cli = rest[:sep], list(rest[sep + 1:])
   base, _ = train.parse(["k2jax.train", *cli, f"--workdir={out}"])
@@ -29,6 +34,7 @@ def meshes(out, *rest):
     sizes = [1] * (3 - len(mesh.split("x"))) + list(map(int, mesh.split("x")))
     config = base.copy_and_resolve_references()
     config.mesh.update(dict(zip(("pipeline", "data", "expert"), sizes)))
+    patch = contextlib.nullcontext()
     for o in opts:
       if o[0] == "v":
         config.mesh.virtual_stages = int(o[1:])
@@ -38,10 +44,17 @@ def meshes(out, *rest):
         config.mesh.pipeline_skip = o[1:]
       elif o == "o":
         config.model.offload = True
+      elif o == "g":
+        def equal_stages(mcfg, P, V, M, schedule, *args, per_device=None, **kwargs):
+          tab = schedules.build(schedule, P, V, M, None, per_device is not False)
+          assert tab.grid, (P, V, M)
+          return tab
+        patch = mock.patch.object(pipeline, "schedule_table", equal_stages)
       else:
         config.train[{"b": "batch_size", "a": "grad_accum"}[o[0]]] = int(o[1:])
     workdir = f"{out}/{s.replace('/', '_')}"
-    train.train(config, workdir)
+    with patch:
+      train.train(config, workdir)
     result[s] = {r["step"]: [r["loss"], r["max_logit"]] for r in metrics.read(workdir)}
   print("RESULT " + json.dumps(result))
 

@@ -205,9 +205,12 @@ def pipeline_runs(tmp_path_factory):
 # pipeline._Overlay, under expert parallelism: with the expert exchange's residuals as bins
 # this mesh's third loss was 7.7e-4 off). "o": model.offload, the residual (and
 # zbh1's cut) slots in host memory (pipeline._Slots; the transfers are no-ops on CPU, the
-# slot logic with its write-only slot is what runs).
+# slot logic with its write-only slot is what runs). "g": zbh1 on its grid of one task per
+# device and tick (schedules._grid: the table stages of equal cost get; the tiny model's
+# traced costs, W 4-7x B, pick 1F1B's ticks with the W's placed in them, which the V = 3
+# mesh runs): stage outputs wait in slots for ticks, B's and W's run ticks apart.
 PIPELINE_MESHES = ("2x2x2/a2", "2x2x2/v3/a4/szbh1/o", "2x2x2/v2/a4",
-                   "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice/o", "8x1x1/a8/kdevice/szbh1")
+                   "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice/o", "8x1x1/a8/kdevice/szbh1/g")
 
 
 @pytest.mark.parametrize("mesh", PIPELINE_MESHES)

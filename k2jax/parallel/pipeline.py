@@ -87,11 +87,13 @@ def routed_impl(impl: str) -> str:
 
 def table(config) -> schedules.Table:
   """The schedule table a full config trains with (zbh1 places its W tasks by the stages'
-  costs, `costs`)."""
+  costs, `costs`, and how this backend, or mesh.pipeline_skip, skips idle phases)."""
   m = config.mesh
+  skip = m.get("pipeline_skip", "auto")
   return schedule_table(config.model, m.pipeline, m.get("virtual_stages", 1),
                         config.train.grad_accum, m.get("pipeline_schedule", "1f1b"),
-                        m.data, m.expert, config.train.seq_len)
+                        m.data, m.expert, config.train.seq_len,
+                        per_device=(skip_mode() if skip == "auto" else skip) == "device")
 
 
 def costs(config, seq_len=None, platform=None) -> dict:
@@ -187,12 +189,17 @@ def _traced_overlay(cfg_json: str, P: int, V: int, data: int, expert: int, seq_l
 
 
 def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
-                   expert: int = 1, seq_len: int = 4096, platform=None) -> schedules.Table:
-  """The table the trainer runs (what `table` gives for a full config; plan asks here)."""
+                   expert: int = 1, seq_len: int = 4096, platform=None,
+                   per_device: bool | None = None) -> schedules.Table:
+  """The table the trainer runs (what `table` gives for a full config; plan asks here).
+  per_device: whether idle phases are skipped per device (None: as on `platform`, default
+  gpu: every backend but CPU)."""
   if schedule != "zbh1":
     return schedules.build(schedule, P, V, M)
+  if per_device is None:
+    per_device = (platform or "gpu") != "cpu"
   c = schedule_costs(mcfg, P, V, schedule, data, expert, seq_len, platform)
-  return schedules.build(schedule, P, V, M, schedules.frozen(c))
+  return schedules.build(schedule, P, V, M, schedules.frozen(c), per_device)
 
 
 @functools.lru_cache(maxsize=16)

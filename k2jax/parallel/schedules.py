@@ -22,12 +22,21 @@ largest per-device sum of its phases' costs (F = 1, B = 2). Under that measure i
 stage activations in flight per device instead of M V.
 
 zbh1 is interleaved 1F1B with the weight gradients split off (report 2.4.2; Qi et al.,
-"Zero Bubble Pipeline Parallelism", ZB-H1): the F and B tasks are 1F1B's; each W starts
-in its B's tick (the cost of 1F1B's unsplit backward) and moves, on a tick's slowest
-device, to a later tick where it fits in time the slowest device there spends anyway,
-while the residuals it keeps alive (now from F to W) stay within 1F1B's peak. No move
-lengthens a tick, so zbh1 is never slower than 1f1b; how far it gets below depends on the
-stage costs (`build(costs=...)`; k2jax.parallel.pipeline.costs traces W's share).
+"Zero Bubble Pipeline Parallelism", ZB-H1), built two ways, and the table faster under the
+stage costs (`build(costs=...)`; k2jax.parallel.pipeline.costs traces W's share) and the
+loop's skipping (`per_device`) is the one that runs:
+  - 1F1B's ticks: the F and B tasks are 1F1B's; each W starts in its B's tick (the cost of
+    1F1B's unsplit backward) and moves, on a tick's slowest device, to a later tick where
+    it fits in time the slowest device there spends anyway, while the residuals it keeps
+    alive (now from F to W) stay within 1F1B's peak. No move lengthens a tick, so this
+    one is never slower than 1f1b.
+  - the grid (`_grid`): one task per device and tick (more where a tick's longest task
+    leaves room), B before F before W, within 1F1B's residual peak and P cuts waiting.
+    B's chain back to stage 0 then takes a tick a stage instead of a tick of F + B + W,
+    and W's fill both ends: on stages of equal cost with F = B = W it idles ZB-H1's own
+    (P - 1) / (3 M V + P - 1), a third of 1F1B's. Tasks of unequal cost (K2's traced
+    stages: W 1.12 forwards a layer, B 0.88, the prefix's stage and the last two lighter)
+    leave the shorter ones waiting in every tick, and 1F1B's ticks win.
 """
 
 import functools
@@ -64,6 +73,7 @@ class Table(NamedTuple):
   task: dict
   slots: dict
   sizes: dict          # buffer -> number of slots ("act", "grad", "res")
+  grid: bool = False   # zbh1 built on a grid of one task per device and tick (`_grid`)
 
   @property
   def split(self) -> bool:
@@ -78,25 +88,14 @@ class Table(NamedTuple):
     return self.task[kind][..., 0] >= 0
 
   def _phase_costs(self, costs):
-    """{kind: [ticks, P] cost of each device's phase-k task}; costs None = COST per task,
-    else {kind: [S] cost of that task on stage s}."""
-    out = {}
-    for k in self.task:
-      v = self.task[k][..., 0]
-      if costs is None:
-        out[k] = (v >= 0) * (SPLIT_COST if self.split else COST)[k]
-      else:
-        s = np.maximum(v, 0) * self.P + np.arange(self.P)[None, :]
-        out[k] = np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
-    if costs is not None and "H" in costs:
-      out["H"] = np.outer(_head_ticks(self.task, self.P, self.V), np.full(self.P, costs["H"]))
-    return out
+    return _phase_costs(self.task, self.P, self.V, costs)
 
-  def time(self, costs=None) -> float:
-    """Lockstep time of the schedule: per tick, the largest device's sum of its phases'
-    costs (forward-stage units by default; `costs` as in idle_fraction)."""
-    per = sum(self._phase_costs(costs).values())
-    return float(per.max(axis=1).sum())
+  def time(self, costs=None, per_device: bool = True) -> float:
+    """Lockstep time of the schedule (forward-stage units by default; `costs` as in
+    idle_fraction). per_device: phases are skipped per device (GPU / TPU), so a tick costs
+    its slowest device's sum of phases; False: per tick (CPU, k2jax.parallel.pipeline), so
+    a tick costs each phase's slowest device, summed."""
+    return _lockstep(self._phase_costs(costs), per_device)
 
   def idle_fraction(self, costs=None) -> float:
     """1 - (work of every device) / (devices x lockstep time).
@@ -122,6 +121,29 @@ class Table(NamedTuple):
   def in_flight(self) -> int:
     """Most stage activations a device keeps for backward at once (= residual slots)."""
     return self.sizes["res"]
+
+
+def _phase_costs(task, P, V, costs):
+  """{kind: [ticks, P] cost of each device's phase-k task}; costs None = COST per task
+  (SPLIT_COST for a table with W tasks), else {kind: [S] cost of that task on stage s}."""
+  out = {}
+  for k in task:
+    v = task[k][..., 0]
+    if costs is None:
+      out[k] = (v >= 0) * (SPLIT_COST if "W" in task else COST)[k]
+    else:
+      s = np.maximum(v, 0) * P + np.arange(P)[None, :]
+      out[k] = np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
+  if costs is not None and "H" in costs:
+    out["H"] = np.outer(_head_ticks(task, P, V), np.full(P, costs["H"]))
+  return out
+
+
+def _lockstep(phase_costs: dict, per_device: bool = True) -> float:
+  """Table.time from `_phase_costs`."""
+  if per_device:
+    return float(sum(phase_costs.values()).max(axis=1).sum())
+  return float(sum(c.max(axis=1).sum() for c in phase_costs.values()))
 
 
 def stage_costs(cfg, split, seq_len: int, w_share: float | None = None,
@@ -187,10 +209,11 @@ def _warmup(name, P, V, M, p):
 
 
 @functools.lru_cache(maxsize=64)
-def build(name: str, P: int, V: int, M: int, costs=None) -> Table:
+def build(name: str, P: int, V: int, M: int, costs=None, per_device: bool = True) -> Table:
   """The table of schedule `name` (SCHEDULES) on P devices x V virtual stages x M microbatches
   (M a multiple of P except for gpipe). costs: the stages' task costs (`stage_costs`, as
-  a hashable `frozen(...)`), which zbh1 places its W tasks by; None: SPLIT_COST."""
+  a hashable `frozen(...)`), which zbh1 places its W tasks by; None: SPLIT_COST.
+  per_device: how the loop skips idle phases (Table.time), which zbh1 picks its table by."""
   if name not in SCHEDULES:
     raise ValueError(f"mesh.pipeline_schedule = {name!r}: must be one of {', '.join(SCHEDULES)}")
   if name != "gpipe" and M % P:
@@ -232,10 +255,22 @@ def build(name: str, P: int, V: int, M: int, costs=None) -> Table:
       rows[k].append(row[k])
     t += 1
   task = {k: np.asarray(rows[k], np.int32) for k in kinds}
-  if name == "zbh1":          # the W's, placed into the finished F / B table
-    task["W"] = _place_w(task, P, V, costs and dict(costs))
+  if name == "zbh1":
+    # Two constructions of the same task lists; the one faster under the stages' costs
+    # (and how the loop skips idle phases) runs. 1F1B's ticks with the W's placed into
+    # them (`_place_w`) keep every F / B where 1F1B has it; the grid (`_grid`) runs one
+    # task per device and tick, so B's chain back to stage 0 takes one tick a stage and
+    # W's fill both ends: ZB-H1's own bubble, (P - 1) (F + B - W), where tasks cost alike.
+    c = costs and dict(costs)
+    task["W"] = _place_w(task, P, V, c)
+    grid = _grid(P, V, M, c, in_flight=max(_warmup(name, P, V, M, p) for p in range(P)),
+                 cuts=P)
+    on_grid = (_lockstep(_phase_costs(grid, P, V, c), per_device)
+               < _lockstep(_phase_costs(task, P, V, c), per_device) - 1e-9)
+    if on_grid:
+      task = grid
   slots, sizes = _slots(task, P, V)
-  return Table(name, P, V, M, task, slots, sizes)
+  return Table(name, P, V, M, task, slots, sizes, name == "zbh1" and on_grid)
 
 
 def _place_w(task, P, V, costs=None):
@@ -295,6 +330,71 @@ def _place_w(task, P, V, costs=None):
       if not moved or top_of[t] >= top - eps:
         break
   return w
+
+
+def _grid(P, V, M, costs=None, in_flight: int = 1, cuts: int = 1):
+  """zbh1's task lists on a grid: per tick, every device takes its most urgent ready task
+  (B first: its chain back to stage 0 is the critical path; then F; then W) and, where the
+  tick's longest first task leaves it time, ready tasks of the other kinds that fit in it
+  (one per kind: the loop has one F, B and W phase a tick). A device starts an F only
+  while fewer than `in_flight` of its stages wait for their W (they keep their residuals
+  until then: with 1F1B's peak here, 1F1B's memory bound) and a B only while fewer than
+  `cuts` of them wait with a cut (what B hands W). A stage's output, or cotangent, is
+  ready on the next device a tick after the task that made it. -> {kind: [ticks, P, 2]}."""
+  S, total = P * V, M * V
+  orders = _orders("zbh1", P, V, M)
+
+  def cost(k, v, p):
+    return SPLIT_COST[k] if costs is None else float(np.asarray(costs[k])[v * P + p])
+  nxt = {"F": [0] * P, "B": [0] * P}
+  waiting = [[] for _ in range(P)]       # each device's B's whose W has not run, in order
+  w_done = [0] * P
+  done = {"F": {}, "B": {}}              # (stage, microbatch) -> tick
+  rows = {k: [] for k in "FBW"}
+  t = 0
+  while any(nxt["B"][p] < total or waiting[p] for p in range(P)):
+    if t > 10 * (3 * total + S) + 10:
+      raise RuntimeError(f"schedule zbh1 (grid) P={P} V={V} M={M} does not finish")
+    ready = []
+    for p in range(P):
+      r = {}
+      i = nxt["F"][p]
+      if i < total and i - w_done[p] < in_flight:
+        v, m = orders["F"][i]
+        if v * P + p == 0 or done["F"].get((v * P + p - 1, m), t) < t:
+          r["F"] = (v, m)
+      i = nxt["B"][p]
+      if i < total and len(waiting[p]) < cuts:
+        v, m = orders["B"][i]
+        s = v * P + p      # after the next stage's B; the last stage, after its own F
+        if (done["F"].get((s, m), t) if s == S - 1 else done["B"].get((s + 1, m), t)) < t:
+          r["B"] = (v, m)
+      if waiting[p]:
+        r["W"] = waiting[p][0]
+      ready.append(r)
+    first = [next((k for k in "BFW" if k in r), None) for r in ready]
+    top = max((cost(k, r[k][0], p) for p, (k, r) in enumerate(zip(first, ready)) if k),
+              default=0.0)
+    row = {k: [(-1, -1)] * P for k in "FBW"}
+    for p, r in enumerate(ready):
+      load = 0.0
+      for k in "BFW":
+        if k not in r or (k != first[p] and load + cost(k, r[k][0], p) > top + 1e-9):
+          continue
+        v, m = row[k][p] = r[k]
+        load += cost(k, v, p)
+        if k == "W":
+          waiting[p].pop(0)
+          w_done[p] += 1
+        else:
+          done[k][(v * P + p, m)] = t
+          nxt[k][p] += 1
+      if row["B"][p][0] >= 0:       # its W may run from the next tick on
+        waiting[p].append(row["B"][p])
+    for k in "FBW":
+      rows[k].append(row[k])
+    t += 1
+  return {k: np.asarray(rows[k], np.int32) for k in "FBW"}
 
 
 def _head_ticks(task, P, V) -> np.ndarray:
