@@ -19,6 +19,7 @@ Tables print last; CSVs go to experiments/results/moe/ (or --out).
 """
 
 import argparse
+import contextlib
 import csv
 import functools
 import os
@@ -289,6 +290,8 @@ def gpu(args):
   # tile sweep of the gate / up kernel (forward), then of the backward's tgmm
   from k2jax.kernels import moe_gpu
   tuning_rows = []
+  sweep = swept_tiles()
+  sweep.__enter__()
   for cfg_ in [(128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 4)]:
     moe_gpu.TUNING["gmm"] = cfg_
     try:
@@ -326,6 +329,7 @@ def gpu(args):
   ok = [r for r in tuning_rows if r["kernel"] == "tgmm" and "ms" in r]
   if ok:
     moe_gpu.TUNING["tgmm"] = eval(min(ok, key=lambda r: r["ms"])["tiles"])
+  sweep.__exit__(None, None, None)
   write(os.path.join(out, "gpu_gmm_tuning.csv"), tuning_rows)
   del w
   # the fused layer, scaled to fit: all 384 experts would need 3 x 11 GB of weights + grads
@@ -377,6 +381,19 @@ TOKAMAX_CANDIDATES = [
 ]
 
 
+@contextlib.contextmanager
+def swept_tiles():
+  """moe_gpu.TUNING alone decides the tiles inside (a sweep sets it; the size table,
+  moe_gpu.TUNING_BY_SIZE, would override it at K2's sizes); the table is back after."""
+  from k2jax.kernels import moe_gpu
+  table = dict(moe_gpu.TUNING_BY_SIZE)
+  moe_gpu.TUNING_BY_SIZE.clear()
+  try:
+    yield
+  finally:
+    moe_gpu.TUNING_BY_SIZE.update(table)
+
+
 def role_operands(d, f, E, k, tokens, seed):
   """The operands of an MoE layer's grouped matmuls in bf16: (M rows = tokens x k, x [M, d],
   h [M, f], w_up [E, d, f], w_down [E, f, d], group sizes (numpy and jnp; routing-like:
@@ -408,8 +425,10 @@ def gpu_roles(args):
   import json
   from k2jax.kernels import moe_gpu, platform
   out = args.out or os.path.join(HERE, "results", "moe")
-  d, f, E, k = getattr(args, "shape", None) or (7168, 2048, 384, 8)
-  M, x, h, w_up, w_dn, sizes, gs, flops = role_operands(d, f, E, k, args.tokens, seed=7)
+  d, f, E, k, *tokens = getattr(args, "shape", None) or (7168, 2048, 384, 8)
+  M, x, h, w_up, w_dn, sizes, gs, flops = role_operands(d, f, E, k, (tokens or [args.tokens])[0],
+                                                        seed=7)
+  only = getattr(args, "impls", None)
   dt = jnp.bfloat16
   ks = jax.random.split(jax.random.key(7), 5)
   a, b = jax.random.normal(ks[2], (M, d), dt), jax.random.normal(ks[3], (d, f), dt)
@@ -423,17 +442,17 @@ def gpu_roles(args):
   operands = {"up": (x, w_up), "down": (h, w_dn), "dlhs": (h, w_up), "drhs": (x, h)}
 
   def ours(role):
-    tiles = lambda: moe_gpu.Tiles(gs, M, moe_gpu._bm())
+    tiles = lambda kernel: moe_gpu.Tiles(gs, M, moe_gpu._bm(kernel, d, f))
     if role in ("up", "down"):
       return lambda a, w: gm.grouped_matmul(a, w, gs, impl="pallas_gpu")
     if role == "dlhs":
       def dl(a, w):
-        t = tiles()
+        t = tiles("gmm")
         return moe_gpu.gmm(a, w, t, t.row, t.row, M, transpose_w=True)
       return dl
 
     def dr(a, b):
-      t = tiles()
+      t = tiles("tgmm")
       return moe_gpu.tgmm(a, b, t, t.row, t.row, E, out_dtype=dt)
     return dr
 
@@ -487,13 +506,15 @@ def gpu_roles(args):
   for role in ("up", "down", "dlhs", "drhs"):
     cands = [("ours (pallas_gpu)", ours(role)), ("ragged_dot", lax_or_tokamax(role, "ragged_dot")),
              ("tokamax (its choice)", lax_or_tokamax(role, "tokamax"))]
-    for i, tiles in enumerate(TOKAMAX_CANDIDATES):
+    for i, tiles in enumerate(TOKAMAX_CANDIDATES if not only else ()):
       kw = dict(tiles)
       from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu_common import Config, MatmulDimension
       kw["grid_minor_dim"] = MatmulDimension[kw["grid_minor_dim"]]
       cands.append((f"tokamax tiles {i}", lax_or_tokamax(
           role, "tokamax", mgpu.PallasMosaicGpuRaggedDot(config=Config(**kw)))))
     for name, fn in cands:
+      if only and name not in only:
+        continue
       row = dict(role=role, impl=name)
       try:
         t0 = time.perf_counter()
@@ -536,7 +557,12 @@ TGMM_CANDIDATES = [(128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 256, 8,
                    (128, 128, 128, 8, 3), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
                    (64, 128, 128, 8, 4), (128, 128, 256, 8, 2)]
 # (d, f, experts, top-k): the bench_train model's MoE layer and K2's.
-TUNE_SHAPES = {"bench_train": (2048, 768, 32, 8), "k2": (7168, 2048, 384, 8)}
+# "k2_ep16": one device's share on K2's layout (report 2.4: 16-way expert parallelism), 384 /
+# 16 = 24 experts receiving 4096 tokens x top-8 = 32,768 rows (1,365 per expert when
+# balanced); "k2" puts all 384 experts on one device, so the same rows give each ~170.
+# A fifth entry sets the tokens (else the caller's).
+TUNE_SHAPES = {"bench_train": (2048, 768, 32, 8), "k2": (7168, 2048, 384, 8),
+               "k2_ep16": (7168, 2048, 24, 8, 4096)}
 
 
 def _tgmm_scaled_kernel(lo_ref, hi_ref, src_l_ref, src_r_ref, scale_ref, lhs_ref, rhs_ref,
@@ -596,13 +622,19 @@ def gpu_tune(args):
   tgmm kernel (scale in the loop) runs at the default tiles as the baseline. The winners at
   args.apply's shape (summed over roles) are set in moe_gpu.TUNING for the rest of this
   process, so a train step timed afterwards uses them. Rows -> gpu_moe_tune.csv."""
+  with swept_tiles():
+    return _gpu_tune(args)
+
+
+def _gpu_tune(args):
   from k2jax.kernels import moe_gpu
   interpret = getattr(args, "interpret", False)
   out = args.out or os.path.join(HERE, "results", "moe")
   default = dict(moe_gpu.TUNING)
   rows, best = [], {}
-  for shape_name, (d, f, E, k) in args.shapes.items():
-    M, x, h, w_up, w_dn, _, gs, flops = role_operands(d, f, E, k, args.tokens, seed=3)
+  for shape_name, (d, f, E, k, *tokens) in args.shapes.items():
+    M, x, h, w_up, w_dn, _, gs, flops = role_operands(d, f, E, k, (tokens or [args.tokens])[0],
+                                                      seed=3)
     dt = jnp.bfloat16
     dense_t = timeit(jax.jit(lambda a, b: a @ b), x, w_up[0], reps=10)
     rows.append(dict(shape=shape_name, kernel="dense", role="x @ W (same FLOPs)",
@@ -686,7 +718,8 @@ def gpu_tune(args):
       moe_gpu.TUNING[kernel] = best[(args.apply, kernel)]
   print(f"moe_gpu.TUNING for the rest of this run: {moe_gpu.TUNING}", flush=True)
   write(os.path.join(out, "gpu_moe_tune.csv"), rows)
-  print(f"\n{jax.devices()[0].device_kind}: our grouped matmuls, {args.tokens} tokens top-k")
+  print(f"\n{jax.devices()[0].device_kind}: our grouped matmuls, {args.tokens} tokens top-k "
+        "(unless the shape sets its own)")
   print(f"{'shape':<12}{'kernel':<12}{'role':<20}{'tiles':<24}{'ms':>8}{'TFLOP/s':>9}"
         f"{'vs dense':>9}")
   for r in rows:

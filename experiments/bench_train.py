@@ -228,7 +228,7 @@ def breakdown(config, params, state_opt, tx, step_s, reps):
 def _moe_tiles():
   """pallas_gpu's grouped-matmul tiles in this process (gpu_check may have tuned them)."""
   from k2jax.kernels import moe_gpu
-  return str(moe_gpu.TUNING)
+  return str(dict(moe_gpu.TUNING, by_size=moe_gpu.TUNING_BY_SIZE))
 
 
 def k2_newton_schulz_share():

@@ -108,6 +108,12 @@ def main():
   p.add_argument("--mfu-kernels", default="tokamax_attention", help="mfu: kernel choices")
   p.add_argument("--tiny", action="store_true",
                  help="tune, mfu: toy sizes, Pallas in interpret mode (a CPU smoke run)")
+  p.add_argument("--gmm-shape", default="k2", help="gmm_roles: a bench_moe.TUNE_SHAPES entry")
+  p.add_argument("--gmm-impls", default="",
+                 help="gmm_roles: rows to time, e.g. 'ours (pallas_gpu),tokamax (its choice)' "
+                      "(default all, tokamax's tile candidates included)")
+  p.add_argument("--tune-shapes", default="bench_train,k2,k2_ep16",
+                 help="tune: bench_moe.TUNE_SHAPES entries to sweep")
   p.add_argument("--tune-budget", type=float, default=40.0,
                  help="tune: seconds per kernel and shape for the tile sweep")
   args = p.parse_args()
@@ -137,12 +143,14 @@ def main():
                                      budget=args.tune_budget * 8)
       elif part == "gmm_roles":
         import bench_moe
-        bench_moe.gpu_roles(argparse.Namespace(out=os.path.join(args.out, "moe"),
-                                               tokens=args.tokens))
+        bench_moe.gpu_roles(argparse.Namespace(
+            out=os.path.join(args.out, "moe"), tokens=args.tokens,
+            shape=bench_moe.TUNE_SHAPES[args.gmm_shape],
+            impls=args.gmm_impls.split(",") if args.gmm_impls else None))
       elif part == "tune":
         import bench_moe
         shapes = ({"bench_train": (64, 48, 4, 2), "k2": (32, 80, 3, 2)} if args.tiny
-                  else bench_moe.TUNE_SHAPES)
+                  else {n: bench_moe.TUNE_SHAPES[n] for n in args.tune_shapes.split(",")})
         bench_moe.gpu_tune(argparse.Namespace(
             out=os.path.join(args.out, "moe"), tokens=48 if args.tiny else args.tokens,
             shapes=shapes, apply="bench_train", budget=args.tune_budget, reps=5,

@@ -258,7 +258,7 @@ def _tokamax_ours_dw_bwd(interpret, res, dy):
   M, (G, K, N) = x.shape[0], w.shape
   dx = _tokamax_role(dy.astype(x.dtype), w, group_sizes, "dlhs")
   dx = jnp.where((jnp.arange(M) < jnp.sum(group_sizes))[:, None], dx, jnp.zeros((), dx.dtype))
-  tiles = moe_gpu.Tiles(group_sizes, M, moe_gpu._bm("tgmm"))
+  tiles = moe_gpu.Tiles(group_sizes, M, moe_gpu._bm("tgmm", K, N))
   dw = moe_gpu.tgmm(moe_gpu._pad16(x, 1), moe_gpu._pad16(dy.astype(x.dtype), 1), tiles,
                     tiles.row, tiles.row, G, interpret=interpret, out_dtype=w.dtype)
   return (cotangent_for(dx.astype(x.dtype), x), cotangent_for(dw[:, :K, :N], w), None)

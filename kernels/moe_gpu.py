@@ -114,7 +114,7 @@ def gmm(lhs, w, tiles: Tiles, src, dst, out_rows: int, *, scale=None, transpose_
         interpret=False, out_dtype=None):
   """out[dst[p]] = scale[p] * (lhs[src[p]] @ w[g(p)]) for every padded row p (see above)."""
   K, N = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
-  _, bn, bk, warps, stages = TUNING["gmm"]
+  _, bn, bk, warps, stages = tiles_for("gmm", K, N)
   bm, bn, bk = tiles.bm, _tile_size(N, bn), _tile_size(K, bk)
   scale = jnp.ones(src.shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
   # Rows with no destination go to one extra row that is dropped: a masked store suffices on
@@ -156,10 +156,10 @@ def _tgmm_kernel(lo_ref, hi_ref, src_l_ref, src_r_ref, lhs_ref, rhs_ref, out_ref
 def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, interpret=False,
          out_dtype=None):
   """dW[g] = sum over g's padded rows p of lhs[src_l[p]]^T rhs[src_r[p]] (lhs, rhs of one
-  dtype). `tiles` is laid out with TUNING["tgmm"]'s row tile (`Tiles(sizes, M, _bm("tgmm"))`):
+  dtype). `tiles` is laid out with the tgmm row tile (`Tiles(sizes, M, _bm("tgmm", K, N))`):
   its rows are the reduction, cut independently of gmm's output rows."""
   K, N = lhs.shape[1], rhs.shape[1]
-  _, bk, bn, warps, stages = TUNING["tgmm"]
+  _, bk, bn, warps, stages = tiles_for("tgmm", K, N)
   bm, bk, bn = tiles.bm, _tile_size(K, bk), _tile_size(N, bn)
   meta = (tiles.tile_lo.astype(jnp.int32), tiles.tile_hi.astype(jnp.int32),
           src_l.astype(jnp.int32), src_r.astype(jnp.int32))
@@ -187,9 +187,29 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, interpret=Fal
 #        149 and 301 / 267 / 264: 3-4% slower at K2's shapes, 17-48% faster at the smaller.
 TUNING = {"gmm": (64, 256, 64, 8, 4), "tgmm": (64, 128, 128, 4, 3)}
 
+# Entries that replace TUNING's for expert matrices of at least so many elements (K N of one
+# expert's weight, the same for every product of a layer: up, down, input and weight
+# gradients); the largest that applies wins. Between measured sizes the smaller one's
+# entry holds (unmeasured). From the same sweep (one H200, 2026-11-27, TFLOP/s; dense matmul
+# of the same FLOPs 536) at K2's share of one device on its 16-way expert-parallel layout
+# (d 7168, f 2048, 24 experts, 32,768 rows: bench_moe.TUNE_SHAPES "k2_ep16"):
+#   gmm  128 x 256 x 64, 8 warps, 3 stages: up / down / dlhs 477 / 397 / 426; TUNING's
+#        64-row tiles 420 / 372 / 387 (and 3-4% ahead at K2's 384 experts on one device too)
+#   tgmm TUNING's tiles stay the fastest: dw_up / dw_down 349 / 315
+TUNING_BY_SIZE = {7168 * 2048: {"gmm": (128, 256, 64, 8, 3)}}
 
-def _bm(kernel: str = "gmm"):
-  return TUNING[kernel][0]
+
+def tiles_for(kernel: str, K: int, N: int):
+  """The tiles of `kernel` ("gmm" | "tgmm") for expert matrices of K x N elements."""
+  pick = TUNING[kernel]
+  for size in sorted(TUNING_BY_SIZE):
+    if K * N >= size and kernel in TUNING_BY_SIZE[size]:
+      pick = TUNING_BY_SIZE[size][kernel]
+  return pick
+
+
+def _bm(kernel: str, K: int, N: int):
+  return tiles_for(kernel, K, N)[0]
 
 
 # ------------------------------------------------------------------ gather_grouped_matmul
@@ -217,7 +237,7 @@ def _gather_grouped_matmul(x, w, group_sizes, row_ids, interpret=False):
 
 def _gather_fwd(x, w, group_sizes, row_ids, interpret):
   M = row_ids.shape[0]
-  tiles = Tiles(group_sizes, M, _bm())
+  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
   h = gmm(x, w, tiles, tiles.at(row_ids), tiles.row, M, interpret=interpret)
   total = jnp.sum(group_sizes)
   h = jnp.where((jnp.arange(M) < total)[:, None], h, jnp.zeros((), h.dtype))
@@ -227,13 +247,13 @@ def _gather_fwd(x, w, group_sizes, row_ids, interpret):
 def _gather_bwd(interpret, res, dh):
   x, w, group_sizes, row_ids = res
   M = row_ids.shape[0]
-  tiles = Tiles(group_sizes, M, _bm())
+  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
   dxs = gmm(dh, w, tiles, tiles.row, tiles.row, M, transpose_w=True, interpret=interpret,
             out_dtype=jnp.float32)
   valid = jnp.arange(M) < jnp.sum(group_sizes)
   dx = jax.ops.segment_sum(jnp.where(valid[:, None], dxs, 0.0),
                            jnp.where(valid, row_ids, 0), x.shape[0]).astype(x.dtype)
-  tt = Tiles(group_sizes, M, _bm("tgmm"))
+  tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
   dw = tgmm(x, dh, tt, tt.at(row_ids), tt.row, w.shape[0], interpret=interpret,
             out_dtype=w.dtype)
   return cotangent_for(dx, x), cotangent_for(dw, w), None, None
@@ -261,7 +281,7 @@ def _grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret=Fals
 
 def _combine_fwd(h, w, group_sizes, slot_ids, weights, interpret):
   M = h.shape[0]
-  tiles = Tiles(group_sizes, M, _bm())
+  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
   y = gmm(h, w, tiles, tiles.row, tiles.at(slot_ids), M, scale=_at_values(tiles, weights),
           interpret=interpret)
   return y, (h, w, group_sizes, slot_ids, weights)
@@ -274,7 +294,7 @@ def _at_values(tiles: Tiles, values):
 def _combine_bwd(interpret, res, dy):
   h, w, group_sizes, slot_ids, weights = res
   M = h.shape[0]
-  tiles = Tiles(group_sizes, M, _bm())
+  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
   dh_unscaled = gmm(dy, w, tiles, tiles.at(slot_ids), tiles.row, M, transpose_w=True,
                     interpret=interpret, out_dtype=jnp.float32)
   valid = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
@@ -284,7 +304,7 @@ def _combine_bwd(interpret, res, dy):
   # dW = sum_r (s_r h_r)^T dy[slot_r]: h's rows scaled here, one elementwise pass in XLA,
   # rounded as the product in f32 then dy's dtype (the dot's operand dtype)
   hs = (h.astype(jnp.float32) * weights.astype(jnp.float32)[:, None]).astype(dy.dtype)
-  tt = Tiles(group_sizes, M, _bm("tgmm"))
+  tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
   dw = tgmm(hs, dy, tt, tt.row, tt.at(slot_ids), w.shape[0],
             interpret=interpret, out_dtype=w.dtype)
   return (cotangent_for(dh, h), cotangent_for(dw, w), None, None,

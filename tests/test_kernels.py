@@ -138,14 +138,19 @@ SMALL_TILES = {"gmm": (16, 32, 16, 4, 2), "tgmm": (32, 16, 16, 4, 2)}
 
 
 @pytest.mark.parametrize("impl,tiles", [("blocked", None), ("pallas_gpu", None),
-                                        ("pallas_gpu", "small")])
+                                        ("pallas_gpu", "small"), ("pallas_gpu", "by_size")])
 def test_fused_gather_and_combine_variants(impl, tiles, monkeypatch):
   """gather_grouped_matmul reads x through row ids; grouped_matmul_combine writes rows to
   their slots scaled by weights; both against float64, with their three gradients, each
-  element within gamma(width) times its sum of |terms| (f32 accumulation)."""
-  if tiles:
-    from k2jax.kernels import moe_gpu
+  element within gamma(width) times its sum of |terms| (f32 accumulation). "by_size": the
+  forward kernel's tiles from moe_gpu.TUNING_BY_SIZE, the weight gradients' from TUNING."""
+  from k2jax.kernels import moe_gpu
+  if tiles == "small":
     monkeypatch.setattr(moe_gpu, "TUNING", SMALL_TILES)
+  if tiles == "by_size":
+    monkeypatch.setattr(moe_gpu, "TUNING", dict(moe_gpu.TUNING, tgmm=SMALL_TILES["tgmm"]))
+    monkeypatch.setattr(moe_gpu, "TUNING_BY_SIZE", {1: {"gmm": SMALL_TILES["gmm"]}})
+    assert moe_gpu.tiles_for("gmm", 21, 40) == SMALL_TILES["gmm"]
   seed, rng = seed_and_rng()
   gather, combine = _fused_vjps(impl)
   sizes = [11, 0, 37, 1, 0]
@@ -417,3 +422,16 @@ def test_prepare_imports_the_kernel_libraries_before_the_first_trace():
   before, after, entries = runs["lazy"]
   # the failure prepare exists for, where this jax has it: one more entry per changed context
   assert entries == (1 if after == before else 2), runs
+
+
+def test_grouped_matmul_tiles_follow_the_expert_matrix_size(monkeypatch):
+  """moe_gpu.tiles_for: TUNING below every size entry, the largest entry that applies
+  above (K N elements of one expert's matrix, whichever way round)."""
+  from k2jax.kernels import moe_gpu
+  a, b, c = (64, 32, 32, 4, 2), (128, 64, 64, 8, 3), (256, 64, 64, 8, 3)
+  monkeypatch.setattr(moe_gpu, "TUNING", {"gmm": a, "tgmm": a})
+  monkeypatch.setattr(moe_gpu, "TUNING_BY_SIZE", {100 * 100: {"gmm": b}, 300 * 300: {"gmm": c}})
+  assert moe_gpu.tiles_for("gmm", 99, 100) == a
+  assert moe_gpu.tiles_for("gmm", 100, 100) == moe_gpu.tiles_for("gmm", 50, 200) == b
+  assert moe_gpu.tiles_for("gmm", 900, 100) == c and moe_gpu.tiles_for("tgmm", 900, 100) == a
+  assert moe_gpu._bm("gmm", 900, 100) == 256
