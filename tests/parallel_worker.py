@@ -1,4 +1,5 @@
-"""Runs in a subprocess whose XLA_FLAGS fix the simulated device count (tests/test_parallel.py).
+"""Runs in a subprocess whose XLA_FLAGS fix the simulated device count (tests/test_parallel.py,
+tests/test_pipeline_meshes.py).
 
     python -m tests.parallel_worker meshes OUT D1xE1 D2xE2 -- CLI_ARGS...   train on each mesh
     python -m tests.parallel_worker zero1                                    shard sizes

@@ -1,0 +1,76 @@
+"""What the multi-device test files share: simulated CPU devices run in subprocesses (the device
+count is fixed when JAX starts), whose results come back as one JSON line."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A constant learning rate from step 1 (warmup 1, no decay): every update matters, and the
+# first steps do not depend on train.steps, so a long run's prefix equals a short run.
+CLI = ["--config=tiny", "--config.model.num_hidden_layers=2", "--config.train.batch_size=8",
+       "--config.train.seq_len=32", "--config.train.log_every=1", "--config.train.steps=4",
+       "--config.train.eval_batches=0", "--config.data.max_corpus_bytes=300000",
+       "--config.optimizer.warmup_steps=1", "--config.optimizer.decay_steps=0",
+       "--config.train.async_checkpoint=False"]
+NO_CHECKPOINTS = ["--config.train.checkpoint_every=0"]
+
+
+def env(devices, cache=True):
+  e = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  if not cache:
+    # Pipelined steps put collectives inside conditionals. Loaded from the persistent
+    # compilation cache (tests/conftest.py), such a step has deadlocked XLA:CPU 0.10
+    # (pipeline 2 x data 2 x expert 2: four devices at the ring's collective-permute, four at
+    # an all-gather inside a branch) where the fresh compile of the same step runs.
+    e.pop("JAX_COMPILATION_CACHE_DIR", None)
+  e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
+  return e
+
+
+def start_worker(devices, *args, cache=True):
+  return subprocess.Popen([sys.executable, "-m", "tests.parallel_worker", *args], cwd=REPO,
+                          env=env(devices, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def result(proc):
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err[-3000:]
+  return json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
+
+
+def worker(devices, *args):
+  return result(start_worker(devices, *args))
+
+
+def cli(devices, workdir, *extra):
+  return subprocess.Popen([sys.executable, "-m", "k2jax.train", *CLI, f"--workdir={workdir}",
+                           *extra], cwd=REPO, env=env(devices), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout=900):
+  _, err = proc.communicate(timeout=timeout)
+  assert proc.returncode == 0, err[-3000:]
+  return err
+
+
+def losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {str(r["step"]): [r["loss"], r["max_logit"]] for r in map(json.loads, f)}
+
+
+def assert_close(got, want, rtol=1e-5, steps=None):
+  steps = steps or sorted(want, key=int)
+  np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=rtol)
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
