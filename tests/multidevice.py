@@ -1,11 +1,14 @@
 """What the multi-device test files share: simulated CPU devices run in subprocesses (the device
 count is fixed when JAX starts), whose results come back as one JSON line."""
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -74,3 +77,18 @@ def free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cores_to_itself():
+  """A lock across pytest-xdist's workers (a file lock: one machine). Held by the tests whose
+  subprocesses need the machine's cores: two jax.distributed processes must set up gloo's
+  contexts within its fixed 30 s, which failed (DEADLINE_EXCEEDED) while the other worker's
+  pipeline meshes ran beside them on 2 cores; the pipeline tests hold it too, so the two
+  never overlap while the rest of the suite still runs beside either."""
+  with open(os.path.join(tempfile.gettempdir(), "k2jax-tests-cores.lock"), "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)

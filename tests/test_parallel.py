@@ -13,8 +13,15 @@ import time
 
 import pytest
 
-from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, cli, env, finish,
-                               free_port, losses, result, start_worker, worker)
+from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, cli, cores_to_itself,
+                               env, finish, free_port, losses, result, start_worker, worker)
+
+
+@pytest.fixture
+def cores():
+  """The machine's cores to this test alone among the multi-device ones (cores_to_itself)."""
+  with cores_to_itself():
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +161,7 @@ def _wait_for_rows(path, n, procs, timeout=600):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_stop_together_and_survive_a_dead_peer(tmp_path, runs):
+def test_two_processes_match_one_stop_together_and_survive_a_dead_peer(tmp_path, runs, cores):
   """2 processes x 4 devices train like one process with 8. SIGTERM to one process stops both
   at the same step with one checkpoint; the same command resumes both; SIGKILL of one then
   ends the other with an error in bounded time instead of a hang in a collective."""
@@ -190,7 +197,7 @@ def test_two_processes_match_one_stop_together_and_survive_a_dead_peer(tmp_path,
   assert "another process of the run died" in err or "heartbeat" in err, err[-2000:]
 
 
-def test_two_processes_agree_on_a_damaged_checkpoint(tmp_path, runs):
+def test_two_processes_agree_on_a_damaged_checkpoint(tmp_path, runs, cores):
   """2 processes x 4 devices: a truncated newest checkpoint is quarantined once (by process
   0, behind a barrier) and both processes resume from the same earlier step, matching the
   one-process run."""

@@ -13,8 +13,16 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, env, finish, free_port,
-                               losses, result, start_worker, worker)
+from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, cores_to_itself, env,
+                               finish, free_port, losses, result, start_worker, worker)
+
+
+@pytest.fixture(autouse=True)
+def cores():
+  """Every test here runs multi-device subprocesses: none beside test_parallel's two-process
+  runs (multidevice.cores_to_itself)."""
+  with cores_to_itself():
+    yield
 
 PIPE_CLI = [a.replace("num_hidden_layers=2", "num_hidden_layers=9").replace(
     "batch_size=8", "batch_size=16").replace("steps=4", "steps=3") for a in CLI] + [
@@ -26,14 +34,16 @@ PIPE_CLI = [a.replace("num_hidden_layers=2", "num_hidden_layers=9").replace(
 def pipeline_runs(tmp_path_factory):
   """One device with the whole batch, and pipelined meshes on 8 devices: PxDxE/aM/vV."""
   out = tmp_path_factory.mktemp("pipeline")
-  one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *PIPE_CLI, *NO_CHECKPOINTS)
-  # Two 8-device workers at once: each mesh's run is mostly its (single-threaded) compile,
-  # so on CI's 2 cores the halves take about half the time one worker took (426 s).
-  halves = [start_worker(8, "meshes", str(out / f"eight{i}"), *PIPELINE_MESHES[i::2], "--",
-                         *PIPE_CLI, *NO_CHECKPOINTS, cache=False) for i in (0, 1)]
-  # read all three at once: a worker blocked on a full stderr pipe would wait for the others
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    parts = list(pool.map(result, [one, *halves]))
+  # set up before the autouse `cores` of the test that asks for it: takes the lock itself
+  with cores_to_itself():
+    one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *PIPE_CLI, *NO_CHECKPOINTS)
+    # Two 8-device workers at once: each mesh's run is mostly its (single-threaded) compile,
+    # so on CI's 2 cores the halves take about half the time one worker took (426 s).
+    halves = [start_worker(8, "meshes", str(out / f"eight{i}"), *PIPELINE_MESHES[i::2], "--",
+                           *PIPE_CLI, *NO_CHECKPOINTS, cache=False) for i in (0, 1)]
+    # read all three at once: a worker blocked on a full stderr pipe would wait for others
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+      parts = list(pool.map(result, [one, *halves]))
   return {k: v for part in parts for k, v in part.items()}
 
 
