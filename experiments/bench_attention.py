@@ -216,12 +216,13 @@ def gpu_tune(T=4096, heads=16):
   return rows, best
 
 
-def tokamax_tune(out, T=4096, heads=16, budget=300.0, name="mosaic_gpu", tokens=65536):
+def tokamax_tune(out, T=4096, heads=16, budget=300.0, name="mosaic_gpu", tokens=65536,
+                 lengths=()):
   """tokamax's own candidate tiles for its `name` attention (forward, then backward with the
   best forward) at MLA's training shape, timed the way k2jax calls it (causal mask,
   residuals returned for S_max); then k2jax's `impl="tokamax"` with the best pair put in
   kernels/flash_tokamax.TILES against tokamax's own choice (its cache or heuristics), at
-  every length of `--lengths`. `tokens` per call (B = tokens / T): at 16K tokens a call
+  T and every length of `lengths`. `tokens` per call (B = tokens / T): at 16K tokens a call
   takes under a millisecond and the host's dispatch shows in the timing. Writes
   tokamax_tune.csv (every candidate) and tokamax_tiles.json (the TILES entry to commit)."""
   import dataclasses
@@ -282,7 +283,7 @@ def tokamax_tune(out, T=4096, heads=16, budget=300.0, name="mosaic_gpu", tokens=
   if "fwd" in best and "fwd+bwd" in best:
     entry = (dataclasses.asdict(best["fwd"][1]), dataclasses.asdict(best["fwd+bwd"][1]))
   # Through k2jax's own call, tokamax's choice vs the tuned pair, same inputs and S_max.
-  for lengths_T in sorted({T, *getattr(tokamax_tune, "lengths", ())}):
+  for lengths_T in sorted({T, *lengths}):
     Bt = max(1, tokens // lengths_T)
     qt, kt, vt = inputs(Bt, lengths_T, heads, D, Dv, jnp.bfloat16)
     flt = flash.flops(Bt, lengths_T, heads, D, Dv, causal=True)

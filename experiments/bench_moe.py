@@ -290,46 +290,44 @@ def gpu(args):
   # tile sweep of the gate / up kernel (forward), then of the backward's tgmm
   from k2jax.kernels import moe_gpu
   tuning_rows = []
-  sweep = swept_tiles()
-  sweep.__enter__()
-  for cfg_ in [(128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 4)]:
-    moe_gpu.TUNING["gmm"] = cfg_
-    try:
-      t = timeit(jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs, impl="pallas_gpu")), x, w, reps=5)
-      tuning_rows.append(dict(kernel="gmm", tiles=str(cfg_), ms=1e3 * t, TFLOPs=flops / t / 1e12))
-    except Exception as e:
-      tuning_rows.append(dict(kernel="gmm", tiles=str(cfg_), note=str(e).splitlines()[0][:120]))
-    print(tuning_rows[-1], flush=True)
-  ok = [r for r in tuning_rows if "ms" in r]
-  if ok:
-    best = min(ok, key=lambda r: r["ms"])
-    moe_gpu.TUNING["gmm"] = eval(best["tiles"])
-    row = dict(impl="pallas_gpu (best tiles)", ok=True, tiles=best["tiles"])
-    t = timeit(jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs, impl="pallas_gpu")), x, w, reps=10)
-    g = jax.jit(jax.grad(lambda x, w: jnp.sum(gm.grouped_matmul(x, w, gs, impl="pallas_gpu")
-                                              .astype(jnp.float32)), argnums=(0, 1)))
-    tb = timeit(g, x, w, reps=5)
-    row.update(fwd_ms=1e3 * t, fwd_TFLOPs=flops / t / 1e12, vs_dense=dense_t / t,
-               fwd_bwd_ms=1e3 * tb, fwd_bwd_TFLOPs=3 * flops / tb / 1e12)
-    rows.append(row)
-    print(row, flush=True)
-  # tgmm (the backward's dW) at the chosen row tile
-  xt, dyt = x, jax.random.normal(ks[2], (M, f), dt)
-  for cfg_ in [(moe_gpu.TUNING["gmm"][0], 128, 64, 8, 2), (moe_gpu.TUNING["gmm"][0], 128, 128, 8, 3),
-               (moe_gpu.TUNING["gmm"][0], 64, 128, 4, 3)]:
-    moe_gpu.TUNING["tgmm"] = cfg_
-    try:
-      tiles = moe_gpu.Tiles(gs, M, moe_gpu.TUNING["gmm"][0])
-      fn = jax.jit(lambda a, b: moe_gpu.tgmm(a, b, tiles, tiles.row, tiles.row, E))
-      t = timeit(fn, xt, dyt, reps=3)
-      tuning_rows.append(dict(kernel="tgmm", tiles=str(cfg_), ms=1e3 * t, TFLOPs=flops / t / 1e12))
-    except Exception as e:
-      tuning_rows.append(dict(kernel="tgmm", tiles=str(cfg_), note=str(e).splitlines()[0][:120]))
-    print(tuning_rows[-1], flush=True)
-  ok = [r for r in tuning_rows if r["kernel"] == "tgmm" and "ms" in r]
-  if ok:
-    moe_gpu.TUNING["tgmm"] = eval(min(ok, key=lambda r: r["ms"])["tiles"])
-  sweep.__exit__(None, None, None)
+  with swept_tiles():   # the sweeps time what they set in TUNING
+    for cfg_ in [(128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 4)]:
+      moe_gpu.TUNING["gmm"] = cfg_
+      try:
+        t = timeit(jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs, impl="pallas_gpu")), x, w, reps=5)
+        tuning_rows.append(dict(kernel="gmm", tiles=str(cfg_), ms=1e3 * t, TFLOPs=flops / t / 1e12))
+      except Exception as e:
+        tuning_rows.append(dict(kernel="gmm", tiles=str(cfg_), note=str(e).splitlines()[0][:120]))
+      print(tuning_rows[-1], flush=True)
+    ok = [r for r in tuning_rows if "ms" in r]
+    if ok:
+      best = min(ok, key=lambda r: r["ms"])
+      moe_gpu.TUNING["gmm"] = eval(best["tiles"])
+      row = dict(impl="pallas_gpu (best tiles)", ok=True, tiles=best["tiles"])
+      t = timeit(jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs, impl="pallas_gpu")), x, w, reps=10)
+      g = jax.jit(jax.grad(lambda x, w: jnp.sum(gm.grouped_matmul(x, w, gs, impl="pallas_gpu")
+                                                .astype(jnp.float32)), argnums=(0, 1)))
+      tb = timeit(g, x, w, reps=5)
+      row.update(fwd_ms=1e3 * t, fwd_TFLOPs=flops / t / 1e12, vs_dense=dense_t / t,
+                 fwd_bwd_ms=1e3 * tb, fwd_bwd_TFLOPs=3 * flops / tb / 1e12)
+      rows.append(row)
+      print(row, flush=True)
+    # tgmm (the backward's dW) at the chosen row tile
+    xt, dyt = x, jax.random.normal(ks[2], (M, f), dt)
+    for cfg_ in [(moe_gpu.TUNING["gmm"][0], 128, 64, 8, 2), (moe_gpu.TUNING["gmm"][0], 128, 128, 8, 3),
+                 (moe_gpu.TUNING["gmm"][0], 64, 128, 4, 3)]:
+      moe_gpu.TUNING["tgmm"] = cfg_
+      try:
+        tiles = moe_gpu.Tiles(gs, M, moe_gpu.TUNING["gmm"][0])
+        fn = jax.jit(lambda a, b: moe_gpu.tgmm(a, b, tiles, tiles.row, tiles.row, E))
+        t = timeit(fn, xt, dyt, reps=3)
+        tuning_rows.append(dict(kernel="tgmm", tiles=str(cfg_), ms=1e3 * t, TFLOPs=flops / t / 1e12))
+      except Exception as e:
+        tuning_rows.append(dict(kernel="tgmm", tiles=str(cfg_), note=str(e).splitlines()[0][:120]))
+      print(tuning_rows[-1], flush=True)
+    ok = [r for r in tuning_rows if r["kernel"] == "tgmm" and "ms" in r]
+    if ok:
+      moe_gpu.TUNING["tgmm"] = eval(min(ok, key=lambda r: r["ms"])["tiles"])
   write(os.path.join(out, "gpu_gmm_tuning.csv"), tuning_rows)
   del w
   # the fused layer, scaled to fit: all 384 experts would need 3 x 11 GB of weights + grads

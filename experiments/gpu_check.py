@@ -114,6 +114,8 @@ def main():
                       "(default all, tokamax's tile candidates included)")
   p.add_argument("--tune-shapes", default="bench_train,k2,k2_ep16",
                  help="tune: bench_moe.TUNE_SHAPES entries to sweep")
+  p.add_argument("--attention-tune-budget", type=float, default=300.0,
+                 help="attention_tune: seconds for all of tokamax's candidate tiles")
   p.add_argument("--tune-budget", type=float, default=40.0,
                  help="tune: seconds per kernel and shape for the tile sweep")
   args = p.parse_args()
@@ -138,9 +140,8 @@ def main():
             only=args.attention_impls.split(",") if args.attention_impls else None))
       elif part == "attention_tune":
         import bench_attention
-        bench_attention.tokamax_tune.lengths = tuple(args.lengths)
         bench_attention.tokamax_tune(os.path.join(args.out, "attention"),
-                                     budget=args.tune_budget * 8)
+                                     budget=args.attention_tune_budget, lengths=args.lengths)
       elif part == "gmm_roles":
         import bench_moe
         bench_moe.gpu_roles(argparse.Namespace(

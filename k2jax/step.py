@@ -147,11 +147,6 @@ def _table(config):
   return pipeline.table(config) if _pipelined(config) else None
 
 
-def _skip(config):
-  skip = config.mesh.get("pipeline_skip", "auto")
-  return None if skip == "auto" else skip
-
-
 def on_device(ocfg, opt_state):
   """The optimizer state in device memory, for the update. With `optimizer.host_state` its
   ZeRO-1 leaves live in host memory between steps (parallel.state_shardings) and come to the
@@ -167,7 +162,7 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   built for it (`optim.optimizer(layout.stored_config(config))`)."""
   mcfg, ocfg = config.model, config.optimizer
   grads, loss, aux = _grads(mcfg, differentiated(config, state.params), batch,
-                            config.train.grad_accum, _table(config), _skip(config))
+                            config.train.grad_accum, _table(config), pipeline.skip_of(config))
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   old_opt = on_device(ocfg, state.opt_state)
@@ -210,7 +205,7 @@ def eval_step(config, params, batch):
   tab = _table(config)
   if tab is not None:
     ce_sum, n, _, _ = pipeline.loss(config.model, params, microbatches(batch, tab.M), tab,
-                                    _skip(config))
+                                    pipeline.skip_of(config))
     return ce_sum, n
   ce_sum, n, _ = lm_loss(config.model, params, batch)
   return ce_sum, n

@@ -92,13 +92,6 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
 AUTO_GPU = {"NVIDIA H100 80GB HBM3": "tokamax", "NVIDIA H200": "tokamax"}
 
 
-def _gpu_kind() -> str | None:
-  try:
-    return jax.devices("gpu")[0].device_kind
-  except RuntimeError:          # no GPU here: lowering for CUDA from a CPU machine
-    return None
-
-
 def _have_tokamax() -> bool:
   try:
     platform.tokamax()
@@ -111,7 +104,7 @@ def auto_impl(backend: str | None = None, device_kind: str | None = None) -> str
   """The implementation `auto` picks on a backend (and, on GPUs, device kind: AUTO_GPU)."""
   backend = backend or platform.backend()
   if backend == "gpu":
-    pick = AUTO_GPU.get(device_kind or _gpu_kind() or "", "pallas_gpu")
+    pick = AUTO_GPU.get(device_kind or platform.gpu_kind() or "", "pallas_gpu")
     return pick if pick != "tokamax" or _have_tokamax() else "pallas_gpu"
   return {"tpu": "pallas_tpu"}.get(backend, "chunked")
 

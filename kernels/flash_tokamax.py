@@ -75,17 +75,10 @@ _CONFIGS = {"mosaic_gpu": (("pallas_mosaic_gpu_kernel_sm90", "Config"),
                            ("pallas_mosaic_gpu_vjp_common", "Config"))}
 
 
-def _device_kind() -> str | None:
-  try:
-    return jax.devices("gpu")[0].device_kind
-  except RuntimeError:          # no GPU: lowering for one from a CPU machine keeps defaults
-    return None
-
-
 def configured(op, name: str, q, v, kind: str | None = None):
   """tokamax op `name` with the TILES entry for this GPU and head dims applied (`kind`:
   the device kind, default this machine's GPU), or `op` unchanged without one."""
-  entry = TILES.get((kind or _device_kind(), name, q.shape[-1], v.shape[-1]))
+  entry = TILES.get((kind or platform.gpu_kind(), name, q.shape[-1], v.shape[-1]))
   if entry is None:
     return op
   import importlib

@@ -222,7 +222,7 @@ def _tokamax_role(a, b, group_sizes, role: str):
   tk = platform.tokamax()
   dims, lhs_ragged, rhs_group = _DIMS[role]
   impl = None
-  tiles = TOKAMAX_TILES.get(_gpu_kind() or "", {}).get(role)
+  tiles = TOKAMAX_TILES.get(platform.gpu_kind() or "", {}).get(role)
   if tiles is not None:
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu  # pinned (pyproject)
     from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu_common import Config, MatmulDimension
@@ -231,15 +231,6 @@ def _tokamax_role(a, b, group_sizes, role: str):
   return tk.ragged_dot_general(a, b, group_sizes, jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=dims, lhs_ragged_dimensions=lhs_ragged,
       rhs_group_dimensions=rhs_group), implementation=impl)
-
-
-def _gpu_kind() -> str | None:
-  if platform.backend() != "gpu":
-    return None
-  try:
-    return jax.devices("gpu")[0].device_kind
-  except RuntimeError:           # lowering for CUDA on a machine without a GPU
-    return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -32,6 +32,17 @@ def backend() -> str:
   return _target[-1] if _target else jax.default_backend()
 
 
+def gpu_kind() -> str | None:
+  """The GPU's device kind (`NVIDIA H100 80GB HBM3`) where kernels are chosen for a GPU and
+  one is here; None otherwise (another backend, or lowering for CUDA without a GPU)."""
+  if backend() != "gpu":
+    return None
+  try:
+    return jax.devices("gpu")[0].device_kind
+  except RuntimeError:
+    return None
+
+
 def tokamax():
   """Import the optional tokamax package for a kernel call.
 

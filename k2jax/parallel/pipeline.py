@@ -89,11 +89,10 @@ def table(config) -> schedules.Table:
   """The schedule table a full config trains with (zbh1 places its W tasks by the stages'
   costs, `costs`, and how this backend, or mesh.pipeline_skip, skips idle phases)."""
   m = config.mesh
-  skip = m.get("pipeline_skip", "auto")
   return schedule_table(config.model, m.pipeline, m.get("virtual_stages", 1),
                         config.train.grad_accum, m.get("pipeline_schedule", "1f1b"),
                         m.data, m.expert, config.train.seq_len,
-                        per_device=(skip_mode() if skip == "auto" else skip) == "device")
+                        per_device=skip_of(config) == "device")
 
 
 def costs(config, seq_len=None, platform=None) -> dict:
@@ -284,6 +283,13 @@ def residual_stages(tab: schedules.Table, offload: bool) -> dict:
 def skip_mode() -> str:
   """"device" on GPU / TPU, "tick" on CPU (module docstring)."""
   return "tick" if jax.default_backend() == "cpu" else "device"
+
+
+def skip_of(config) -> str:
+  """How a full config's pipeline skips idle phases: mesh.pipeline_skip, or `skip_mode()`
+  where that is "auto"."""
+  skip = config.mesh.get("pipeline_skip", "auto")
+  return skip_mode() if skip == "auto" else skip
 
 
 def _stage_fn(cfg, ffn, skip_padding: bool):
