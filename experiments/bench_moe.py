@@ -740,3 +740,204 @@ def main():
 
 if __name__ == "__main__":
   main()
+
+
+# jax's own Mosaic GPU grouped-matmul kernels (jax.experimental.pallas.ops.gpu: wgmma with
+# TMA pipelines, persistent over the SMs; rows must be sorted and contiguous). Configs:
+# (block_m, block_n, block_k, max_concurrent_steps, grid_block_n).
+MGPU_TGMM_CANDIDATES = [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 128, 64, 4, 16),
+                        (128, 128, 64, 2, 4), (128, 128, 64, 6, 4), (128, 128, 128, 2, 4),
+                        (128, 128, 128, 3, 4), (64, 256, 64, 4, 4), (64, 128, 64, 4, 4)]
+MGPU_GMM_CANDIDATES = [(128, 128, 64, 4, 4), (128, 128, 64, 4, 1), (128, 128, 64, 6, 4),
+                       (64, 256, 64, 4, 4), (128, 128, 128, 2, 4)]
+# More tiles for our weight-gradient kernel: fewer stages / smaller tiles let 2-3 blocks
+# share an SM, overlapping one block's prologue and store with another's loop (a group's
+# ~1,365 rows give each block only ~21 steps of 64).
+TGMM_MORE = [(64, 128, 128, 4, 2), (64, 128, 128, 4, 4), (32, 128, 128, 4, 3),
+             (32, 128, 128, 4, 2), (64, 128, 64, 4, 3), (64, 64, 128, 4, 3),
+             (64, 128, 128, 4, 5), (32, 128, 256, 8, 3), (32, 256, 128, 8, 3)]
+
+
+def gpu_wgrad(args):
+  """The MoE weight gradient dW_g = a_g^T b_g (a, b: the rows of group g) at one TUNE_SHAPES
+  shape, every way at hand, each checked against float32 math on its first two groups:
+
+    ours        moe_gpu.tgmm (Triton; rows gathered inside) at TGMM_CANDIDATES + TGMM_MORE
+    mgpu        jax's Mosaic GPU transposed_ragged_dot on contiguous sorted rows (the up
+                projection's x[rows] gathered first by XLA: timed alone and with it)
+    ragged_dot  XLA's ragged_dot_general
+    batched     equal groups of M / E rows through one batched dot (cuBLAS): the same FLOPs
+                and reduction length without raggedness, the ceiling to compare with
+
+  and the down / input-gradient products through ours and jax's Mosaic GPU ragged_dot.
+  Rows -> gpu_wgrad.csv (args.out)."""
+  import functools
+  from k2jax.kernels import moe_gpu
+  try:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+  except ImportError as e:
+    ragged_dot_mgpu = transposed_ragged_dot_mgpu = None
+    print(f"jax's Mosaic GPU ragged dots unavailable: {e}", flush=True)
+  out = args.out or os.path.join(HERE, "results", "moe")
+  d, f, E, k, *tokens = args.shape
+  M, x, h, w_up, w_dn, sizes, gs, flops = role_operands(d, f, E, k, (tokens or [args.tokens])[0],
+                                                        seed=11)
+  dt = jnp.bfloat16
+  rows = []
+  interpret = getattr(args, "interpret", False)   # a CPU smoke run: ours only, interpreted
+  if interpret:
+    ragged_dot_mgpu = transposed_ragged_dot_mgpu = None
+  default = dict(moe_gpu.TUNING)
+
+  def record(row, fn=None, ops=(), check=None):
+    """Times fn(*ops) into row (after checking it when `check` is given); never raises."""
+    try:
+      if check is not None:
+        row["rel_err"] = check(jax.jit(fn)(*ops))
+        row["ok"] = bool(row["rel_err"] < 2e-2)
+      t = timeit(jax.jit(fn), *ops, reps=args.reps, warmup=1)
+      row.update(ms=1e3 * t, TFLOPs=flops / t / 1e12)
+    except Exception as e:
+      row["note"] = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    rows.append(row)
+    print(row, flush=True)
+    return row
+
+  a_b = jax.random.normal(jax.random.key(5), (d, f), dt)
+  record(dict(role="all", impl="dense matmul (same FLOPs)"), lambda a, b: a @ b, (x, a_b))
+  del a_b
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+
+  def wgrad_check(a, b):
+    """rel. error of a dW [E, K, N] on its first two non-empty groups, float32 on the host."""
+    gids = [g for g in range(E) if sizes[g]][:2]
+    want = [np.asarray(a[bounds[g]:bounds[g + 1]], np.float32).T
+            @ np.asarray(b[bounds[g]:bounds[g + 1]], np.float32) for g in gids]
+
+    def err(got):
+      got = np.asarray(got[np.asarray(gids)], np.float32)
+      return float(max(np.abs(g_ - w_).max() / np.abs(w_).max() for g_, w_ in zip(got, want)))
+    return err
+
+  perm = jax.random.permutation(jax.random.key(6), M).astype(jnp.int32)
+  inv = jnp.argsort(perm).astype(jnp.int32)
+  x_tok = x[inv]                     # token-major rows: x_tok[perm] == x (the sorted rows)
+  t0 = time.time()
+  for role, (a, b) in (("dw_up", (x, h)), ("dw_down", (h, x))):
+    check = wgrad_check(a, b)
+    # ours: the up projection's rows come through the permutation, as in training
+    gather_a = role == "dw_up"
+    for tiling in TGMM_CANDIDATES + TGMM_MORE:
+      if time.time() - t0 > args.budget:
+        break
+
+      def ours(a_, b_, tiling=tiling):
+        moe_gpu.TUNING["tgmm"] = tiling
+        t = moe_gpu.Tiles(gs, M, tiling[0])
+        src = t.at(perm) if gather_a else t.row
+        return moe_gpu.tgmm(a_, b_, t, src, t.row, E, out_dtype=dt, interpret=interpret)
+      with swept_tiles():
+        record(dict(role=role, impl="ours (tgmm)", tiles=str(tiling)), ours,
+               (x_tok if gather_a else a, b), check)
+    record(dict(role=role, impl="ragged_dot (XLA)"), lambda a_, b_: jax.lax.ragged_dot_general(
+        a_, b_, gs, jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[])), (a, b), check)
+    n = M // E * E
+    record(dict(role=role, impl=f"batched dense ({E} x {M // E} rows)"),
+           lambda a_, b_: jnp.einsum("grk,grn->gkn", a_[:n].reshape(E, -1, a_.shape[1]),
+                                     b_[:n].reshape(E, -1, b_.shape[1])), (a, b))
+    if gather_a:
+      record(dict(role=role, impl="gather x[rows] alone (XLA)"), lambda a_: a_[perm], (x_tok,))
+    if transposed_ragged_dot_mgpu is None:
+      continue
+    for cfg in MGPU_TGMM_CANDIDATES:
+      kw = dict(zip(("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"),
+                    cfg))
+      mg = functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, group_sizes=gs,
+                             **kw)
+      r = record(dict(role=role, impl="mgpu (jax)", tiles=str(cfg)), mg, (a, b), check)
+      if gather_a and r.get("ok"):
+        record(dict(role=role, impl="gather + mgpu (jax)", tiles=str(cfg)),
+               lambda a_, b_, mg=mg: mg(a_[perm], b_), (x_tok, b))
+  # the forward's down projection and the input gradient, for the same comparison
+  for role, (a, w, tr) in (("down", (h, w_dn, False)), ("dlhs", (h, w_up, True))):
+    def ours(a_, w_, tr=tr):
+      t = moe_gpu.Tiles(gs, M, moe_gpu._bm("gmm", *w_.shape[1:]))
+      return moe_gpu.gmm(a_, w_, t, t.row, t.row, M, transpose_w=tr, interpret=interpret)
+    ref = record(dict(role=role, impl="ours (gmm)", tiles=str(moe_gpu.tiles_for(
+        "gmm", *w.shape[1:]))), ours, (a, w))
+    if ragged_dot_mgpu is None:
+      continue
+    want = jax.jit(ours)(a, w)[:4096].astype(jnp.float32)
+    for cfg in MGPU_GMM_CANDIDATES:
+      kw = dict(zip(("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"),
+                    cfg))
+      mg = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=gs, transpose_rhs=tr, **kw)
+      record(dict(role=role, impl="mgpu (jax)", tiles=str(cfg)), mg, (a, w),
+             lambda y: float(jnp.abs(y[:4096].astype(jnp.float32) - want).max()
+                             / jnp.abs(want).max()))
+    del ref
+  moe_gpu.TUNING.update(default)
+  write(os.path.join(out, "gpu_wgrad.csv"), rows)
+  dense = rows[0].get("TFLOPs", float("nan"))
+  print(f"\n{jax.devices()[0].device_kind}: MoE products at d {d}, f {f}, {E} experts, {M} rows "
+        f"(bf16, TFLOP/s; dense matmul of the same FLOPs {dense:.0f})")
+  for r in rows[1:]:
+    print(f"{r['role']:<8}{r['impl']:<30}{str(r.get('tiles', '')):<24}"
+          f"{r.get('TFLOPs', float('nan')):>6.0f}{r.get('rel_err', float('nan')):>9.1e}  "
+          f"{r.get('note', '')}")
+
+
+def gpu_backward(args):
+  """The routed-expert layer's forward + backward (pallas_gpu) with each backward kernel
+  choice of kernels/moe_gpu.py: "triton" (rows gathered inside our kernels) and "auto"
+  (moe_gpu.MGPU: jax's Mosaic GPU ragged dots on Hopper), at each args.shapes entry (bf16,
+  routed as a top-k of random sigmoid scores). Every gradient (x, the combine weights, gate,
+  up, down) of both against float32 XLA (impl="blocked", dense dots per block of rows, on
+  float32 copies; XLA's float32 ragged_dot asked for more shared memory than an H200 has at
+  K2's shape): max |error| over max |reference|. Rows -> gpu_moe_backward.csv."""
+  from k2jax.kernels import moe_gpu
+  out = args.out or os.path.join(HERE, "results", "moe")
+  interpret = getattr(args, "interpret", False)      # a CPU smoke run
+  rows = []
+  for shape_name, (d, f, E, k, *tokens) in args.shapes.items():
+    N = (tokens or [args.tokens])[0]
+    x, ids, comb, gate, up, down = layer_inputs(N, d, f, E, k, dtype=jnp.bfloat16, seed=3)
+    cot = jax.random.normal(jax.random.key(4), (N, d), jnp.bfloat16)
+    flops = 3 * 3 * 2 * N * k * d * f      # three products forward, twice that backward
+
+    def loss(impl):
+      def fn(x, comb, gate, up, down, cot):
+        y = moe.routed_experts(x, ids, comb, gate, up, down, impl=impl, interpret=interpret)
+        return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32))
+      return jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3, 4)))
+    f32 = lambda a: a.astype(jnp.float32)
+    ops = (x, comb, gate, up, down, cot)
+    want = [f32(g) for g in loss("blocked")(*map(f32, ops))]
+    for choice in ("triton", None):
+      moe_gpu.BACKWARD = choice
+      row = dict(shape=shape_name, tokens=N, backward=choice or "auto",
+                 picks=moe_gpu.backward_kernels(gate, x, x) if choice is None else choice)
+      try:
+        fn = loss("pallas_gpu")
+        got = fn(*ops)
+        for name, g, w in zip(("dx", "dcombine", "dgate", "dup", "ddown"), got, want):
+          row[f"rel_{name}"] = float(jnp.abs(f32(g) - w).max() / jnp.abs(w).max())
+        t = timeit(fn, *ops, reps=args.reps)
+        row.update(ms=1e3 * t, TFLOPs=flops / t / 1e12)
+      except Exception as e:
+        row["note"] = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+      rows.append(row)
+      print(row, flush=True)
+    moe_gpu.BACKWARD = None
+    del x, gate, up, down, want
+  write(os.path.join(out, "gpu_moe_backward.csv"), rows)
+  print(f"\n{jax.devices()[0].device_kind}: routed experts, forward + backward (TFLOP/s of the "
+        "nine grouped products)")
+  for r in rows:
+    errs = " ".join(f"{r.get('rel_' + n, float('nan')):.1e}" for n in
+                    ("dx", "dcombine", "dgate", "dup", "ddown"))
+    print(f"{r['shape']:<12}{r['backward']:<8}{r.get('picks', ''):<8}"
+          f"{r.get('ms', float('nan')):>9.2f} ms{r.get('TFLOPs', float('nan')):>7.0f}  {errs}  "
+          f"{r.get('note', '')}")

@@ -54,7 +54,11 @@ PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100": 989.4, "NVIDIA H20
 # Kernel choices: model.attention_impl, model.moe_impl.
 KERNELS = {"auto": ("auto", "auto"), "tokamax": ("tokamax", "tokamax"),
            "tokamax_moe": ("auto", "tokamax"), "tokamax_attention": ("tokamax", "auto"),
-           "xla": ("xla", "ragged")}
+           "xla": ("xla", "ragged"),
+           "tokamax_attention_triton_bwd": ("tokamax", "auto")}
+# Kernel choices that also set the MoE backward's kernels (kernels/moe_gpu.BACKWARD; the
+# others leave it to its table).
+MOE_BACKWARD = {"tokamax_attention_triton_bwd": "triton"}
 
 GPU_MODEL = dict(vocab_size=32768, hidden_size=2048, intermediate_size=8192,
                  moe_intermediate_size=768, num_hidden_layers=14, first_k_dense_replace=1,
@@ -226,9 +230,11 @@ def breakdown(config, params, state_opt, tx, step_s, reps):
 
 
 def _moe_tiles():
-  """pallas_gpu's grouped-matmul tiles in this process (gpu_check may have tuned them)."""
+  """pallas_gpu's grouped-matmul tiles in this process (gpu_check may have tuned them), and
+  who runs its backward (moe_gpu.BACKWARD, or the MGPU table when it is None)."""
   from k2jax.kernels import moe_gpu
-  return str(dict(moe_gpu.TUNING, by_size=moe_gpu.TUNING_BY_SIZE))
+  return str(dict(moe_gpu.TUNING, by_size=moe_gpu.TUNING_BY_SIZE,
+                  backward=moe_gpu.BACKWARD or f"table {moe_gpu.MGPU}"))
 
 
 def k2_newton_schulz_share():
@@ -275,6 +281,8 @@ def main(argv=None):
   casts = {"on": (True,), "off": (False,), "both": (False, True)}[args.cast_once]
   for name, cast_once in [(n, c) for n in args.kernels.split(",") for c in casts]:
     attn_impl, moe_impl = KERNELS[name]
+    from k2jax.kernels import moe_gpu
+    moe_gpu.BACKWARD = MOE_BACKWARD.get(name)
     batch = args.batch
     while True:
       config = make_config(model_kw, batch, args.seq, attn_impl, moe_impl,

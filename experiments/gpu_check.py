@@ -21,6 +21,13 @@ the order given, each catching its own failures:
              backward), timed at MLA's shape as k2jax calls it, and k2jax's impl="tokamax"
              with the best pair against tokamax's own choice (bench_attention.tokamax_tune;
              the entry for kernels/flash_tokamax.TILES goes to attention/tokamax_tiles.json);
+  wgrad      the weight gradient (and the down / input-gradient products) at --gmm-shape:
+             ours at more tiles, jax's own Mosaic GPU ragged dots (with the gather they
+             need), XLA's ragged_dot and a batched dense dot of equal groups as the
+             ceiling (bench_moe.gpu_wgrad);
+  moe_bwd    the routed-expert layer's forward + backward with each backward kernel choice
+             (moe_gpu.BACKWARD: our Triton kernels, or jax's Mosaic GPU ones on Hopper)
+             at --tune-shapes, every gradient against float32 XLA (bench_moe.gpu_backward);
   tune       tile sweep of our grouped-matmul kernels (forward, input and weight gradients)
              at the bench_train model's and K2's expert shapes, against the previous
              weight-gradient kernel; the winners serve the rest of the run
@@ -120,11 +127,17 @@ def main():
                  help="tune: seconds per kernel and shape for the tile sweep")
   args = p.parse_args()
   known = {"offload", "tune", "mfu", "tokamax", "attention", "gmm_roles", "train", "moe",
-           "decode", "attention_tune"}
+           "decode", "attention_tune", "wgrad", "moe_bwd"}
   unknown = [x for x in args.only.split(",") if x not in known]
   if unknown:
     p.error(f"--only {','.join(unknown)}: unknown part; choose from {', '.join(sorted(known))}")
   _map_kernels()
+  from bench_moe import TUNE_SHAPES
+  for flag, names in (("--gmm-shape", args.gmm_shape), ("--tune-shapes", args.tune_shapes)):
+    bad = [n for n in names.split(",") if n not in TUNE_SHAPES]
+    if bad:
+      p.error(f"{flag} {','.join(bad)}: not a bench_moe.TUNE_SHAPES entry; choose from "
+              f"{', '.join(TUNE_SHAPES)}")
   import jax
   print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
   parts = args.only.split(",")
@@ -148,6 +161,19 @@ def main():
             out=os.path.join(args.out, "moe"), tokens=args.tokens,
             shape=bench_moe.TUNE_SHAPES[args.gmm_shape],
             impls=args.gmm_impls.split(",") if args.gmm_impls else None))
+      elif part == "wgrad":
+        import bench_moe
+        bench_moe.gpu_wgrad(argparse.Namespace(
+            out=os.path.join(args.out, "moe"), tokens=48 if args.tiny else args.tokens,
+            shape=(64, 48, 4, 2) if args.tiny else bench_moe.TUNE_SHAPES[args.gmm_shape],
+            budget=args.tune_budget, reps=3 if args.tiny else 5, interpret=args.tiny))
+      elif part == "moe_bwd":
+        import bench_moe
+        shapes = ({"tiny": (64, 48, 4, 2)} if args.tiny
+                  else {n: bench_moe.TUNE_SHAPES[n] for n in args.tune_shapes.split(",")})
+        bench_moe.gpu_backward(argparse.Namespace(
+            out=os.path.join(args.out, "moe"), tokens=48 if args.tiny else args.tokens,
+            shapes=shapes, reps=3 if args.tiny else 10, interpret=args.tiny))
       elif part == "tune":
         import bench_moe
         shapes = ({"bench_train": (64, 48, 4, 2), "k2": (32, 80, 3, 2)} if args.tiny

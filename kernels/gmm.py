@@ -235,7 +235,8 @@ def _tokamax_role(a, b, group_sizes, role: str):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tokamax_ours_dw(x, w, group_sizes, interpret: bool = False):
-  """tokamax for y and dx, our Triton tgmm for dw (the GPU path of impl="tokamax")."""
+  """tokamax for y and dx, ours for dw (moe_gpu's weight gradient: jax's Mosaic GPU kernel
+  on Hopper, our Triton tgmm elsewhere; the GPU path of impl="tokamax")."""
   return _tokamax_role(x, w, group_sizes, "fwd")
 
 
@@ -249,9 +250,12 @@ def _tokamax_ours_dw_bwd(interpret, res, dy):
   M, (G, K, N) = x.shape[0], w.shape
   dx = _tokamax_role(dy.astype(x.dtype), w, group_sizes, "dlhs")
   dx = jnp.where((jnp.arange(M) < jnp.sum(group_sizes))[:, None], dx, jnp.zeros((), dx.dtype))
-  tiles = moe_gpu.Tiles(group_sizes, M, moe_gpu._bm("tgmm", K, N))
-  dw = moe_gpu.tgmm(moe_gpu._pad16(x, 1), moe_gpu._pad16(dy.astype(x.dtype), 1), tiles,
-                    tiles.row, tiles.row, G, interpret=interpret, out_dtype=w.dtype)
+  if moe_gpu.backward_kernels(w, x, dy.astype(x.dtype), interpret=interpret) == "mgpu":
+    dw = moe_gpu._mgpu_tgmm(x, dy.astype(x.dtype), group_sizes).astype(w.dtype)  # Hopper
+  else:
+    tiles = moe_gpu.Tiles(group_sizes, M, moe_gpu._bm("tgmm", K, N))
+    dw = moe_gpu.tgmm(moe_gpu._pad16(x, 1), moe_gpu._pad16(dy.astype(x.dtype), 1), tiles,
+                      tiles.row, tiles.row, G, interpret=interpret, out_dtype=w.dtype)
   return (cotangent_for(dx.astype(x.dtype), x), cotangent_for(dw[:, :K, :N], w), None)
 
 

@@ -29,7 +29,9 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
             kernels with wgmma + TMA on Hopper, kernels/gmm.py TOKAMAX_TILES).
   pallas_gpu  the ragged path on Triton kernels that read x through the sort permutation and
             write the down projection back in token order scaled by the combine weights
-            (kernels/moe_gpu.py), so x[order] and the unsort are never materialized.
+            (kernels/moe_gpu.py), so x[order] and the unsort are never materialized in the
+            forward; on Hopper the backward gathers them once and runs jax's Mosaic GPU
+            ragged dots (moe_gpu.MGPU).
   gather    each assignment reads its expert's weights ([N k, d, f] gathers): no sorting or
             padding, and only the chosen experts' weights are read, which is what decoding a
             few tokens wants (k2jax.model.decode picks it when N k <= E).

@@ -17,6 +17,9 @@ The custom VJPs of `gather_grouped_matmul` and `grouped_matmul_combine` are buil
   h = gather_gmm(x, W):            dx = segment_sum(gmm(dh, W^T)),  dW = tgmm(x[src], dh)
   y = combine_gmm(h, W, s):        dh' = gmm(dy[dst], W^T),  ds = rowsum(dh' * h),
                                    dh = s dh',  dW = tgmm(s h, dy[dst])  (s h in XLA)
+
+On Hopper the backward's products run on jax's own Mosaic GPU kernels instead (`MGPU`
+below): the same formulas, with x[src] / dy[dst] gathered once in XLA.
 """
 
 import functools
@@ -26,7 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from k2jax.kernels.pallas_utils import cotangent_for, pallas_call
+from k2jax.kernels import platform
+from k2jax.kernels.pallas_utils import cotangent_for, foreign_kernel, pallas_call
 
 
 def _tile_size(n: int, want: int) -> int:
@@ -212,6 +216,96 @@ def _bm(kernel: str, K: int, N: int):
   return tiles_for(kernel, K, N)[0]
 
 
+# ------------------------------------------ the backward on Hopper: jax's Mosaic GPU kernels
+
+# jax ships Mosaic GPU ragged dots for Hopper (jax.experimental.pallas.ops.gpu:
+# ragged_dot_mgpu, transposed_ragged_dot_mgpu): wgmma fed by TMA pipelines, one persistent
+# block per SM walking the output tiles. TMA cannot gather rows, so the backward makes its
+# one permuted operand contiguous with an XLA gather (x[rows] for the gate / up weight
+# gradients, one gather XLA shares between the two; dy[slots] for both products of the down
+# projection) and runs the products on jax's kernels. The forward keeps the Triton kernels
+# above: there the fused gather / combine saves a pass over the rows.
+#
+# Per GPU compute capability (major): each kernel's (block_m, block_n, block_k,
+# max_concurrent_steps, grid_block_n); a GPU without an entry runs the Triton kernels.
+# Measured 2026-11-27 (bf16, TFLOP/s) at K2's share of one device on its 16-way
+# expert-parallel layout (d 7168, f 2048, 24 experts, 32,768 rows):
+#   each product alone, one H200 (gpu_check.py --only wgrad, results/moe/
+#   gpu_wgrad_k2_ep16_h200.csv; a batched cuBLAS dot of 24 equal groups, same FLOPs: 505-511):
+#     weight gradient   down / up 503 / 499; the Triton kernel's best of 18 tiles 354 / 375;
+#                       with up's gather of x's rows (0.48 ms) 422
+#     input gradient    472 against 412 (and the forward's down projection 516 against 396)
+#   the layer's forward + backward, nine products (--only moe_bwd, gpu_moe_backward_*.csv,
+#   every gradient within 7.2e-3 of float32 XLA either way): H100 20.55 -> 17.00 ms
+#   (421 -> 509), H200 18.91 -> 16.63 ms; at the bench model's experts (d 2048, f 768, 32)
+#   5.50 -> 4.62 ms (H200); its train step 848.6 -> 780.5 ms (H200, 32K tokens per step).
+# jax's kernels carry no cost estimate, so k2jax.parallel.bwsplit counts their FLOPs as 0
+# when a pipeline's backward is split on a Hopper GPU (plan and CPU traces see the Triton
+# kernels' estimates).
+MGPU = {9: {"gmm": (128, 128, 64, 6, 4), "tgmm": (128, 128, 64, 4, 4)}}
+# Measured at 24 and 32 experts per device; jax's input-gradient kernel unrolls a loop over
+# the groups in every output tile, so far more (K2's 384 on one device) stay on Triton.
+MGPU_MAX_GROUPS = 64
+# None: the tables decide; "triton" / "mgpu" force one (benchmarks, lowering tests).
+BACKWARD: str | None = None
+
+
+def _mgpu_ops():
+  """(ragged_dot, transposed_ragged_dot) from jax's Mosaic GPU ops; None without them."""
+  try:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+  except ImportError:
+    return None
+  return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
+
+
+def _mgpu_config(kernel: str):
+  cc = platform.gpu_capability()
+  return MGPU.get(cc[0] if cc else 9, MGPU[9])[kernel]
+
+
+def backward_kernels(w, *operands, interpret=False) -> str:
+  """Which kernels run the backward of a grouped matmul with weights w [G, K, N]: "mgpu"
+  (jax's, see MGPU) on a GPU with an MGPU entry, bf16 / f16 operands of one dtype, at most
+  MGPU_MAX_GROUPS groups and K, N that the configs' tiles divide; else "triton"."""
+  if BACKWARD is not None:
+    return BACKWARD
+  if interpret:
+    return "triton"
+  cc = platform.gpu_capability()
+  G, K, N = w.shape
+  dtypes = {jnp.dtype(a.dtype) for a in (w, *operands)}
+  if (cc is None or cc[0] not in MGPU or G > MGPU_MAX_GROUPS or len(dtypes) > 1
+      or dtypes.pop() not in (jnp.bfloat16, jnp.float16) or _mgpu_ops() is None):
+    return "triton"
+  tm, tn = _mgpu_config("tgmm")[:2]         # dW [G, K, N] in tm x tn tiles
+  _, gn, gk, _, _ = _mgpu_config("gmm")     # dx = dy W^T: N contracted, K out
+  return "mgpu" if K % tm == 0 and N % tn == 0 and N % gk == 0 and K % gn == 0 else "triton"
+
+
+def _mgpu_gmm(a, w, group_sizes, *, transpose_w=False):
+  """a[r] @ w[g(r)] (w[g(r)]^T) for rows sorted by group, on jax's Mosaic GPU ragged_dot.
+  Rows past the groups are left unwritten: callers mask them."""
+  ragged_dot, _ = _mgpu_ops()
+  bm, bn, bk, steps, gbn = _mgpu_config("gmm")
+  n = w.shape[1] if transpose_w else w.shape[2]
+  while (n // bn) % gbn:        # its output-tile walk takes column strips of gbn tiles
+    gbn //= 2
+  return foreign_kernel(functools.partial(
+      ragged_dot, block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps,
+      grid_block_n=gbn, transpose_rhs=transpose_w), a, w, group_sizes=group_sizes)
+
+
+def _mgpu_tgmm(a, b, group_sizes):
+  """dW[g] = a_g^T b_g over the (contiguous, sorted) rows of each group g, on jax's Mosaic
+  GPU transposed_ragged_dot: [G, a.shape[1], b.shape[1]] in a's dtype."""
+  _, transposed = _mgpu_ops()
+  bm, bn, bk, steps, gbn = _mgpu_config("tgmm")
+  return foreign_kernel(functools.partial(
+      transposed, block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps,
+      grid_block_n=gbn), a, b, group_sizes=group_sizes)
+
+
 # ------------------------------------------------------------------ gather_grouped_matmul
 
 
@@ -247,15 +341,19 @@ def _gather_fwd(x, w, group_sizes, row_ids, interpret):
 def _gather_bwd(interpret, res, dh):
   x, w, group_sizes, row_ids = res
   M = row_ids.shape[0]
-  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
-  dxs = gmm(dh, w, tiles, tiles.row, tiles.row, M, transpose_w=True, interpret=interpret,
-            out_dtype=jnp.float32)
+  if backward_kernels(w, x, dh, interpret=interpret) == "mgpu":
+    dxs = _mgpu_gmm(dh, w, group_sizes, transpose_w=True).astype(jnp.float32)
+    dw = _mgpu_tgmm(x[row_ids], dh, group_sizes).astype(w.dtype)   # x's rows made contiguous
+  else:
+    tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
+    dxs = gmm(dh, w, tiles, tiles.row, tiles.row, M, transpose_w=True, interpret=interpret,
+              out_dtype=jnp.float32)
+    tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
+    dw = tgmm(x, dh, tt, tt.at(row_ids), tt.row, w.shape[0], interpret=interpret,
+              out_dtype=w.dtype)
   valid = jnp.arange(M) < jnp.sum(group_sizes)
   dx = jax.ops.segment_sum(jnp.where(valid[:, None], dxs, 0.0),
                            jnp.where(valid, row_ids, 0), x.shape[0]).astype(x.dtype)
-  tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
-  dw = tgmm(x, dh, tt, tt.at(row_ids), tt.row, w.shape[0], interpret=interpret,
-            out_dtype=w.dtype)
   return cotangent_for(dx, x), cotangent_for(dw, w), None, None
 
 
@@ -294,9 +392,14 @@ def _at_values(tiles: Tiles, values):
 def _combine_bwd(interpret, res, dy):
   h, w, group_sizes, slot_ids, weights = res
   M = h.shape[0]
-  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
-  dh_unscaled = gmm(dy, w, tiles, tiles.at(slot_ids), tiles.row, M, transpose_w=True,
-                    interpret=interpret, out_dtype=jnp.float32)
+  mgpu = backward_kernels(w, h, dy, interpret=interpret) == "mgpu"
+  if mgpu:
+    dy = dy[slot_ids]     # dy's rows in sorted order, contiguous: read by both products
+    dh_unscaled = _mgpu_gmm(dy, w, group_sizes, transpose_w=True).astype(jnp.float32)
+  else:
+    tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
+    dh_unscaled = gmm(dy, w, tiles, tiles.at(slot_ids), tiles.row, M, transpose_w=True,
+                      interpret=interpret, out_dtype=jnp.float32)
   valid = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
   dh_unscaled = jnp.where(valid, dh_unscaled, 0.0)
   dweights = jnp.sum(dh_unscaled * h.astype(jnp.float32), -1).astype(weights.dtype)
@@ -304,9 +407,12 @@ def _combine_bwd(interpret, res, dy):
   # dW = sum_r (s_r h_r)^T dy[slot_r]: h's rows scaled here, one elementwise pass in XLA,
   # rounded as the product in f32 then dy's dtype (the dot's operand dtype)
   hs = (h.astype(jnp.float32) * weights.astype(jnp.float32)[:, None]).astype(dy.dtype)
-  tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
-  dw = tgmm(hs, dy, tt, tt.row, tt.at(slot_ids), w.shape[0],
-            interpret=interpret, out_dtype=w.dtype)
+  if mgpu:
+    dw = _mgpu_tgmm(hs, dy, group_sizes).astype(w.dtype)
+  else:
+    tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
+    dw = tgmm(hs, dy, tt, tt.row, tt.at(slot_ids), w.shape[0],
+              interpret=interpret, out_dtype=w.dtype)
   return (cotangent_for(dh, h), cotangent_for(dw, w), None, None,
           cotangent_for(dweights, weights))
 

@@ -43,6 +43,17 @@ def gpu_kind() -> str | None:
     return None
 
 
+def gpu_capability() -> tuple[int, int] | None:
+  """The GPU's compute capability ((9, 0) on Hopper) where `gpu_kind` gives a kind."""
+  if gpu_kind() is None:
+    return None
+  cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+  try:
+    return tuple(int(v) for v in str(cc).split(".")[:2])
+  except ValueError:
+    return None
+
+
 def tokamax():
   """Import the optional tokamax package for a kernel call.
 

@@ -117,8 +117,10 @@ def test_tokamax_gpu_path_forward_and_gradients_match_loop(sizes):
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_vjps(impl):
-  """jit'd (gather_grouped_matmul and its vjp, grouped_matmul_combine and its vjp)."""
+def _fused_vjps(impl, variant=None):
+  """jit'd (gather_grouped_matmul and its vjp, grouped_matmul_combine and its vjp), one
+  pair per variant: jit keeps its trace when a test changes module tables (tiles, backward
+  kernels), so a shared pair would run the first variant's kernels for all of them."""
   def gather(x, w, gs, row_ids, cot):
     h, vjp = jax.vjp(lambda x, w: gm.gather_grouped_matmul(x, w, gs, row_ids, impl=impl,
                                                            interpret=True), x, w)
@@ -137,14 +139,43 @@ def _fused_vjps(impl):
 SMALL_TILES = {"gmm": (16, 32, 16, 4, 2), "tgmm": (32, 16, 16, 4, 2)}
 
 
+def _mgpu_stand_ins(monkeypatch):
+  """moe_gpu's backward on its "mgpu" path, jax's Mosaic GPU kernels (Hopper only) replaced
+  by float32 ragged dots with their contract: rows sorted by group, rows past the groups
+  left unwritten (NaN here, so a product that reads them fails), weight gradients summed
+  over each group's rows. What this checks is k2jax's side: the gathers that make rows
+  contiguous, the masking, the scaling and the segment sums around the two kernels."""
+  from k2jax.kernels import moe_gpu
+  hi = jax.lax.Precision.HIGHEST
+
+  def ragged_dot(lhs, rhs, *, group_sizes, transpose_rhs=False, **_):
+    rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    y = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes,
+                           precision=hi)
+    inside = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(inside[:, None], y, jnp.nan).astype(lhs.dtype)
+
+  def transposed(lhs, rhs, *, group_sizes, **_):
+    dn = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
+                                      group_sizes, dn, precision=hi).astype(lhs.dtype)
+  monkeypatch.setattr(moe_gpu, "_mgpu_ops", lambda: (ragged_dot, transposed))
+  monkeypatch.setattr(moe_gpu, "BACKWARD", "mgpu")
+
+
 @pytest.mark.parametrize("impl,tiles", [("blocked", None), ("pallas_gpu", None),
-                                        ("pallas_gpu", "small"), ("pallas_gpu", "by_size")])
+                                        ("pallas_gpu", "small"), ("pallas_gpu", "by_size"),
+                                        ("pallas_gpu", "mgpu")])
 def test_fused_gather_and_combine_variants(impl, tiles, monkeypatch):
   """gather_grouped_matmul reads x through row ids; grouped_matmul_combine writes rows to
   their slots scaled by weights; both against float64, with their three gradients, each
   element within gamma(width) times its sum of |terms| (f32 accumulation). "by_size": the
-  forward kernel's tiles from moe_gpu.TUNING_BY_SIZE, the weight gradients' from TUNING."""
+  forward kernel's tiles from moe_gpu.TUNING_BY_SIZE, the weight gradients' from TUNING.
+  "mgpu": the backward's Hopper path around jax's kernels (`_mgpu_stand_ins`)."""
   from k2jax.kernels import moe_gpu
+  if tiles == "mgpu":
+    _mgpu_stand_ins(monkeypatch)
   if tiles == "small":
     monkeypatch.setattr(moe_gpu, "TUNING", SMALL_TILES)
   if tiles == "by_size":
@@ -152,7 +183,7 @@ def test_fused_gather_and_combine_variants(impl, tiles, monkeypatch):
     monkeypatch.setattr(moe_gpu, "TUNING_BY_SIZE", {1: {"gmm": SMALL_TILES["gmm"]}})
     assert moe_gpu.tiles_for("gmm", 21, 40) == SMALL_TILES["gmm"]
   seed, rng = seed_and_rng()
-  gather, combine = _fused_vjps(impl)
+  gather, combine = _fused_vjps(impl, tiles)
   sizes = [11, 0, 37, 1, 0]
   M, Nt, K, F = sum(sizes), 29, 21, 40      # neither width a multiple of 16
   x = _f32(rng.standard_normal((Nt, K)))
@@ -435,3 +466,48 @@ def test_grouped_matmul_tiles_follow_the_expert_matrix_size(monkeypatch):
   assert moe_gpu.tiles_for("gmm", 100, 100) == moe_gpu.tiles_for("gmm", 50, 200) == b
   assert moe_gpu.tiles_for("gmm", 900, 100) == c and moe_gpu.tiles_for("tgmm", 900, 100) == a
   assert moe_gpu._bm("gmm", 900, 100) == 256
+
+
+@pytest.mark.parametrize("in_shard_map", [False, True])
+def test_mgpu_backward_lowers_for_cuda(in_shard_map, monkeypatch):
+  """The routed experts' gradient on moe_gpu's Hopper path lowers for CUDA here (no GPU):
+  the forward's three products as Triton kernels, the backward's six (two per projection)
+  as jax's Mosaic GPU kernels; also inside shard_map with its manual-axis checks on, as the
+  expert-parallel layer runs it (the kernels' outputs declare no manual axes:
+  pallas_utils.foreign_kernel). There the weights are replicated and the rows split, so
+  each weight gradient must be summed over the axis: three all-reduces, which an output
+  taken as the same on every device would silently skip. jax's weight-gradient kernel asks
+  the device for its SM count, which a CPU device lacks: the stand-in gives 132 (H100)."""
+  import re
+  from jax.sharding import PartitionSpec as P
+  from k2jax.kernels import moe_gpu, platform
+  monkeypatch.setattr(moe_gpu, "BACKWARD", "mgpu")
+  N, d, f, E, k = 64, 256, 128, 4, 2
+
+  def loss(x, ids, comb, g, u, dn):
+    return jnp.sum(moe_gpu.routed_experts(x, ids, comb, g, u, dn).astype(jnp.float32))
+  grad = jax.grad(loss, argnums=(0, 3, 4, 5))
+  specs = (P("expert"),) * 3 + (P(),) * 3
+  shapes = [((N, d), jnp.bfloat16), ((N, k), jnp.int32), ((N, k), jnp.float32),
+            ((E, d, f), jnp.bfloat16), ((E, d, f), jnp.bfloat16), ((E, f, d), jnp.bfloat16)]
+  args = [jax.ShapeDtypeStruct(*s) for s in shapes]
+  if in_shard_map:
+    mesh = jax.make_mesh((1,), ("expert",))
+    grad = jax.shard_map(grad, mesh=mesh, in_specs=specs, out_specs=(P("expert"), P(), P(), P()))
+    args = [jax.ShapeDtypeStruct(*s, sharding=jax.NamedSharding(mesh, p))
+            for s, p in zip(shapes, specs)]
+
+  class Device:
+    def __init__(self, real):
+      self._real = real
+
+    def __getattr__(self, name):
+      return 132 if name == "core_count" else getattr(self._real, name)
+  real = jax.devices
+  monkeypatch.setattr(jax, "devices", lambda *a: [Device(x) for x in real(*a)])
+  with platform.target("cuda"):
+    text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r"custom_call @([\w$.]+)", text)
+  assert calls.count("__gpu$xla.gpu.triton") == 3, sorted(set(calls))
+  assert calls.count("mosaic_gpu_v2") == 6, sorted(set(calls))
+  assert text.count("all_reduce") == (3 if in_shard_map else 0)
