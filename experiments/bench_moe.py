@@ -890,13 +890,15 @@ def gpu_wgrad(args):
 
 
 def gpu_backward(args):
-  """The routed-expert layer's forward + backward (pallas_gpu) with each backward kernel
-  choice of kernels/moe_gpu.py: "triton" (rows gathered inside our kernels) and "auto"
-  (moe_gpu.MGPU: jax's Mosaic GPU ragged dots on Hopper), at each args.shapes entry (bf16,
-  routed as a top-k of random sigmoid scores). Every gradient (x, the combine weights, gate,
-  up, down) of both against float32 XLA (impl="blocked", dense dots per block of rows, on
-  float32 copies; XLA's float32 ragged_dot asked for more shared memory than an H200 has at
-  K2's shape): max |error| over max |reference|. Rows -> gpu_moe_backward.csv."""
+  """The routed-expert layer's forward + backward (pallas_gpu) under each kernel choice of
+  kernels/moe_gpu.py (moe_gpu.FORCE per role, see moe_gpu.MGPU): all Triton; `auto` (the
+  table: on Hopper the backward on jax's Mosaic GPU ragged dots); and `auto` with the
+  forward's down projection ("combine") on jax's kernel too, at each args.shapes entry
+  (bf16, routed as a top-k of random sigmoid scores). Every gradient (x, the combine
+  weights, gate, up, down) and the output against float32 XLA (impl="blocked", dense dots
+  per block of rows, on float32 copies; XLA's float32 ragged_dot asked for more shared
+  memory than an H200 has at K2's shape): max |error| over max |reference|. Rows ->
+  gpu_moe_backward.csv."""
   from k2jax.kernels import moe_gpu
   out = args.out or os.path.join(HERE, "results", "moe")
   interpret = getattr(args, "interpret", False)      # a CPU smoke run
@@ -910,19 +912,24 @@ def gpu_backward(args):
     def loss(impl):
       def fn(x, comb, gate, up, down, cot):
         y = moe.routed_experts(x, ids, comb, gate, up, down, impl=impl, interpret=interpret)
-        return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32))
-      return jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3, 4)))
+        return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32)), y
+      return jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3, 4), has_aux=True))
     f32 = lambda a: a.astype(jnp.float32)
     ops = (x, comb, gate, up, down, cot)
-    want = [f32(g) for g in loss("blocked")(*map(f32, ops))]
-    for choice in ("triton", None):
-      moe_gpu.BACKWARD = choice
-      row = dict(shape=shape_name, tokens=N, backward=choice or "auto",
-                 picks=moe_gpu.backward_kernels(gate, x, x) if choice is None else choice)
+    want_g, want_y = loss("blocked")(*map(f32, ops))
+    want = [f32(g) for g in want_g] + [want_y]
+    for name_, force in (("triton", {"backward": "triton", "combine": "triton"}), ("auto", {}),
+                         ("auto + mgpu combine", {"combine": "mgpu"})):
+      if interpret and force.get("combine") == "mgpu":
+        continue          # jax's Mosaic GPU kernels have no interpret mode
+      moe_gpu.FORCE = force
+      row = dict(shape=shape_name, tokens=N, kernels=name_,
+                 picks="/".join(moe_gpu.kernels_for(r, gate, x, x) for r in ("combine", "backward")))
       try:
         fn = loss("pallas_gpu")
-        got = fn(*ops)
-        for name, g, w in zip(("dx", "dcombine", "dgate", "dup", "ddown"), got, want):
+        got_g, got_y = fn(*ops)
+        for name, g, w in zip(("dx", "dcombine", "dgate", "dup", "ddown", "y"),
+                              (*got_g, got_y), want):
           row[f"rel_{name}"] = float(jnp.abs(f32(g) - w).max() / jnp.abs(w).max())
         t = timeit(fn, *ops, reps=args.reps)
         row.update(ms=1e3 * t, TFLOPs=flops / t / 1e12)
@@ -930,14 +937,16 @@ def gpu_backward(args):
         row["note"] = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}"
       rows.append(row)
       print(row, flush=True)
-    moe_gpu.BACKWARD = None
+    moe_gpu.FORCE = {}
     del x, gate, up, down, want
   write(os.path.join(out, "gpu_moe_backward.csv"), rows)
   print(f"\n{jax.devices()[0].device_kind}: routed experts, forward + backward (TFLOP/s of the "
         "nine grouped products)")
+  print(f"{'shape':<12}{'kernels':<21}{'combine/backward':<18}{'ms':>9}   {'TFLOP/s':>7}  "
+        "rel. error of dx dcombine dgate dup ddown y")
   for r in rows:
     errs = " ".join(f"{r.get('rel_' + n, float('nan')):.1e}" for n in
-                    ("dx", "dcombine", "dgate", "dup", "ddown"))
-    print(f"{r['shape']:<12}{r['backward']:<8}{r.get('picks', ''):<8}"
+                    ("dx", "dcombine", "dgate", "dup", "ddown", "y"))
+    print(f"{r['shape']:<12}{r['kernels']:<21}{r.get('picks', ''):<18}"
           f"{r.get('ms', float('nan')):>9.2f} ms{r.get('TFLOPs', float('nan')):>7.0f}  {errs}  "
           f"{r.get('note', '')}")

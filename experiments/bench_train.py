@@ -56,9 +56,9 @@ KERNELS = {"auto": ("auto", "auto"), "tokamax": ("tokamax", "tokamax"),
            "tokamax_moe": ("auto", "tokamax"), "tokamax_attention": ("tokamax", "auto"),
            "xla": ("xla", "ragged"),
            "tokamax_attention_triton_bwd": ("tokamax", "auto")}
-# Kernel choices that also set the MoE backward's kernels (kernels/moe_gpu.BACKWARD; the
-# others leave it to its table).
-MOE_BACKWARD = {"tokamax_attention_triton_bwd": "triton"}
+# Kernel choices that also force kernels/moe_gpu's kernels per role (moe_gpu.FORCE; the
+# others leave them to its MGPU table).
+MOE_FORCE = {"tokamax_attention_triton_bwd": {"backward": "triton"}}
 
 GPU_MODEL = dict(vocab_size=32768, hidden_size=2048, intermediate_size=8192,
                  moe_intermediate_size=768, num_hidden_layers=14, first_k_dense_replace=1,
@@ -231,10 +231,10 @@ def breakdown(config, params, state_opt, tx, step_s, reps):
 
 def _moe_tiles():
   """pallas_gpu's grouped-matmul tiles in this process (gpu_check may have tuned them), and
-  who runs its backward (moe_gpu.BACKWARD, or the MGPU table when it is None)."""
+  who runs its backward and combine (moe_gpu.FORCE, else the MGPU table)."""
   from k2jax.kernels import moe_gpu
   return str(dict(moe_gpu.TUNING, by_size=moe_gpu.TUNING_BY_SIZE,
-                  backward=moe_gpu.BACKWARD or f"table {moe_gpu.MGPU}"))
+                  force=moe_gpu.FORCE, mgpu=moe_gpu.MGPU))
 
 
 def k2_newton_schulz_share():
@@ -282,7 +282,7 @@ def main(argv=None):
   for name, cast_once in [(n, c) for n in args.kernels.split(",") for c in casts]:
     attn_impl, moe_impl = KERNELS[name]
     from k2jax.kernels import moe_gpu
-    moe_gpu.BACKWARD = MOE_BACKWARD.get(name)
+    moe_gpu.FORCE = dict(MOE_FORCE.get(name, {}))
     batch = args.batch
     while True:
       config = make_config(model_kw, batch, args.seq, attn_impl, moe_impl,

@@ -25,8 +25,9 @@ the order given, each catching its own failures:
              ours at more tiles, jax's own Mosaic GPU ragged dots (with the gather they
              need), XLA's ragged_dot and a batched dense dot of equal groups as the
              ceiling (bench_moe.gpu_wgrad);
-  moe_bwd    the routed-expert layer's forward + backward with each backward kernel choice
-             (moe_gpu.BACKWARD: our Triton kernels, or jax's Mosaic GPU ones on Hopper)
+  moe_bwd    the routed-expert layer's forward + backward under each kernel choice
+             (moe_gpu.FORCE: all our Triton kernels; the MGPU table, on Hopper the backward
+             on jax's Mosaic GPU ones; that and the forward's down projection on jax's too)
              at --tune-shapes, every gradient against float32 XLA (bench_moe.gpu_backward);
   tune       tile sweep of our grouped-matmul kernels (forward, input and weight gradients)
              at the bench_train model's and K2's expert shapes, against the previous

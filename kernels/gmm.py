@@ -250,7 +250,7 @@ def _tokamax_ours_dw_bwd(interpret, res, dy):
   M, (G, K, N) = x.shape[0], w.shape
   dx = _tokamax_role(dy.astype(x.dtype), w, group_sizes, "dlhs")
   dx = jnp.where((jnp.arange(M) < jnp.sum(group_sizes))[:, None], dx, jnp.zeros((), dx.dtype))
-  if moe_gpu.backward_kernels(w, x, dy.astype(x.dtype), interpret=interpret) == "mgpu":
+  if moe_gpu.kernels_for("backward", w, x, dy.astype(x.dtype), interpret=interpret) == "mgpu":
     dw = moe_gpu._mgpu_tgmm(x, dy.astype(x.dtype), group_sizes).astype(w.dtype)  # Hopper
   else:
     tiles = moe_gpu.Tiles(group_sizes, M, moe_gpu._bm("tgmm", K, N))

@@ -242,12 +242,18 @@ def _bm(kernel: str, K: int, N: int):
 # jax's kernels carry no cost estimate, so k2jax.parallel.bwsplit counts their FLOPs as 0
 # when a pipeline's backward is split on a Hopper GPU (plan and CPU traces see the Triton
 # kernels' estimates).
-MGPU = {9: {"gmm": (128, 128, 64, 6, 4), "tgmm": (128, 128, 64, 4, 4)}}
-# Measured at 24 and 32 experts per device; jax's input-gradient kernel unrolls a loop over
-# the groups in every output tile, so far more (K2's 384 on one device) stay on Triton.
+MGPU = {9: {"roles": ("backward",),
+            "gmm": (128, 128, 64, 6, 4), "tgmm": (128, 128, 64, 4, 4)}}
+# "roles": which products run there. "backward": every product of the backward pass.
+# "combine": the forward's down projection on sorted rows, then scaled by the combine weights
+# and scattered to token order in XLA (the Triton kernel does both in its store); jax's
+# kernel alone runs it at 516 TFLOP/s against our 396 (above) but the pair is unmeasured,
+# so no entry lists it yet (gpu_check.py --only moe_bwd times it: FORCE below).
+# Measured at 24 and 32 experts per device; jax's forward kernel unrolls a loop over the
+# groups in every output tile, so far more (K2's 384 on one device) stay on Triton.
 MGPU_MAX_GROUPS = 64
-# None: the tables decide; "triton" / "mgpu" force one (benchmarks, lowering tests).
-BACKWARD: str | None = None
+# role -> "triton" | "mgpu", overriding the table (benchmarks, lowering tests).
+FORCE: dict = {}
 
 
 def _mgpu_ops():
@@ -264,22 +270,24 @@ def _mgpu_config(kernel: str):
   return MGPU.get(cc[0] if cc else 9, MGPU[9])[kernel]
 
 
-def backward_kernels(w, *operands, interpret=False) -> str:
-  """Which kernels run the backward of a grouped matmul with weights w [G, K, N]: "mgpu"
-  (jax's, see MGPU) on a GPU with an MGPU entry, bf16 / f16 operands of one dtype, at most
-  MGPU_MAX_GROUPS groups and K, N that the configs' tiles divide; else "triton"."""
-  if BACKWARD is not None:
-    return BACKWARD
+def kernels_for(role: str, w, *operands, interpret=False) -> str:
+  """Which kernels run `role` ("backward" | "combine", see MGPU) of a grouped matmul with
+  weights w [G, K, N]: "mgpu" (jax's) on a GPU whose MGPU entry lists the role, with bf16 /
+  f16 operands of one dtype, at most MGPU_MAX_GROUPS groups and K, N that the configs' tiles
+  divide; else "triton"."""
+  if role in FORCE:
+    return FORCE[role]
   if interpret:
     return "triton"
   cc = platform.gpu_capability()
   G, K, N = w.shape
   dtypes = {jnp.dtype(a.dtype) for a in (w, *operands)}
-  if (cc is None or cc[0] not in MGPU or G > MGPU_MAX_GROUPS or len(dtypes) > 1
-      or dtypes.pop() not in (jnp.bfloat16, jnp.float16) or _mgpu_ops() is None):
+  if (cc is None or role not in MGPU.get(cc[0], {}).get("roles", ()) or G > MGPU_MAX_GROUPS
+      or len(dtypes) > 1 or dtypes.pop() not in (jnp.bfloat16, jnp.float16)
+      or _mgpu_ops() is None):
     return "triton"
   tm, tn = _mgpu_config("tgmm")[:2]         # dW [G, K, N] in tm x tn tiles
-  _, gn, gk, _, _ = _mgpu_config("gmm")     # dx = dy W^T: N contracted, K out
+  _, gn, gk, _, _ = _mgpu_config("gmm")     # dx = dy W^T: N contracted, K out (and y = h W)
   return "mgpu" if K % tm == 0 and N % tn == 0 and N % gk == 0 and K % gn == 0 else "triton"
 
 
@@ -341,7 +349,7 @@ def _gather_fwd(x, w, group_sizes, row_ids, interpret):
 def _gather_bwd(interpret, res, dh):
   x, w, group_sizes, row_ids = res
   M = row_ids.shape[0]
-  if backward_kernels(w, x, dh, interpret=interpret) == "mgpu":
+  if kernels_for("backward", w, x, dh, interpret=interpret) == "mgpu":
     dxs = _mgpu_gmm(dh, w, group_sizes, transpose_w=True).astype(jnp.float32)
     dw = _mgpu_tgmm(x[row_ids], dh, group_sizes).astype(w.dtype)   # x's rows made contiguous
   else:
@@ -379,9 +387,15 @@ def _grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret=Fals
 
 def _combine_fwd(h, w, group_sizes, slot_ids, weights, interpret):
   M = h.shape[0]
-  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
-  y = gmm(h, w, tiles, tiles.row, tiles.at(slot_ids), M, scale=_at_values(tiles, weights),
-          interpret=interpret)
+  if kernels_for("combine", w, h, interpret=interpret) == "mgpu":
+    z = _mgpu_gmm(h, w, group_sizes).astype(jnp.float32)      # sorted rows
+    valid = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
+    z = jnp.where(valid, z * weights.astype(jnp.float32)[:, None], 0.0).astype(h.dtype)
+    y = jnp.zeros((M, w.shape[2]), h.dtype).at[slot_ids].set(z, unique_indices=True)
+  else:
+    tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
+    y = gmm(h, w, tiles, tiles.row, tiles.at(slot_ids), M, scale=_at_values(tiles, weights),
+            interpret=interpret)
   return y, (h, w, group_sizes, slot_ids, weights)
 
 
@@ -392,7 +406,7 @@ def _at_values(tiles: Tiles, values):
 def _combine_bwd(interpret, res, dy):
   h, w, group_sizes, slot_ids, weights = res
   M = h.shape[0]
-  mgpu = backward_kernels(w, h, dy, interpret=interpret) == "mgpu"
+  mgpu = kernels_for("backward", w, h, dy, interpret=interpret) == "mgpu"
   if mgpu:
     dy = dy[slot_ids]     # dy's rows in sorted order, contiguous: read by both products
     dh_unscaled = _mgpu_gmm(dy, w, group_sizes, transpose_w=True).astype(jnp.float32)

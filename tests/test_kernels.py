@@ -140,11 +140,12 @@ SMALL_TILES = {"gmm": (16, 32, 16, 4, 2), "tgmm": (32, 16, 16, 4, 2)}
 
 
 def _mgpu_stand_ins(monkeypatch):
-  """moe_gpu's backward on its "mgpu" path, jax's Mosaic GPU kernels (Hopper only) replaced
+  """moe_gpu's backward and combine on their "mgpu" path, jax's Mosaic GPU kernels (Hopper) replaced
   by float32 ragged dots with their contract: rows sorted by group, rows past the groups
   left unwritten (NaN here, so a product that reads them fails), weight gradients summed
   over each group's rows. What this checks is k2jax's side: the gathers that make rows
-  contiguous, the masking, the scaling and the segment sums around the two kernels."""
+  contiguous, the masking, the scaling, the scatter to token order and the segment sums
+  around the two kernels."""
   from k2jax.kernels import moe_gpu
   hi = jax.lax.Precision.HIGHEST
 
@@ -161,7 +162,7 @@ def _mgpu_stand_ins(monkeypatch):
     return jax.lax.ragged_dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                                       group_sizes, dn, precision=hi).astype(lhs.dtype)
   monkeypatch.setattr(moe_gpu, "_mgpu_ops", lambda: (ragged_dot, transposed))
-  monkeypatch.setattr(moe_gpu, "BACKWARD", "mgpu")
+  monkeypatch.setattr(moe_gpu, "FORCE", {"backward": "mgpu", "combine": "mgpu"})
 
 
 @pytest.mark.parametrize("impl,tiles", [("blocked", None), ("pallas_gpu", None),
@@ -172,7 +173,8 @@ def test_fused_gather_and_combine_variants(impl, tiles, monkeypatch):
   their slots scaled by weights; both against float64, with their three gradients, each
   element within gamma(width) times its sum of |terms| (f32 accumulation). "by_size": the
   forward kernel's tiles from moe_gpu.TUNING_BY_SIZE, the weight gradients' from TUNING.
-  "mgpu": the backward's Hopper path around jax's kernels (`_mgpu_stand_ins`)."""
+  "mgpu": the backward's and the combine's Hopper path around jax's kernels
+  (`_mgpu_stand_ins`)."""
   from k2jax.kernels import moe_gpu
   if tiles == "mgpu":
     _mgpu_stand_ins(monkeypatch)
@@ -469,10 +471,12 @@ def test_grouped_matmul_tiles_follow_the_expert_matrix_size(monkeypatch):
 
 
 @pytest.mark.parametrize("in_shard_map", [False, True])
-def test_mgpu_backward_lowers_for_cuda(in_shard_map, monkeypatch):
+@pytest.mark.parametrize("roles", [("backward",), ("backward", "combine")])
+def test_mgpu_backward_lowers_for_cuda(roles, in_shard_map, monkeypatch):
   """The routed experts' gradient on moe_gpu's Hopper path lowers for CUDA here (no GPU):
-  the forward's three products as Triton kernels, the backward's six (two per projection)
-  as jax's Mosaic GPU kernels; also inside shard_map with its manual-axis checks on, as the
+  the forward's three products as Triton kernels (the down projection as jax's Mosaic GPU
+  kernel when "combine" is forced too), the backward's six (two per projection) as jax's
+  Mosaic GPU kernels; also inside shard_map with its manual-axis checks on, as the
   expert-parallel layer runs it (the kernels' outputs declare no manual axes:
   pallas_utils.foreign_kernel). There the weights are replicated and the rows split, so
   each weight gradient must be summed over the axis: three all-reduces, which an output
@@ -481,11 +485,11 @@ def test_mgpu_backward_lowers_for_cuda(in_shard_map, monkeypatch):
   import re
   from jax.sharding import PartitionSpec as P
   from k2jax.kernels import moe_gpu, platform
-  monkeypatch.setattr(moe_gpu, "BACKWARD", "mgpu")
+  monkeypatch.setattr(moe_gpu, "FORCE", {r: "mgpu" for r in roles})
   N, d, f, E, k = 64, 256, 128, 4, 2
 
-  def loss(x, ids, comb, g, u, dn):
-    return jnp.sum(moe_gpu.routed_experts(x, ids, comb, g, u, dn).astype(jnp.float32))
+  def loss(x, ids, comb, g, u, dn):   # squared: the backward reads the forward's output
+    return jnp.sum(moe_gpu.routed_experts(x, ids, comb, g, u, dn).astype(jnp.float32) ** 2)
   grad = jax.grad(loss, argnums=(0, 3, 4, 5))
   specs = (P("expert"),) * 3 + (P(),) * 3
   shapes = [((N, d), jnp.bfloat16), ((N, k), jnp.int32), ((N, k), jnp.float32),
@@ -508,6 +512,7 @@ def test_mgpu_backward_lowers_for_cuda(in_shard_map, monkeypatch):
   with platform.target("cuda"):
     text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   calls = re.findall(r"custom_call @([\w$.]+)", text)
-  assert calls.count("__gpu$xla.gpu.triton") == 3, sorted(set(calls))
-  assert calls.count("mosaic_gpu_v2") == 6, sorted(set(calls))
+  combine = "combine" in roles
+  assert calls.count("__gpu$xla.gpu.triton") == 3 - combine, sorted(set(calls))
+  assert calls.count("mosaic_gpu_v2") == 6 + combine, sorted(set(calls))
   assert text.count("all_reduce") == (3 if in_shard_map else 0)
