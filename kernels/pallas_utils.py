@@ -66,12 +66,14 @@ def _varying(args, shapes):
 def foreign_kernel(fn, *args, **kwargs):
   """fn(*args, **kwargs) for a kernel written elsewhere (jax's own Pallas ops), whose
   outputs do not declare how they vary over `shard_map`'s manual axes: traced with that
-  check off, the outputs are then cast to vary like the array arguments (one device's kernel, one
-  device's result; the cast is free). A no-op outside shard_map. The switch is JAX's
-  internal config (jax 0.10-0.11); without it the call is made as is."""
+  check off, the outputs are then cast to vary like the array arguments (one device's
+  kernel, one device's result; the cast is free). Without the cast they would be typed as
+  equal on every device, and a replicated weight's gradient would skip its psum. A no-op
+  outside shard_map. The switch is JAX's internal config (jax 0.10-0.11); without it the
+  call is made as is."""
   from jax._src import config as _config
   check = getattr(_config, "_check_vma", None)
-  operands = [a for a in (*args, *kwargs.values()) if isinstance(a, jax.Array | jax.core.Tracer)]
+  operands = [a for a in (*args, *kwargs.values()) if isinstance(a, jax.Array)]  # tracers too
   if check is None or not any(map(vma, operands)):
     return fn(*args, **kwargs)
   with check(False):
