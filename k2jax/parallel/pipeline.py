@@ -196,7 +196,7 @@ def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
   if schedule != "zbh1":
     return schedules.build(schedule, P, V, M)
   if per_device is None:
-    per_device = (platform or "gpu") != "cpu"
+    per_device = skip_mode(platform or "gpu") == "device"
   c = schedule_costs(mcfg, P, V, schedule, data, expert, seq_len, platform)
   return schedules.build(schedule, P, V, M, schedules.frozen(c), per_device)
 
@@ -280,9 +280,10 @@ def residual_stages(tab: schedules.Table, offload: bool) -> dict:
   return {"device": min(2, tab.in_flight), "host": tab.sizes["res"] + 1}
 
 
-def skip_mode() -> str:
-  """"device" on GPU / TPU, "tick" on CPU (module docstring)."""
-  return "tick" if jax.default_backend() == "cpu" else "device"
+def skip_mode(platform: str | None = None) -> str:
+  """"device" on GPU / TPU, "tick" on CPU (module docstring); `platform` default: JAX's
+  backend here."""
+  return "tick" if (platform or jax.default_backend()) == "cpu" else "device"
 
 
 def skip_of(config) -> str:
