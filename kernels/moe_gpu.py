@@ -221,9 +221,9 @@ def _bm(kernel: str, K: int, N: int):
 # jax ships Mosaic GPU ragged dots for Hopper (jax.experimental.pallas.ops.gpu:
 # ragged_dot_mgpu, transposed_ragged_dot_mgpu): wgmma fed by TMA pipelines, one persistent
 # block per SM walking the output tiles. TMA cannot gather rows, so the backward makes its
-# one permuted operand contiguous with an XLA gather (x[rows] for the gate / up weight
-# gradients, one gather XLA shares between the two; dy[slots] for both products of the down
-# projection) and runs the products on jax's kernels. The forward keeps the Triton kernels
+# one permuted operand contiguous with an XLA gather (x[rows] once for the gate and up
+# weight gradients, which gather_grouped_matmul takes together; dy[slots] for both products
+# of the down projection) and runs the products on jax's kernels. The forward keeps the Triton kernels
 # above: there the fused gather / combine saves a pass over the rows.
 #
 # Per GPU compute capability (major): each kernel's (block_m, block_n, block_k,
@@ -327,42 +327,56 @@ def _pad16(a, *axes):
 
 def gather_grouped_matmul(x, w, group_sizes, row_ids, interpret=False):
   """h[r] = x[row_ids[r]] @ w[g(r)] for rows r sorted by group (rows past the groups: 0).
-  Any K and N: widths that are not multiples of 16 are zero-padded for the kernel."""
-  h = _gather_grouped_matmul(_pad16(x, 1), _pad16(w, 1, 2), group_sizes, row_ids, interpret)
-  return h[:, :w.shape[2]]
+  w: one [G, K, N], or a tuple of them read through the same rows (a layer's gate and up
+  projections), giving a tuple of h's: their backward then gathers x's rows and sums the
+  input gradients once for all of them. Any K and N: widths that are not multiples of 16
+  are zero-padded for the kernel."""
+  ws = w if isinstance(w, tuple) else (w,)
+  hs = _gather_grouped_matmul(_pad16(x, 1), tuple(_pad16(v, 1, 2) for v in ws), group_sizes,
+                              row_ids, interpret)
+  hs = tuple(h[:, :v.shape[2]] for h, v in zip(hs, ws))
+  return hs if isinstance(w, tuple) else hs[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gather_grouped_matmul(x, w, group_sizes, row_ids, interpret=False):
-  return _gather_fwd(x, w, group_sizes, row_ids, interpret)[0]
+def _gather_grouped_matmul(x, ws, group_sizes, row_ids, interpret=False):
+  return _gather_fwd(x, ws, group_sizes, row_ids, interpret)[0]
 
 
-def _gather_fwd(x, w, group_sizes, row_ids, interpret):
+def _gather_fwd(x, ws, group_sizes, row_ids, interpret):
   M = row_ids.shape[0]
-  tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
-  h = gmm(x, w, tiles, tiles.at(row_ids), tiles.row, M, interpret=interpret)
-  total = jnp.sum(group_sizes)
-  h = jnp.where((jnp.arange(M) < total)[:, None], h, jnp.zeros((), h.dtype))
-  return h, (x, w, group_sizes, row_ids)
-
-
-def _gather_bwd(interpret, res, dh):
-  x, w, group_sizes, row_ids = res
-  M = row_ids.shape[0]
-  if kernels_for("backward", w, x, dh, interpret=interpret) == "mgpu":
-    dxs = _mgpu_gmm(dh, w, group_sizes, transpose_w=True).astype(jnp.float32)
-    dw = _mgpu_tgmm(x[row_ids], dh, group_sizes).astype(w.dtype)   # x's rows made contiguous
-  else:
+  valid = (jnp.arange(M) < jnp.sum(group_sizes))[:, None]
+  hs = []
+  for w in ws:
     tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
-    dxs = gmm(dh, w, tiles, tiles.row, tiles.row, M, transpose_w=True, interpret=interpret,
-              out_dtype=jnp.float32)
-    tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
-    dw = tgmm(x, dh, tt, tt.at(row_ids), tt.row, w.shape[0], interpret=interpret,
-              out_dtype=w.dtype)
+    h = gmm(x, w, tiles, tiles.at(row_ids), tiles.row, M, interpret=interpret)
+    hs.append(jnp.where(valid, h, jnp.zeros((), h.dtype)))
+  return tuple(hs), (x, ws, group_sizes, row_ids)
+
+
+def _gather_bwd(interpret, res, dhs):
+  x, ws, group_sizes, row_ids = res
+  M = row_ids.shape[0]
+  dxs, dws = 0.0, []
+  if all(kernels_for("backward", w, x, dh, interpret=interpret) == "mgpu"
+         for w, dh in zip(ws, dhs)):
+    xs = x[row_ids]                  # x's rows made contiguous, once for every w
+    for w, dh in zip(ws, dhs):
+      dxs = dxs + _mgpu_gmm(dh, w, group_sizes, transpose_w=True).astype(jnp.float32)
+      dws.append(_mgpu_tgmm(xs, dh, group_sizes).astype(w.dtype))
+  else:
+    for w, dh in zip(ws, dhs):
+      tiles = Tiles(group_sizes, M, _bm("gmm", *w.shape[1:]))
+      dxs = dxs + gmm(dh, w, tiles, tiles.row, tiles.row, M, transpose_w=True,
+                      interpret=interpret, out_dtype=jnp.float32)
+      tt = Tiles(group_sizes, M, _bm("tgmm", *w.shape[1:]))
+      dws.append(tgmm(x, dh, tt, tt.at(row_ids), tt.row, w.shape[0], interpret=interpret,
+                      out_dtype=w.dtype))
   valid = jnp.arange(M) < jnp.sum(group_sizes)
-  dx = jax.ops.segment_sum(jnp.where(valid[:, None], dxs, 0.0),
+  dx = jax.ops.segment_sum(jnp.where(valid[:, None], dxs, 0.0),   # one pass for every w
                            jnp.where(valid, row_ids, 0), x.shape[0]).astype(x.dtype)
-  return cotangent_for(dx, x), cotangent_for(dw, w), None, None
+  return (cotangent_for(dx, x), tuple(cotangent_for(dw, w) for dw, w in zip(dws, ws)), None,
+          None)
 
 
 _gather_grouped_matmul.defvjp(_gather_fwd, _gather_bwd)
@@ -447,8 +461,7 @@ def routed_experts(x, expert_ids, combine, gate, up, down, *, interpret=False):
   order, sizes, _ = sort_assignments(expert_ids, gate.shape[0])
   dt = x.dtype
   rows = order // k
-  g = gather_grouped_matmul(x, gate.astype(dt), sizes, rows, interpret)
-  u = gather_grouped_matmul(x, up.astype(dt), sizes, rows, interpret)
+  g, u = gather_grouped_matmul(x, (gate.astype(dt), up.astype(dt)), sizes, rows, interpret)
   y = grouped_matmul_combine(_swiglu(g, u), down.astype(dt), sizes, order,
                              combine.reshape(-1)[order].astype(jnp.float32), interpret)
   return y.reshape(N, k, -1).sum(1)

@@ -353,19 +353,21 @@ def _routed_vjp(impl):
     if impl.startswith("blocked/"):   # the blocked path at a block other than its own pick
       run = lambda x, c, g, u, dn: moe._blocked(x, ids, c, g, u, dn,
                                                 block=int(impl.split("/")[1]))
-    else:
-      run = lambda x, c, g, u, dn: moe.routed_experts(x, ids, c, g, u, dn, impl=impl,
-                                                      interpret=True)
+    else:                             # "pallas_gpu/mgpu": the caller set _mgpu_stand_ins
+      run = lambda x, c, g, u, dn: moe.routed_experts(x, ids, c, g, u, dn,
+                                                      impl=impl.split("/")[0], interpret=True)
     y, vjp = jax.vjp(run, x, c, g, u, dn)
     return y, *vjp(cot)
   return jax.jit(f)
 
 
 @pytest.mark.parametrize("impl", ["blocked", "blocked/32", "blocked/128", "ragged", "capacity",
-                                  "pallas_gpu", "dense"])
+                                  "pallas_gpu", "pallas_gpu/mgpu", "dense"])
 @pytest.mark.parametrize("routing", ["spread", "one_expert_takes_all"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_routed_experts_match_float64(impl, routing, dtype):
+def test_routed_experts_match_float64(impl, routing, dtype, monkeypatch):
+  if impl == "pallas_gpu/mgpu":     # the Hopper path, gate and up sharing one backward
+    _mgpu_stand_ins(monkeypatch)
   seed, rng = seed_and_rng()
   N, d, f, E, k = 37, 24, 40, 6, 2          # widths not multiples of 16 (pallas_gpu pads)
   x = rng.standard_normal((N, d))
