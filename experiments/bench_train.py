@@ -268,6 +268,9 @@ def main(argv=None):
   p.add_argument("--no-breakdown", action="store_true")
   p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
   args = p.parse_args(argv)
+  bad = [k for k in args.kernels.split(",") if k not in KERNELS]
+  if bad:
+    p.error(f"--kernels {','.join(bad)}: unknown kernel choice; choose from {', '.join(KERNELS)}")
   from k2jax import model
   model_kw = TINY_MODEL if args.tiny else GPU_MODEL
   if args.tiny:
