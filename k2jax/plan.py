@@ -234,11 +234,33 @@ def parse_mesh(text: str, devices: int | None) -> dict:
   return mesh
 
 
-def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtual_stages=None,
-           microbatches=None, remat=None, storage=None, param_dtype=None, name=None,
-           platform="gpu") -> str:
-  """The per-device table of a preset name or a full config on `mesh` ({axis: size})."""
-  name = name or (config if isinstance(config, str) else "config")
+class Estimate(NamedTuple):
+  """plan's figures for a config on a mesh (`estimate`), per device on the fullest."""
+  cfg: object             # the full config on this mesh (microbatches as planned)
+  seq_len: int
+  micro_batch: int
+  geometry: str           # how micro_batch was decided
+  rounded: str            # why train.grad_accum changed, or ""
+  states: dict            # state_bytes
+  acts: Activations
+
+  @property
+  def device(self) -> float:
+    """Bytes in device memory: states, the cast copy of the weights, activations."""
+    st = self.states
+    return (st["params"] + st["grads"] + st["optimizer"] + st["cast_copy"]
+            + self.acts.device)
+
+  @property
+  def host(self) -> float:
+    """Bytes in host memory: host optimizer states and offloaded activations."""
+    return self.states["optimizer_host"] + self.acts.host
+
+
+def estimate(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *,
+             virtual_stages=None, microbatches=None, remat=None, storage=None,
+             param_dtype=None, platform="gpu") -> Estimate:
+  """plan's figures of a preset name or a full config on `mesh` ({axis: size})."""
   config = configs.get_config(config) if isinstance(config, str) else config
   cfg = _with_mesh(config, mesh, virtual_stages, microbatches, param_dtype)
   check(cfg)
@@ -269,6 +291,22 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   acts = activation_bytes(cfg.model, mesh, seq_len, micro_batch, remat=remat,
                           storage=storage, virtual_stages=V, microbatches=M,
                           schedule=schedule, platform=platform)
+  return Estimate(cfg, seq_len, micro_batch, geometry, rounded, st, acts)
+
+
+def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtual_stages=None,
+           microbatches=None, remat=None, storage=None, param_dtype=None, name=None,
+           platform="gpu") -> str:
+  """The per-device table of a preset name or a full config on `mesh` ({axis: size})."""
+  name = name or (config if isinstance(config, str) else "config")
+  est = estimate(config, mesh, seq_len, micro_batch, grad_bytes, virtual_stages=virtual_stages,
+                 microbatches=microbatches, remat=remat, storage=storage,
+                 param_dtype=param_dtype, platform=platform)
+  cfg, seq_len, micro_batch, geometry, rounded, st, acts = est
+  V = cfg.mesh.get("virtual_stages", 1)
+  M = cfg.train.grad_accum
+  schedule = cfg.mesh.get("pipeline_schedule", "1f1b")
+  P = mesh["pipeline"]
   act, used = acts.device, acts.settings
   n = math.prod(mesh.values())
   lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "

@@ -13,11 +13,13 @@ optax's step counters, so the schedule has one clock: the trainer's step.
 
 from typing import NamedTuple
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from k2jax import model
+from k2jax import model, optim, parallel
 from k2jax.model import spec
 from k2jax.optim import load_imbalance
 from k2jax.parallel import layout, pipeline
@@ -209,3 +211,49 @@ def eval_step(config, params, batch):
     return ce_sum, n
   ce_sum, n, _ = lm_loss(config.model, params, batch)
   return ce_sum, n
+
+
+BATCH_KEYS = {"inputs": jnp.int32, "targets": jnp.int32, "positions": jnp.int32,
+              "segment_ids": jnp.int32, "loss_mask": jnp.float32}
+
+
+class Program(NamedTuple):
+  """The jitted train step as `k2jax.train` runs it, with everything needed to call, lower
+  or compile it (`k2jax.compile` compiles exactly this for a TPU topology)."""
+  step: object             # jax.jit(train_step): (TrainState, batch) -> (TrainState, metrics)
+  tx: object               # the optimizer for the stored layout
+  schedule: object         # the learning-rate schedule (metrics' learning_rate)
+  abstract: TrainState     # ShapeDtypeStructs of the stored train state
+  shardings: TrainState    # NamedShardings of it (parallel.state_shardings)
+  batch_sharding: object   # NamedSharding of every batch array
+
+  def abstract_args(self, config):
+    """(state, batch) as ShapeDtypeStructs with their shardings: what `step` is called
+    with, for `step.trace(*args).lower()` on devices that need not exist."""
+    t = config.train
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         self.abstract, self.shardings)
+    batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dt,
+                                     sharding=self.batch_sharding)
+             for k, dt in BATCH_KEYS.items()}
+    return state, batch
+
+
+def program(config, mesh) -> Program:
+  """The train step of `config` (a full config) jitted for `mesh`: the state in the stored
+  layout with `parallel.state_shardings` in and out (donated), the batch split by
+  `parallel.batch_sharding`, metrics replicated. The one place the trainer's jit arguments
+  are written, so that a compile for another machine (k2jax.compile) is the trainer's."""
+  stored = layout.stored_config(config)
+  tx = optim.optimizer(stored)
+  schedule = optim.learning_rate_schedule(config)
+  # the key is made inside: nothing runs, even where the mesh's devices cannot
+  abstract = jax.eval_shape(lambda: init_state(stored, tx, jax.random.key(config.train.seed)))
+  shardings = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx,
+                                       host_state=config.optimizer.host_state)
+  t = config.train
+  batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
+  step = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0,
+                 in_shardings=(shardings, batch_sharding),
+                 out_shardings=(shardings, parallel.replicated(mesh)))
+  return Program(step, tx, schedule, abstract, shardings, batch_sharding)

@@ -34,7 +34,8 @@ from k2jax import resume, runlock
 from k2jax.checkpoint import CheckpointError, Checkpointer
 from k2jax.metrics import MetricsWriter
 from k2jax.parallel import layout, pipeline
-from k2jax.step import TrainState, eval_step, init_state, train_step
+from k2jax import step as step_lib
+from k2jax.step import TrainState, eval_step, init_state
 
 log = logging.getLogger("k2jax.train")
 
@@ -272,14 +273,10 @@ def _run(config, workdir, mesh, data, init_params=None):
   # logical one checkpoints hold, so they restore on any pipeline size. Without a pipeline
   # they are the same.
   sp = layout.of(config)
-  stored = layout.stored_config(config)
-  tx = optim.optimizer(stored)
-  schedule = optim.learning_rate_schedule(config)
+  prog = step_lib.program(config, mesh)
+  tx, abstract, shardings = prog.tx, prog.abstract, prog.shardings
   rng = jax.random.key(t.seed)
-  abstract = jax.eval_shape(functools.partial(init_state, stored, tx), rng)
   host = config.optimizer.host_state
-  shardings = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx,
-                                       host_state=host)
   if sp is None:
     tx_logical, abstract_logical, ckpt_shardings = tx, abstract, shardings
   else:
@@ -287,7 +284,7 @@ def _run(config, workdir, mesh, data, init_params=None):
     abstract_logical = jax.eval_shape(functools.partial(init_state, config, tx_logical), rng)
     ckpt_shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract_logical,
                                               tx_logical, spread_layers=True, host_state=host)
-  batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
+  batch_sharding = prog.batch_sharding
   to_stored = jax.jit(lambda s: layout.convert_state(sp, tx_logical, s, layout.to_stored),
                       out_shardings=shardings, donate_argnums=0)
   to_logical = jax.jit(lambda s: layout.convert_state(sp, tx, s, layout.to_logical),
@@ -325,9 +322,7 @@ def _run(config, workdir, mesh, data, init_params=None):
 
   if main_process:
     log.info("%s", files_line(workdir))
-  step_fn = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0,
-                    in_shardings=(shardings, batch_sharding),
-                    out_shardings=(shardings, parallel.replicated(mesh)))
+  step_fn = prog.step
   eval_fn = jax.jit(functools.partial(eval_step, config),
                     in_shardings=(shardings.params, batch_sharding))
   eval_batches = [_device_batch(b, batch_sharding) for b in data.eval_batches(t.eval_batches)]

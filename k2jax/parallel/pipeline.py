@@ -657,14 +657,24 @@ class _Slots(NamedTuple):
   nothing reads, instead of selecting between the new value and the slot's old one (which
   would bring the old one to the device). A dynamic-update-slice of a value moved to host
   into a loop-carried host buffer, and a dynamic slice of it moved back, is the form XLA's
-  host offloading takes for a scan's offloaded residuals."""
+  host offloading takes for a scan's offloaded residuals.
+
+  In host memory every slot is a major-most row: a leaf of rank < 2 is stored with leading
+  unit axes (a scalar as [1, 1]), so a buffer is [slots, ..., a, b] and a write never
+  updates part of its two minor (TPU-tiled) dimensions. XLA:TPU refuses that in the async
+  copies host offloading uses ("Lane slice updating is not supported in async dynamic
+  update slice"; a [slots] buffer of scalars is written one lane at a time)."""
   host: bool
+
+  @staticmethod
+  def _row(shape):
+    return (1,) * max(0, 2 - len(shape)) + tuple(shape)
 
   def zeros(self, n: int, avals):
     if not self.host:
       return [jnp.zeros((n,) + a.shape, a.dtype) for a in avals]
-    return [jax.device_put(jnp.zeros((n + 1,) + a.shape, a.dtype), jax.memory.Space.Host)
-            for a in avals]
+    return [jax.device_put(jnp.zeros((n + 1,) + self._row(a.shape), a.dtype),
+                           jax.memory.Space.Host) for a in avals]
 
   def put(self, buf, slot, value):
     """buf[slot] = value where slot >= 0."""
@@ -676,19 +686,21 @@ class _Slots(NamedTuple):
     # computed on the host (the H100 run of bench_pipeline.offload warned of exactly that)
     def one(b, x):
       i = jnp.where(slot >= 0, slot, b.shape[0] - 1)
-      x = jax.device_put(x.astype(b.dtype)[None], jax.memory.Space.Host)
+      x = jax.device_put(x.astype(b.dtype).reshape((1,) + b.shape[1:]), jax.memory.Space.Host)
       return jax.lax.dynamic_update_slice_in_dim(b, x, i, 0)
     return jax.tree.map(one, buf, value)
 
-  def get(self, buf, slot):
-    """buf[slot] on the device (slot < 0: any slot; the phase reading it is idle)."""
+  def get(self, buf, slot, avals):
+    """buf[slot] on the device, shaped like `avals` (slot < 0: any slot; the phase reading it
+    is idle)."""
     i = jnp.maximum(slot, 0)
     if not self.host:
       return jax.tree.map(lambda b: b[i], buf)
     # the slice moves to the device as it is ([1, ...]) and drops its axis there: XLA's
     # host offloading takes a dynamic slice followed directly by the move to the device
-    return jax.tree.map(lambda b: jax.device_put(jax.lax.dynamic_slice_in_dim(b, i, 1, 0),
-                                                 jax.memory.Space.Device)[0], buf)
+    return [jax.device_put(jax.lax.dynamic_slice_in_dim(b, i, 1, 0),
+                           jax.memory.Space.Device).reshape(a.shape)
+            for b, a in zip(buf, avals)]
 
 
 def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: bool,
@@ -1005,7 +1017,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       y, grad_buf, res_buf, acc = jax.lax.optimization_barrier((y, grad_buf, res_buf, acc))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
-    res = store.get(res_buf, sl["res_read"])
+    res = store.get(res_buf, sl["res_read"], res_shapes)
     b_args = (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
               {k: a[t] for k, a in flags["B"].items()}, dy, res, acc)
     if tab.split:
@@ -1016,9 +1028,10 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       else:
         y, dx, cut_buf, acc = jax.lax.optimization_barrier((y, dx, cut_buf, acc))
       wv = task["W"][t, p, 0]
+      w_res = store.get(res_buf, sl["res_wread"], res_shapes)
+      w_cut = store.get(cut_buf, sl["cut_read"], cut_shapes)
       acc = branch(wv >= 0, busy["W"][t], w_phase, w_idle,
-                   (jnp.maximum(wv, 0), wv >= 0, store.get(res_buf, sl["res_wread"]),
-                    store.get(cut_buf, sl["cut_read"]), acc))
+                   (jnp.maximum(wv, 0), wv >= 0, w_res, w_cut, acc))
     else:
       dx, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
     y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
