@@ -200,6 +200,10 @@ def main(argv=None):
                    help="TPU topology (v5e:1x1, v5e:2x2, v5p:2x2x2, v5p:8x16x16) or local "
                    "(this machine's devices: its GPU)")
     p.add_argument("--no_plan", action="store_true", help="skip plan's figures")
+    p.add_argument("--dump", default=None,
+                   help="directory for XLA's dump of the compiled step: its HLO, buffer "
+                   "assignment and memory-usage report (what the temporaries are)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     try:
         from k2jax.params import parse_config
         args, config, _ = parse_config("k2jax.compile", p, argv)
@@ -218,14 +222,36 @@ def main(argv=None):
         print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
         raise SystemExit(2)
     try:
-        result = compile_step(config, devices)
+        result = compile_step(config, devices, dump=args.dump)
     except ValueError as e:   # the trainer's own checks (batch geometry on this mesh)
         print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
         raise SystemExit(2)
     except Exception as e:   # XLA's refusal: a compile error or out of memory
-        print(f"k2jax.compile: {refusal(e)}", file=sys.stderr)
+        line = refusal(e)
+        if args.json:
+            _write_json(args.json, dict(config=args.config, topology=args.topology,
+                                        compiled=False, refusal=line))
+        print(f"k2jax.compile: {line}", file=sys.stderr)
         raise SystemExit(1)
     print(table(args.config, args.topology, config, result, est))
+    if args.json:
+        _write_json(args.json, record(args.config, args.topology, config, result, est))
+
+
+def record(name, topology, config, result: Compiled, est) -> dict:
+    """The figures of one compile as a flat dict (JSON, CSV rows)."""
+    out = dict(config=name, topology=topology, compiled=True, kind=result.kind,
+               mesh={a: int(config.mesh[a]) for a in MESH_AXES}, seconds=result.seconds,
+               hbm=result.hbm, xla_device=result.device, xla_host=result.host,
+               plan_device=est.device if est else None, plan_host=est.host if est else None)
+    out["fits"] = bool(result.hbm and result.device["peak"] <= ROOM * result.hbm)
+    return out
+
+
+def _write_json(path, obj):
+    import json
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 if __name__ == "__main__":

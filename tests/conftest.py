@@ -11,6 +11,13 @@ import pytest
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"k2jax-test-xla-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# The test extra installs libtpu so XLA:TPU can compile for TPU topologies (compile only,
+# tests/test_tpu_*.py); with it installed JAX would also try to start a TPU backend here and
+# print its failure in every process. CPU is the backend the suite runs on.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu lets one process per machine load it unless told otherwise; pytest-xdist's workers
+# and the tests' subprocesses each compile for TPU
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -659,22 +659,29 @@ class _Slots(NamedTuple):
   into a loop-carried host buffer, and a dynamic slice of it moved back, is the form XLA's
   host offloading takes for a scan's offloaded residuals.
 
-  In host memory every slot is a major-most row: a leaf of rank < 2 is stored with leading
-  unit axes (a scalar as [1, 1]), so a buffer is [slots, ..., a, b] and a write never
-  updates part of its two minor (TPU-tiled) dimensions. XLA:TPU refuses that in the async
-  copies host offloading uses ("Lane slice updating is not supported in async dynamic
-  update slice"; a [slots] buffer of scalars is written one lane at a time)."""
+  Leaves under HOST_MIN bytes a slot (routing counts, scalars: a few hundred KB a stage)
+  stay in device slots. XLA:TPU refuses or fails to compile host offloading's async copies
+  of such leaves (libtpu 0.0.42.1: a [slots] buffer of scalars is written one lane at a
+  time, "Lane slice updating is not supported in async dynamic update slice", and so is
+  [slots, 1, 1]; K2's step aborted in the host DMA emitter with them in host memory), and
+  moving them saves nothing. In host memory every slot is a major-most row: a leaf of
+  rank < 2 is stored with leading unit axes, so a write never updates part of a buffer's
+  two minor (TPU-tiled) dimensions."""
   host: bool
+
+  HOST_MIN = 1 << 20
+
+  def on_host(self, a) -> bool:
+    return self.host and _nbytes(a) >= self.HOST_MIN
 
   @staticmethod
   def _row(shape):
     return (1,) * max(0, 2 - len(shape)) + tuple(shape)
 
   def zeros(self, n: int, avals):
-    if not self.host:
-      return [jnp.zeros((n,) + a.shape, a.dtype) for a in avals]
     return [jax.device_put(jnp.zeros((n + 1,) + self._row(a.shape), a.dtype),
-                           jax.memory.Space.Host) for a in avals]
+                           jax.memory.Space.Host) if self.on_host(a)
+            else jnp.zeros((n + 1 if self.host else n,) + a.shape, a.dtype) for a in avals]
 
   def put(self, buf, slot, value):
     """buf[slot] = value where slot >= 0."""
@@ -683,12 +690,15 @@ class _Slots(NamedTuple):
 
     # lax.dynamic_update_slice, not `.at[i].set`: jnp's scatter drops out-of-range rows,
     # which XLA turns into a select over the whole buffer, and a select of host buffers is
-    # computed on the host (the H100 run of bench_pipeline.offload warned of exactly that)
+    # computed on the host (the H100 run of bench_pipeline.offload warned of exactly that).
+    # Device leaves take the same unconditional write (their spare slot absorbs idle ticks).
     def one(b, x):
       i = jnp.where(slot >= 0, slot, b.shape[0] - 1)
-      x = jax.device_put(x.astype(b.dtype).reshape((1,) + b.shape[1:]), jax.memory.Space.Host)
+      x = x.astype(b.dtype).reshape((1,) + b.shape[1:])
+      if self.on_host(x):
+        x = jax.device_put(x, jax.memory.Space.Host)
       return jax.lax.dynamic_update_slice_in_dim(b, x, i, 0)
-    return jax.tree.map(one, buf, value)
+    return [one(b, x) for b, x in zip(buf, value)]
 
   def get(self, buf, slot, avals):
     """buf[slot] on the device, shaped like `avals` (slot < 0: any slot; the phase reading it
@@ -698,8 +708,8 @@ class _Slots(NamedTuple):
       return jax.tree.map(lambda b: b[i], buf)
     # the slice moves to the device as it is ([1, ...]) and drops its axis there: XLA's
     # host offloading takes a dynamic slice followed directly by the move to the device
-    return [jax.device_put(jax.lax.dynamic_slice_in_dim(b, i, 1, 0),
-                           jax.memory.Space.Device).reshape(a.shape)
+    move = lambda x, a: (jax.device_put(x, jax.memory.Space.Device) if self.on_host(a) else x)
+    return [move(jax.lax.dynamic_slice_in_dim(b, i, 1, 0), a).reshape(a.shape)
             for b, a in zip(buf, avals)]
 
 
