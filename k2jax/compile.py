@@ -243,7 +243,11 @@ def record(name, topology, config, result: Compiled, est) -> dict:
     out = dict(config=name, topology=topology, compiled=True, kind=result.kind,
                mesh={a: int(config.mesh[a]) for a in MESH_AXES}, seconds=result.seconds,
                hbm=result.hbm, xla_device=result.device, xla_host=result.host,
-               plan_device=est.device if est else None, plan_host=est.host if est else None)
+               plan_device=est.device if est else None, plan_host=est.host if est else None,
+               plan_states={k: v for k, v in est.states.items()
+                            if isinstance(v, (int, float))} if est else None,
+               plan_activations=dict(device=est.acts.device, host=est.acts.host)
+               if est else None)
     out["fits"] = bool(result.hbm and result.device["peak"] <= ROOM * result.hbm)
     return out
 

@@ -679,8 +679,13 @@ class _Slots(NamedTuple):
     return (1,) * max(0, 2 - len(shape)) + tuple(shape)
 
   def zeros(self, n: int, avals):
-    return [jax.device_put(jnp.zeros((n + 1,) + self._row(a.shape), a.dtype),
-                           jax.memory.Space.Host) if self.on_host(a)
+    # A host buffer is a host scalar broadcast there: zeros made on the device and moved
+    # would first hold every slot in device memory (XLA:TPU: the whole buffer as a device
+    # temporary; at K2 the slots are 54.6 GB a device).
+    host0 = lambda a: jnp.broadcast_to(jax.device_put(jnp.zeros((), a.dtype),
+                                                      jax.memory.Space.Host),
+                                       (n + 1,) + self._row(a.shape))
+    return [host0(a) if self.on_host(a)
             else jnp.zeros((n + 1 if self.host else n,) + a.shape, a.dtype) for a in avals]
 
   def put(self, buf, slot, value):

@@ -1,0 +1,113 @@
+"""Compile presets for the TPU slices they are meant for and tabulate XLA:TPU's memory
+against plan's (compile only, on any machine with libtpu: `pip install -e ".[tpu]"`).
+
+    python experiments/compile_tpu.py                       # every row (long on 2 cores)
+    python experiments/compile_tpu.py --rows tiny_v5e,k2_preset_no_offload
+
+Each row runs `python -m k2jax.compile ... --json` in its own process (a libtpu abort ends
+that row only) and adds one line to experiments/results/compile/compile_tpu.csv: whether
+XLA compiled it (or its one-line refusal), XLA's device and host bytes per chip, plan's,
+their ratio, and the compile time on this machine.
+"""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "experiments", "results", "compile")
+GB = 1e9
+
+# K2's widths, fewer layers and experts, on 8 chips: pipeline 2 x data 2 x expert 2
+K2_SHAPED = ["--config.model.num_hidden_layers=9", "--config.model.n_routed_experts=32",
+             "--config.mesh.pipeline=2", "--config.mesh.expert=2", "--config.mesh.data=2",
+             "--config.train.batch_size=32"]
+
+ROWS = {   # name: (preset, topology, overrides)
+    "tiny_v5e": ("tiny", "v5e:1x1", []),
+    "tiny_v5e_4": ("tiny", "v5e:2x2", []),
+    "k2_shaped_v5p_8": ("kimi_k2", "v5p:2x2x2", K2_SHAPED),
+    "k2_shaped_v5p_8_no_offload": ("kimi_k2", "v5p:2x2x2",
+                                   K2_SHAPED + ["--config.model.offload=False"]),
+    "k2_preset": ("kimi_k2", "v5p:8x16x16", []),
+    "k2_preset_no_offload": ("kimi_k2", "v5p:8x16x16", ["--config.model.offload=False"]),
+    "k2_long_context": ("kimi_k2_long_context", "v5p:8x16x16", []),
+}
+
+
+def run(name, preset, topology, overrides, timeout):
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "fig.json")
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    t0 = time.perf_counter()
+    try:
+      r = subprocess.run([sys.executable, "-m", "k2jax.compile", "--config", preset,
+                          "--topology", topology, "--json", path, *overrides],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+      fig = json.load(open(path)) if os.path.exists(path) else None
+      note = r.stderr.strip().splitlines()[-1] if r.returncode and r.stderr.strip() else ""
+    except subprocess.TimeoutExpired:
+      fig, note = None, f"no result in {timeout} s"
+    seconds = time.perf_counter() - t0
+  row = dict(row=name, config=preset, topology=topology, overrides=" ".join(overrides),
+             compiled=bool(fig and fig.get("compiled")), seconds=round(seconds))
+  if fig and fig.get("compiled"):
+    dev, host = fig["xla_device"], fig["xla_host"]
+    row.update(xla_device_gb=dev["peak"] / GB, xla_temporaries_gb=dev["temporaries"] / GB,
+               xla_arguments_gb=dev["arguments"] / GB, xla_host_gb=host["peak"] / GB,
+               plan_device_gb=(fig["plan_device"] or 0) / GB,
+               plan_host_gb=(fig["plan_host"] or 0) / GB, hbm_gb=(fig["hbm"] or 0) / GB,
+               fits=fig["fits"])
+    row["device_ratio"] = row["xla_device_gb"] / row["plan_device_gb"] if row[
+        "plan_device_gb"] else ""
+    row["host_ratio"] = row["xla_host_gb"] / row["plan_host_gb"] if row["plan_host_gb"] else ""
+  else:
+    row["refusal"] = (fig or {}).get("refusal") or note
+  return row
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
+  p.add_argument("--timeout", type=int, default=3600, help="seconds per compile")
+  p.add_argument("--out", default=os.path.join(OUT, "compile_tpu.csv"))
+  args = p.parse_args()
+  names = [n for n in args.rows.split(",") if n]
+  unknown = [n for n in names if n not in ROWS]
+  if unknown:
+    print(f"compile_tpu: unknown rows {', '.join(unknown)}; choose from {', '.join(ROWS)}",
+          file=sys.stderr)
+    raise SystemExit(2)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  fields = ["row", "config", "topology", "overrides", "compiled", "xla_device_gb",
+            "xla_arguments_gb", "xla_temporaries_gb", "xla_host_gb", "plan_device_gb",
+            "plan_host_gb", "device_ratio", "host_ratio", "hbm_gb", "fits", "seconds", "refusal"]
+  new = not os.path.exists(args.out)
+  print(f"{'row':<28}{'XLA dev GB':>11}{'plan GB':>9}{'ratio':>7}{'XLA host':>10}"
+        f"{'plan host':>10}{'HBM':>7}{'s':>6}")
+  for name in names:
+    row = run(name, *ROWS[name], args.timeout)
+    with open(args.out, "a", newline="") as f:
+      w = csv.DictWriter(f, fields)
+      if new:
+        w.writeheader()
+        new = False
+      w.writerow(row)
+    if row["compiled"]:
+      fmt = lambda k: f"{row[k]:.2f}" if isinstance(row.get(k), float) else "-"
+      print(f"{name:<28}{fmt('xla_device_gb'):>11}{fmt('plan_device_gb'):>9}"
+            f"{fmt('device_ratio'):>7}{fmt('xla_host_gb'):>10}{fmt('plan_host_gb'):>10}"
+            f"{fmt('hbm_gb'):>7}{row['seconds']:>6}")
+    else:
+      print(f"{name:<28} refused ({row['seconds']} s): {row['refusal']}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,118 @@
+"""The train step as XLA:TPU compiles it (compile only, on this CPU: libtpu through
+jax.experimental.topologies), through the user's command `python -m k2jax.compile`.
+
+What these add to the CPU suite: XLA:TPU's own passes (layout tiling, host offloading's
+async copies, memory-space assignment, its out-of-memory check) see the step; lowering text
+never reaches them. They caught a host-slot write XLA:TPU refuses ("Lane slice updating is
+not supported in async dynamic update slice") and one its DMA emitter aborts on
+(k2jax.parallel.pipeline._Slots). Each compile runs in a subprocess: a libtpu abort must not
+take a pytest worker with it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compile_cli(tmp_path, *args, timeout=900):
+  out = tmp_path / "figures.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  r = subprocess.run([sys.executable, "-m", "k2jax.compile", *args, "--json", str(out)],
+                     capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+  return r, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def batch_bytes(rows, seq_len):
+  return 5 * 4 * rows * seq_len     # inputs, targets, positions, segment ids (int32), mask (f32)
+
+
+def test_tiny_step_compiles_for_one_v5e_chip_as_colab_gives_it(tmp_path):
+  """The README's tiny config (the notebook's) on a single v5e chip: it compiles, fits, and
+  XLA's count of the step's arguments is the trainer's state as plan shards it (params and
+  optimizer state on the device) plus the batch: an independent check of
+  parallel.state_shardings against the compiler's own buffer sizes."""
+  r, fig = compile_cli(tmp_path, "--config", "tiny", "--topology", "v5e:1x1")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "train step compiled for v5e:1x1 (1 x TPU v5 lite" in r.stdout
+  assert fig["compiled"] and fig["fits"] and fig["kind"] == "TPU v5 lite"
+  st = fig["plan_states"]
+  state = st["params"] + st["optimizer"]
+  args = fig["xla_device"]["arguments"]
+  # XLA:TPU stores each array in (8, 128) tiles: the tiny model's small leaves (norms of 64,
+  # 4 heads) pad 5.2% onto the logical bytes (measured, libtpu 0.0.42.1); nothing else
+  # (counters, flags: a few int32 scalars) is an argument
+  expect = state + batch_bytes(8, 128)
+  assert expect <= args <= 1.06 * expect + 4096
+  # the donated state comes back in place: outputs beyond it are the metrics
+  assert fig["xla_device"]["outputs"] - fig["xla_device"]["aliased"] < 1 << 16
+  assert fig["xla_device"]["peak"] >= args + st["grads"]   # the f32 gradients exist at once
+
+
+def test_a_step_xla_refuses_ends_in_one_line_with_its_reason(tmp_path):
+  """Out of memory on the chip: XLA's reason in one line, exit 1, before any code is made."""
+  r, fig = compile_cli(tmp_path, "--config", "tiny", "--topology", "v5e:1x1", "--no_plan",
+                       "--config.train.batch_size=512", "--config.train.seq_len=1024",
+                       "--config.model.hidden_size=2048")
+  assert r.returncode == 1
+  lines = [ln for ln in r.stderr.splitlines() if ln.startswith("k2jax.compile")]
+  assert len(lines) == 1 and "Ran out of memory" in lines[0], r.stderr[-2000:]
+  assert fig == dict(config="tiny", topology="v5e:1x1", compiled=False,
+                     refusal=lines[0].removeprefix("k2jax.compile: "))
+
+
+def test_a_topology_libtpu_does_not_know_is_a_user_error(tmp_path):
+  r, _ = compile_cli(tmp_path, "--config", "tiny", "--topology", "v5q:3x3")
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1].startswith("k2jax.compile: error: --topology 'v5q:3x3'")
+
+
+def test_host_residual_slots_compile_for_tpu_and_live_in_host_memory():
+  """The pipeline's residual slots with model.offload (pipeline._Slots) in the loop form the
+  step uses, with the leaf kinds a K2 stage keeps: a scalar, routing integers, a flag, a
+  small float row (all under _Slots.HOST_MIN: device slots) and bf16 / FP8 activations
+  (host slots). XLA:TPU refused the scalar's [slots] host buffer ("Lane slice updating is
+  not supported in async dynamic update slice") and aborted on the small leaves in host
+  memory. XLA's own count puts every slot of the large leaves in host memory, and none of
+  them on the device."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from k2jax import compile as kc
+  from k2jax.parallel import pipeline
+
+  devices = kc.topology_devices("v5p:2x2x1")
+  mesh = Mesh(np.asarray(devices[:1]), ("x",))
+  avals = [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((2, 1), jnp.int32),
+           jax.ShapeDtypeStruct((1, 2), jnp.bool_), jax.ShapeDtypeStruct((2, 4096), jnp.float32),
+           jax.ShapeDtypeStruct((2, 1, 1024, 2048), jnp.bfloat16),
+           jax.ShapeDtypeStruct((2, 1280, 1024), jnp.float8_e4m3fn)]
+  store, n, ticks = pipeline._Slots(True), 5, 9
+  big = [a for a in avals if store.on_host(a)]
+  assert [a.shape for a in big] == [(2, 1, 1024, 2048), (2, 1280, 1024)]
+
+  def loop(xs):
+    def tick(carry, t):
+      buf, acc = carry
+      write = jnp.where(t < ticks - 2, t % n, -1)          # idle ticks write nowhere
+      buf = store.put(buf, write, xs)
+      got = store.get(buf, (t + 3) % n, avals)
+      return (buf, acc + sum(g.reshape(-1)[0].astype(jnp.float32) for g in got)), None
+    (buf, acc), _ = jax.lax.scan(tick, (store.zeros(n, avals), jnp.zeros(())),
+                                 jnp.arange(ticks))
+    return acc
+
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+          for a in avals]
+  compiled = jax.jit(loop).trace(args).lower().compile()
+  device, host = kc.memory(compiled.memory_analysis())
+  slot_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in big)
+  assert host["temporaries"] >= (n + 1) * slot_bytes        # every slot, + the idle one
+  # on the device: what one tick writes and reads (and XLA's staging of them), not the slots
+  assert device["temporaries"] < 3 * slot_bytes
