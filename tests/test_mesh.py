@@ -11,7 +11,7 @@ def mesh(pipeline=1, data=1, expert=1):
   return AbstractMesh((pipeline, data, expert), parallel.MESH_AXES)
 
 
-def test_rules_split_experts_layers_head_vocabulary_and_the_model_dimension_over_the_expert_group():
+def test_rules_split_experts_layers_vocabulary_and_the_model_dimension_over_the_expert_group():
   cfg = configs.get_config("tiny").model
   sh = parallel.param_shardings(model.param_specs(cfg), mesh(data=2, expert=4))
   moe = sh["moe_layers"]["moe"]
@@ -26,8 +26,7 @@ def test_rules_split_experts_layers_head_vocabulary_and_the_model_dimension_over
   piped = parallel.param_shardings(model.param_specs(cfg), mesh(pipeline=3, expert=4))
   assert piped["dense_layers"]["attn"]["o"].spec == P(None, None, None, None)
   assert piped["moe_layers"]["attn"]["o"].spec == P("pipeline", None, None, "expert")
-  # the embedding's columns over the expert group (its lookup's gradient stays local)
-  assert sh["embed"].spec == P(None, "expert")
+  assert sh["embed"].spec == P("expert", None)             # vocabulary rows over the expert group
   # the head's columns over pipeline x expert: each pipeline device runs its vocabulary slice
   assert sh["lm_head"].spec == P(None, ("pipeline", "expert"))
   assert piped["lm_head"].spec == P(None, ("pipeline", "expert"))
@@ -36,7 +35,7 @@ def test_rules_split_experts_layers_head_vocabulary_and_the_model_dimension_over
   odd = configs.get_config("tiny").model
   odd.vocab_size, odd.hidden_size = 262, 66
   sh = parallel.param_shardings(model.param_specs(odd), mesh(expert=4))
-  assert sh["embed"].spec == P(None, None) and sh["final_norm"].spec == P(None)
+  assert sh["embed"].spec[0] is None and sh["final_norm"].spec == P(None)
   assert sh["moe_layers"]["attn"]["o"].spec == P("pipeline", None, None, None)
   assert all("data" not in str(s.spec) for s in parallel.param_shardings(
       model.param_specs(cfg), mesh(data=8)).values() if hasattr(s, "spec"))

@@ -29,13 +29,9 @@ RULES = (
                                      # whose devices each run one slice of it (vocabulary-
                                      # parallel head and loss, k2jax.parallel.pipeline), so
                                      # it is stored where it runs
-    # The embedding ("vocab", "embed") is split on its model dimension by the `embed` rule,
-    # not on its rows: at K2's 163,840 x 7168 it would be 2.3 GB of bf16 (+ 4.7 GB of fp32
-    # gradient) whole on every device either way, but the lookup's gradient, a scatter-add
-    # of the tokens' cotangents into the table, is then local to each device's columns
-    # (the ids are gathered over the group, a few bytes a token). Split on its rows, XLA
-    # gathered every token's cotangent of the expert group on every device for the
-    # scatter-add instead (XLA:TPU, K2 on v5p 8x16x16: bf16[128, 4096, 7168], 7 GiB).
+    ("vocab", "expert"),             # embedding / head rows split over the expert group: at
+                                     # K2's 163,840 x 7168 each would otherwise be 2.3 GB of
+                                     # bf16 (+ 4.7 GB of fp32 gradient) on every device
     ("embed", "expert"),             # every other weight (attention, shared MLP, router,
     ("heads", "expert"),             # norms) split over the expert group on its model
                                      # dimension, or its heads where it has none (q_b, kv_b),
@@ -57,7 +53,7 @@ def logical_spec(axes) -> P:
 
 # logical axes whose split only saves memory: kept whole where the mesh does not divide them
 # (instead of refusing the mesh)
-MEMORY_ONLY = ("head_vocab", "embed", "heads")
+MEMORY_ONLY = ("vocab", "head_vocab", "embed", "heads")
 
 
 def param_spec(axes, shape, mesh, whole: bool = False) -> P:
