@@ -87,7 +87,10 @@ def _key(seg):
   on the raw ids the block that ends the last document and starts the padding spans [0, n]
   and overlaps every block of the row. Ids >= 2^31 - 2 share a key with padding: still
   sound (the masks compare the ids themselves)."""
-  top = jnp.iinfo(jnp.int32).max
+  # int32 constants: two Python ints would make the inner `where` int64 under x64, inside
+  # the kernels too, and Mosaic has no 64-bit vectors (XLA:TPU aborts the compile: "Check
+  # failed: ... bitwidth_ <= 32" in its layout pass)
+  top = jnp.int32(jnp.iinfo(jnp.int32).max)
   return jnp.where(seg > 0, seg, jnp.where(seg == 0, top - 1, top))
 
 
@@ -248,6 +251,13 @@ def _band(seg, bq, bk, causal):
   return first_last(run), first_last(jnp.swapaxes(run, 1, 2))
 
 
+def _zero():
+  """Block index 0 of an index map: int32, as Mosaic requires of every index it returns (a
+  literal 0 traces as int64 under x64, and Mosaic refuses the map: "failed to legalize
+  operation 'func.func' ... -> (i32, i32, i32, i64)")."""
+  return jnp.int32(0)
+
+
 def _index(b, x, y, axis, n, lo_ref, hi_ref):
   """The T block of grid step (b, .., x, y): the outer index x (axis 2), or the inner y
   (axis 3) clamped into x's band [lo, hi] (`_band`; n = the outer axis' size)."""
@@ -260,14 +270,14 @@ def _spec(n, d, axis, outer):
   """Block (n, d) of a [B, H, T, d] array, indexed along T by grid axis `axis` (2 or 3) of a
   grid whose outer block axis has `outer` blocks."""
   return pl.BlockSpec((None, None, n, d), lambda b, h, x, y, lo, hi: (
-      b, h, _index(b, x, y, axis, outer, lo, hi), 0))
+      b, h, _index(b, x, y, axis, outer, lo, hi), _zero()))
 
 
 def _row(n, axis, outer):
   """Block [1, n] of a [B, H, 1, T] array of per-query values (lane-major: a [B, H, T, 1]
   column pads every value to 128 lanes in HBM and in each copy)."""
   return pl.BlockSpec((None, None, 1, n), lambda b, h, x, y, lo, hi: (
-      b, h, 0, _index(b, x, y, axis, outer, lo, hi)))
+      b, h, _zero(), _index(b, x, y, axis, outer, lo, hi)))
 
 
 def _seg_specs(bq, bk, q_axis, outer, kv_rows=False):
@@ -275,9 +285,9 @@ def _seg_specs(bq, bk, q_axis, outer, kv_rows=False):
   row of seg[:, None, :]; with kv_rows the other way round (q row, k column)."""
   k_axis = 5 - q_axis
   col = lambda n, axis: pl.BlockSpec((None, n, 1), lambda b, h, x, y, lo, hi: (
-      b, _index(b, x, y, axis, outer, lo, hi), 0))
+      b, _index(b, x, y, axis, outer, lo, hi), _zero()))
   row = lambda n, axis: pl.BlockSpec((None, 1, n), lambda b, h, x, y, lo, hi: (
-      b, 0, _index(b, x, y, axis, outer, lo, hi)))
+      b, _zero(), _index(b, x, y, axis, outer, lo, hi)))
   if kv_rows:
     return row(bq, q_axis), col(bk, k_axis)
   return col(bq, q_axis), row(bk, k_axis)

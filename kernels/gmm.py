@@ -155,6 +155,21 @@ def _megablox():
   return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
+def _megablox_call(name: str, *args, **kwargs):
+  """megablox.`name`(*args, **kwargs) traced with jax_enable_x64 off.
+
+  Under x64 jax's megablox (make_group_metadata, jax 0.10) counts its active row tiles with
+  `group_tiles.sum()`, which promotes the int32 tile counts to int64, and that count is the
+  pallas_call's dynamic grid size: XLA:TPU then refuses the kernel ("UNIMPLEMENTED: While
+  rewriting computation to not contain X64 element types ... tpu_custom_call", forward and
+  backward), and interpret mode's int64 grid indices meet tgmm's int32 metadata ("lax.sub
+  requires arguments to have the same dtypes, got int64, int32"). Casting our group sizes
+  cannot help (they are int32 already); every operand here is 32-bit, so tracing the call
+  with x64 off changes nothing but that count's type."""
+  with jax.enable_x64(False):
+    return getattr(_megablox(), name)(*args, **kwargs)
+
+
 def _megablox_tiling(M, K, N):
   tm = 128 if M >= 128 else 8
   return tm, (tm, min(K, 128), min(N, 128))
@@ -162,12 +177,12 @@ def _megablox_tiling(M, K, N):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_matmul_megablox(x, w, group_sizes, interpret: bool = False):
-  megablox = _megablox()
   M, K = x.shape
   tm, tiling = _megablox_tiling(M, K, w.shape[2])
   Mp = -(-M // tm) * tm                      # megablox wants whole row tiles
-  y = megablox.gmm(jnp.pad(x, ((0, Mp - M), (0, 0))), w, group_sizes.astype(jnp.int32),
-                   preferred_element_type=x.dtype, tiling=tiling, interpret=interpret)[:M]
+  y = _megablox_call("gmm", jnp.pad(x, ((0, Mp - M), (0, 0))), w,
+                     group_sizes.astype(jnp.int32), preferred_element_type=x.dtype,
+                     tiling=tiling, interpret=interpret)[:M]
   valid = jnp.arange(M) < jnp.sum(group_sizes)
   return jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
 
@@ -178,7 +193,6 @@ def _megablox_fwd(x, w, group_sizes, interpret):
 
 def _megablox_bwd(interpret, res, dy):
   """dx by gmm against w^T, dw by megablox's tgmm; empty groups' dw set to 0 explicitly."""
-  megablox = _megablox()
   x, w, gs = res
   M, K = x.shape
   tm, tiling = _megablox_tiling(M, K, w.shape[2])
@@ -187,10 +201,10 @@ def _megablox_bwd(interpret, res, dy):
   dyp = jnp.pad(jnp.where(valid, dy, 0).astype(x.dtype), ((0, Mp - M), (0, 0)))
   xp = jnp.pad(x, ((0, Mp - M), (0, 0)))
   gs = gs.astype(jnp.int32)
-  dx = megablox.gmm(dyp, w, gs, preferred_element_type=x.dtype, transpose_rhs=True,
-                    tiling=_megablox_tiling(M, w.shape[2], K)[1], interpret=interpret)[:M]
-  dw = megablox.tgmm(xp.T, dyp, gs, preferred_element_type=w.dtype, tiling=tiling,
-                     num_actual_groups=w.shape[0], interpret=interpret)
+  dx = _megablox_call("gmm", dyp, w, gs, preferred_element_type=x.dtype, transpose_rhs=True,
+                      tiling=_megablox_tiling(M, w.shape[2], K)[1], interpret=interpret)[:M]
+  dw = _megablox_call("tgmm", xp.T, dyp, gs, preferred_element_type=w.dtype, tiling=tiling,
+                      num_actual_groups=w.shape[0], interpret=interpret)
   return (jnp.where(valid, dx, 0), jnp.where((gs > 0)[:, None, None], dw, 0), None)
 
 
@@ -262,11 +276,42 @@ def _tokamax_ours_dw_bwd(interpret, res, dy):
 tokamax_ours_dw.defvjp(_tokamax_ours_dw_fwd, _tokamax_ours_dw_bwd)
 
 
+@jax.custom_vjp
+def tokamax_tpu(x, w, group_sizes):
+  """tokamax's ragged dot on TPU (its Mosaic TPU kernels, forward and VJP), traced with
+  jax_enable_x64 off. Under x64 its kernels mix int64 and int32 index arithmetic, which
+  Pallas' Mosaic verifier refuses ("'arith.divsi' op requires the same type for all operands
+  and results", tokamax 0.0.12). Its VJP is traced where jax.grad transposes, outside any
+  context set around the forward call, so the backward is re-entered here under the same
+  switch (its forward there is unused and dropped). Operands are bf16 / f32 / int32: x64
+  off changes only the kernels' own index types."""
+  with jax.enable_x64(False):
+    return platform.tokamax().ragged_dot(x, w, group_sizes)
+
+
+def _tokamax_tpu_fwd(x, w, group_sizes):
+  return tokamax_tpu(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _tokamax_tpu_bwd(res, dy):
+  x, w, group_sizes = res
+  with jax.enable_x64(False):
+    _, vjp = jax.vjp(lambda x, w: platform.tokamax().ragged_dot(x, w, group_sizes), x, w)
+    dx, dw = vjp(dy)
+  return dx, dw, None
+
+
+tokamax_tpu.defvjp(_tokamax_tpu_fwd, _tokamax_tpu_bwd)
+
+
 def grouped_matmul_tokamax(x, w, group_sizes, interpret: bool = False):
-  """tokamax's ragged dot (its own VJP), on GPUs with our weight gradient (see above)."""
+  """tokamax's ragged dot (its own VJP): on GPUs with our weight gradient, on TPU traced
+  with x64 off (both above)."""
   gs = group_sizes.astype(jnp.int32)
   if platform.backend() == "gpu":
     return tokamax_ours_dw(x, w, gs, interpret)
+  if platform.backend() == "tpu":
+    return tokamax_tpu(x, w, gs)
   return platform.tokamax().ragged_dot(x, w, gs)
 
 

@@ -161,6 +161,13 @@ def rl_step(config, tx, state: TrainState, batch, ptx):
                "max_logit": jnp.max(stats.max_logits)}
 
 
+def step_program(config, tx):
+  """rl_step jitted as `run` calls it (the state donated; shardings follow the arguments'):
+  the one place it is written, so a compile for another machine (tests/test_tpu_inference.py
+  compiles it for a TPU chip) is the RL loop's own update."""
+  return jax.jit(functools.partial(rl_step, config, tx), donate_argnums=0)
+
+
 def old_logprobs(config, params, batch):
   P, K = batch["rewards"].shape
   logits, _ = model.forward(config.model, params, batch["inputs"], positions=batch["positions"],
@@ -401,7 +408,7 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
                               sft.default_dialogs(n=512, seed=1))
     ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
                              for d in dialogs], t.seq_len, tok.pad_id)
-  step_fn = jax.jit(functools.partial(rl_step, config, tx), donate_argnums=0)
+  step_fn = step_program(config, tx)
   logp_fn = jax.jit(functools.partial(old_logprobs, config))
   writer = MetricsWriter(workdir, start)
   history = []
