@@ -208,6 +208,11 @@ def main(argv=None):
         from k2jax.params import parse_config
         args, config, _ = parse_config("k2jax.compile", p, argv)
         devices = topology_devices(args.topology)
+        if args.topology != "local":
+            # a compile-only client's executables go into JAX's persistent cache but cannot be
+            # read back from it (libtpu 0.0.42.1: "PjRtCompiler must be constructed with a
+            # Client"): every later read would warn and compile again
+            jax.config.update("jax_enable_compilation_cache", False)
         config = fit_mesh(config, len(devices))
         est = None
         if not args.no_plan:
