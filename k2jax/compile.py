@@ -50,218 +50,218 @@ ROOM = 0.8
 
 
 def topology_devices(name: str):
-    """The devices of a TPU topology name ("v5p:8x16x16"; "v5e:1x1" is one chip, as Colab
-    gives it) or of this machine ("local"). ValueError (one line) for an unknown name."""
-    if name == "local":
-        return jax.devices()
-    from jax.experimental import topologies
-    kind, _, shape = name.partition(":")
-    dims = [int(d) for d in shape.split("x")] if re.fullmatch(r"\d+(x\d+)*", shape) else None
-    if not dims:
-        raise ValueError(f"--topology {name!r}: expected local or GENERATION:AxB[xC] "
-                         "(v5e:1x1, v5e:2x2, v5p:2x2x2, v5p:8x16x16)")
-    # a single chip is its own host; larger slices take libtpu's host layout
-    extra = {"chips_per_host_bounds": (1, 1, 1)} if math.prod(dims) == 1 else {}
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # beside other libtpu users
-    try:
-        return topologies.get_topology_desc(platform="tpu", topology_name=name, **extra).devices
-    except Exception as e:  # libtpu missing, or a name it does not know
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = ("install the TPU compiler: pip install -e \".[tpu]\""
-                if "tpu" in first.lower() and ("not" in first.lower() or "unknown" in
-                                               first.lower()) else
-                "names look like v5e:1x1, v5e:2x2, v5p:2x2x2, v5p:8x16x16")
-        raise ValueError(f"--topology {name!r}: {first} ({hint})") from None
+  """The devices of a TPU topology name ("v5p:8x16x16"; "v5e:1x1" is one chip, as Colab
+  gives it) or of this machine ("local"). ValueError (one line) for an unknown name."""
+  if name == "local":
+    return jax.devices()
+  from jax.experimental import topologies
+  kind, _, shape = name.partition(":")
+  dims = [int(d) for d in shape.split("x")] if re.fullmatch(r"\d+(x\d+)*", shape) else None
+  if not dims:
+    raise ValueError(f"--topology {name!r}: expected local or GENERATION:AxB[xC] "
+                     "(v5e:1x1, v5e:2x2, v5p:2x2x2, v5p:8x16x16)")
+  # a single chip is its own host; larger slices take libtpu's host layout
+  extra = {"chips_per_host_bounds": (1, 1, 1)} if math.prod(dims) == 1 else {}
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # beside other libtpu users
+  try:
+    return topologies.get_topology_desc(platform="tpu", topology_name=name, **extra).devices
+  except Exception as e:  # libtpu missing, or a name it does not know
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = ("install the TPU compiler: pip install -e \".[tpu]\""
+            if "tpu" in first.lower() and ("not" in first.lower() or "unknown" in
+                                           first.lower()) else
+            "names look like v5e:1x1, v5e:2x2, v5p:2x2x2, v5p:8x16x16")
+    raise ValueError(f"--topology {name!r}: {first} ({hint})") from None
 
 
 def hbm_bytes(device) -> float | None:
-    """Memory one program may use on `device`: XLA:TPU's figure per device kind, or what a
-    local GPU reports; None where unknown."""
-    if device.platform == "tpu":
-        return TPU_HBM.get(device.device_kind)
-    try:
-        return float(device.memory_stats()["bytes_limit"])
-    except Exception:
-        return None
+  """Memory one program may use on `device`: XLA:TPU's figure per device kind, or what a
+  local GPU reports; None where unknown."""
+  if device.platform == "tpu":
+    return TPU_HBM.get(device.device_kind)
+  try:
+    return float(device.memory_stats()["bytes_limit"])
+  except Exception:
+    return None
 
 
 def fit_mesh(config, n: int):
-    """`config` with mesh.data set so pipeline x data x expert = n devices (the config's own
-    mesh where it already is). ValueError (one line) where pipeline x expert does not divide n."""
-    m = config.mesh
-    if math.prod(int(m[a]) for a in MESH_AXES) == n:
-        return config
-    pe = int(m.pipeline) * int(m.expert)
-    if n % pe:
-        raise ValueError(f"{n} devices are not a multiple of mesh.pipeline x mesh.expert = "
-                         f"{m.pipeline} x {m.expert}: set --config.mesh.* for this topology")
-    config = copy.deepcopy(config)   # references unresolved: kimi_k2's microbatches follow
-    config.mesh.data = n // pe
-    return config.copy_and_resolve_references()
+  """`config` with mesh.data set so pipeline x data x expert = n devices (the config's own
+  mesh where it already is). ValueError (one line) where pipeline x expert does not divide n."""
+  m = config.mesh
+  if math.prod(int(m[a]) for a in MESH_AXES) == n:
+    return config
+  pe = int(m.pipeline) * int(m.expert)
+  if n % pe:
+    raise ValueError(f"{n} devices are not a multiple of mesh.pipeline x mesh.expert = "
+                     f"{m.pipeline} x {m.expert}: set --config.mesh.* for this topology")
+  config = copy.deepcopy(config)   # references unresolved: kimi_k2's microbatches follow
+  config.mesh.data = n // pe
+  return config.copy_and_resolve_references()
 
 
 class Compiled(NamedTuple):
-    """A train step compiled for a target, and XLA's memory analysis of it (per device)."""
-    compiled: object
-    seconds: float
-    device: dict      # arguments, outputs, aliased, temporaries, code, peak (bytes)
-    host: dict        # the same in host memory
-    kind: str         # device kind
-    platform: str
-    hbm: float | None
+  """A train step compiled for a target, and XLA's memory analysis of it (per device)."""
+  compiled: object
+  seconds: float
+  device: dict      # arguments, outputs, aliased, temporaries, code, peak (bytes)
+  host: dict        # the same in host memory
+  kind: str         # device kind
+  platform: str
+  hbm: float | None
 
 
 def memory(analysis) -> tuple[dict, dict]:
-    """(device, host) byte counts of a `compiled.memory_analysis()`. peak: what the program
-    needs at once, arguments + outputs not aliased to them + temporaries (+ code)."""
-    a = analysis
+  """(device, host) byte counts of a `compiled.memory_analysis()`. peak: what the program
+  needs at once, arguments + outputs not aliased to them + temporaries (+ code)."""
+  a = analysis
 
-    def side(prefix):
-        get = lambda k: int(getattr(a, f"{prefix}{k}_size_in_bytes", 0) or 0)
-        d = dict(arguments=get("argument"), outputs=get("output"), aliased=get("alias"),
-                 temporaries=get("temp"), code=get("generated_code"))
-        d["peak"] = d["arguments"] + d["outputs"] - d["aliased"] + d["temporaries"] + d["code"]
-        return d
-    return side(""), side("host_")
+  def side(prefix):
+    get = lambda k: int(getattr(a, f"{prefix}{k}_size_in_bytes", 0) or 0)
+    d = dict(arguments=get("argument"), outputs=get("output"), aliased=get("alias"),
+             temporaries=get("temp"), code=get("generated_code"))
+    d["peak"] = d["arguments"] + d["outputs"] - d["aliased"] + d["temporaries"] + d["code"]
+    return d
+  return side(""), side("host_")
 
 
 def compile_step(config, devices, dump: str | None = None) -> Compiled:
-    """Compile `config`'s train step (`k2jax.step.program`) for `devices` (a topology's or
-    local ones) on the mesh of `config.mesh`. dump: a directory for XLA's dump of the
-    compiled module (its HLO, buffer assignment and memory-usage report). Raises what XLA
-    raises."""
-    from k2jax import step
-    platform = devices[0].platform
-    mesh = parallel.make_mesh(config.mesh, devices)
-    t0 = time.perf_counter()
-    with kernel_platform.target(platform):
-        kernels.prepare(config.model.attention_impl, config.model.moe_impl)
-        # outside set_mesh: optax builds the state's shardings by running init eagerly, on
-        # the default device (a topology's chips run nothing)
-        prog = step.program(config, mesh)
-    with kernel_platform.target(platform), jax.set_mesh(mesh):
-        options = {"xla_dump_to": dump} if dump else None
-        compiled = prog.step.trace(*prog.abstract_args(config)).lower().compile(
-            compiler_options=options)
-    dev, host = memory(compiled.memory_analysis())
-    return Compiled(compiled, time.perf_counter() - t0, dev, host, devices[0].device_kind,
-                    platform, hbm_bytes(devices[0]))
+  """Compile `config`'s train step (`k2jax.step.program`) for `devices` (a topology's or
+  local ones) on the mesh of `config.mesh`. dump: a directory for XLA's dump of the
+  compiled module (its HLO, buffer assignment and memory-usage report). Raises what XLA
+  raises."""
+  from k2jax import step
+  platform = devices[0].platform
+  mesh = parallel.make_mesh(config.mesh, devices)
+  t0 = time.perf_counter()
+  with kernel_platform.target(platform):
+    kernels.prepare(config.model.attention_impl, config.model.moe_impl)
+    # outside set_mesh: optax builds the state's shardings by running init eagerly, on
+    # the default device (a topology's chips run nothing)
+    prog = step.program(config, mesh)
+  with kernel_platform.target(platform), jax.set_mesh(mesh):
+    options = {"xla_dump_to": dump} if dump else None
+    compiled = prog.step.trace(*prog.abstract_args(config)).lower().compile(
+        compiler_options=options)
+  dev, host = memory(compiled.memory_analysis())
+  return Compiled(compiled, time.perf_counter() - t0, dev, host, devices[0].device_kind,
+                  platform, hbm_bytes(devices[0]))
 
 
 _SOURCE = re.compile(r"(k2jax/[\w/]+\.py|kernels/[\w/]+\.py)[\":, line]*(\d+)")
 
 
-def refusal(error: BaseException, compiled_text: str | None = None) -> str:
-    """One line for a compile XLA refused: its reason and the k2jax source line it names
-    (the instruction's metadata in the message), where it names one."""
-    text = str(error)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    reason = lines[0] if lines else type(error).__name__
-    where = _SOURCE.search(text)
-    at = f" (at {where.group(1)}:{where.group(2)})" if where else ""
-    return f"XLA refused the step: {reason[:400]}{at}"
+def refusal(error: BaseException) -> str:
+  """One line for a compile XLA refused: its reason and the k2jax source line it names
+  (the instruction's metadata in the message), where it names one."""
+  text = str(error)
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  reason = lines[0] if lines else type(error).__name__
+  where = _SOURCE.search(text)
+  at = f" (at {where.group(1)}:{where.group(2)})" if where else ""
+  return f"XLA refused the step: {reason[:400]}{at}"
 
 
 def table(name: str, topology: str, config, result: Compiled, est) -> str:
-    """XLA's per-device memory beside plan's (`est`: k2jax.plan.Estimate, or None)."""
-    d, h = result.device, result.host
-    mesh = ", ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES)
-    n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
-    lines = [f"{name}: train step compiled for {topology} ({n} x {result.kind}; mesh {mesh}) "
-             f"in {result.seconds:.0f} s",
-             f"{'per device':<30}{'XLA GB':>10}{'plan GB':>10}{'XLA / plan':>12}"]
+  """XLA's per-device memory beside plan's (`est`: k2jax.plan.Estimate, or None)."""
+  d, h = result.device, result.host
+  mesh = ", ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES)
+  n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
+  lines = [f"{name}: train step compiled for {topology} ({n} x {result.kind}; mesh {mesh}) "
+           f"in {result.seconds:.0f} s",
+           f"{'per device':<30}{'XLA GB':>10}{'plan GB':>10}{'XLA / plan':>12}"]
 
-    def row(label, xla, planned=None):
-        ratio = f"{xla / planned:>12.2f}" if planned else ""
-        lines.append(f"  {label:<28}{xla / GB:>10.2f}"
-                     f"{(f'{planned / GB:>10.2f}' if planned is not None else ''):>10}{ratio}")
-    row("arguments (state, batch)", d["arguments"])
-    row("outputs not donated", d["outputs"] - d["aliased"])
-    row("temporaries", d["temporaries"])
-    row("device peak", d["peak"], est.device if est else None)
-    row("host", h["peak"], est.host if est else None)
-    if result.hbm:
-        share = d["peak"] / result.hbm
-        verdict = ("fits" if share <= ROOM else
-                   f"fits, but above {ROOM:.0%} of HBM: little room to run" if share <= 1 else
-                   "does NOT fit")
-        lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / GIB:.2f} GiB, XLA's "
-                     f"figure): peak {share:.0%} of it, {verdict}")
-    return "\n".join(lines)
+  def row(label, xla, planned=None):
+    ratio = f"{xla / planned:>12.2f}" if planned else ""
+    lines.append(f"  {label:<28}{xla / GB:>10.2f}"
+                 f"{(f'{planned / GB:>10.2f}' if planned is not None else ''):>10}{ratio}")
+  row("arguments (state, batch)", d["arguments"])
+  row("outputs not donated", d["outputs"] - d["aliased"])
+  row("temporaries", d["temporaries"])
+  row("device peak", d["peak"], est.device if est else None)
+  row("host", h["peak"], est.host if est else None)
+  if result.hbm:
+    share = d["peak"] / result.hbm
+    verdict = ("fits" if share <= ROOM else
+               f"fits, but above {ROOM:.0%} of HBM: little room to run" if share <= 1 else
+               "does NOT fit")
+    lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / GIB:.2f} GiB, XLA's "
+                 f"figure): peak {share:.0%} of it, {verdict}")
+  return "\n".join(lines)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m k2jax.compile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True,
-                   help=f"preset ({', '.join(configs.PRESETS)}) or config file; override any "
-                   "value with --config.KEY=VALUE")
-    p.add_argument("--topology", default="local",
-                   help="TPU topology (v5e:1x1, v5e:2x2, v5p:2x2x2, v5p:8x16x16) or local "
-                   "(this machine's devices: its GPU)")
-    p.add_argument("--no_plan", action="store_true", help="skip plan's figures")
-    p.add_argument("--dump", default=None,
-                   help="directory for XLA's dump of the compiled step: its HLO, buffer "
-                   "assignment and memory-usage report (what the temporaries are)")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    try:
-        from k2jax.params import parse_config
-        args, config, _ = parse_config("k2jax.compile", p, argv)
-        devices = topology_devices(args.topology)
-        if args.topology != "local":
-            # a compile-only client's executables go into JAX's persistent cache but cannot be
-            # read back from it (libtpu 0.0.42.1: "PjRtCompiler must be constructed with a
-            # Client"): every later read would warn and compile again
-            jax.config.update("jax_enable_compilation_cache", False)
-        config = fit_mesh(config, len(devices))
-        est = None
-        if not args.no_plan:
-            from k2jax import plan
-            est = plan.estimate(config, {a: int(config.mesh[a]) for a in MESH_AXES},
-                                platform=devices[0].platform)
-        from k2jax import optim
-        from k2jax.parallel import layout
-        for validate in (configs.validate, optim.validate, layout.validate):
-            validate(config)   # what the trainer checks first, on the fitted mesh
-    except ValueError as e:
-        print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        raise SystemExit(2)
-    try:
-        result = compile_step(config, devices, dump=args.dump)
-    except ValueError as e:   # the trainer's own checks (batch geometry on this mesh)
-        print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        raise SystemExit(2)
-    except Exception as e:   # XLA's refusal: a compile error or out of memory
-        line = refusal(e)
-        if args.json:
-            _write_json(args.json, dict(config=args.config, topology=args.topology,
-                                        compiled=False, refusal=line))
-        print(f"k2jax.compile: {line}", file=sys.stderr)
-        raise SystemExit(1)
-    print(table(args.config, args.topology, config, result, est))
+  p = argparse.ArgumentParser(prog="python -m k2jax.compile", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True,
+                 help=f"preset ({', '.join(configs.PRESETS)}) or config file; override any "
+                 "value with --config.KEY=VALUE")
+  p.add_argument("--topology", default="local",
+                 help="TPU topology (v5e:1x1, v5e:2x2, v5p:2x2x2, v5p:8x16x16) or local "
+                 "(this machine's devices: its GPU)")
+  p.add_argument("--no_plan", action="store_true", help="skip plan's figures")
+  p.add_argument("--dump", default=None,
+                 help="directory for XLA's dump of the compiled step: its HLO, buffer "
+                 "assignment and memory-usage report (what the temporaries are)")
+  p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+  try:
+    from k2jax.params import parse_config
+    args, config, _ = parse_config("k2jax.compile", p, argv)
+    devices = topology_devices(args.topology)
+    if args.topology != "local":
+      # a compile-only client's executables go into JAX's persistent cache but cannot be
+      # read back from it (libtpu 0.0.42.1: "PjRtCompiler must be constructed with a
+      # Client"): every later read would warn and compile again
+      jax.config.update("jax_enable_compilation_cache", False)
+    config = fit_mesh(config, len(devices))
+    est = None
+    if not args.no_plan:
+      from k2jax import plan
+      est = plan.estimate(config, {a: int(config.mesh[a]) for a in MESH_AXES},
+                          platform=devices[0].platform)
+    from k2jax import optim
+    from k2jax.parallel import layout
+    for validate in (configs.validate, optim.validate, layout.validate):
+      validate(config)   # what the trainer checks first, on the fitted mesh
+  except ValueError as e:
+    print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
+    raise SystemExit(2)
+  try:
+    result = compile_step(config, devices, dump=args.dump)
+  except ValueError as e:   # the trainer's own checks (batch geometry on this mesh)
+    print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
+    raise SystemExit(2)
+  except Exception as e:   # XLA's refusal: a compile error or out of memory
+    line = refusal(e)
     if args.json:
-        _write_json(args.json, record(args.config, args.topology, config, result, est))
+      _write_json(args.json, dict(config=args.config, topology=args.topology,
+                                  compiled=False, refusal=line))
+    print(f"k2jax.compile: {line}", file=sys.stderr)
+    raise SystemExit(1)
+  print(table(args.config, args.topology, config, result, est))
+  if args.json:
+    _write_json(args.json, record(args.config, args.topology, config, result, est))
 
 
 def record(name, topology, config, result: Compiled, est) -> dict:
-    """The figures of one compile as a flat dict (JSON, CSV rows)."""
-    out = dict(config=name, topology=topology, compiled=True, kind=result.kind,
-               mesh={a: int(config.mesh[a]) for a in MESH_AXES}, seconds=result.seconds,
-               hbm=result.hbm, xla_device=result.device, xla_host=result.host,
-               plan_device=est.device if est else None, plan_host=est.host if est else None,
-               plan_states={k: v for k, v in est.states.items()
-                            if isinstance(v, (int, float))} if est else None,
-               plan_activations=dict(device=est.acts.device, host=est.acts.host)
-               if est else None)
-    out["fits"] = bool(result.hbm and result.device["peak"] <= ROOM * result.hbm)
-    return out
+  """The figures of one compile as a flat dict (JSON, CSV rows)."""
+  out = dict(config=name, topology=topology, compiled=True, kind=result.kind,
+             mesh={a: int(config.mesh[a]) for a in MESH_AXES}, seconds=result.seconds,
+             hbm=result.hbm, xla_device=result.device, xla_host=result.host,
+             plan_device=est.device if est else None, plan_host=est.host if est else None,
+             plan_states={k: v for k, v in est.states.items()
+                          if isinstance(v, (int, float))} if est else None,
+             plan_activations=dict(device=est.acts.device, host=est.acts.host)
+             if est else None)
+  out["fits"] = bool(result.hbm and result.device["peak"] <= ROOM * result.hbm)
+  return out
 
 
 def _write_json(path, obj):
-    import json
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+  import json
+  with open(path, "w") as f:
+    json.dump(obj, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+  main()

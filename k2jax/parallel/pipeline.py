@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec, param_spec
 from k2jax.kernels import moe as moe_kernels
+from k2jax.kernels import platform as kernel_platform
 from k2jax.model import counting, remat, spec as model_spec, transformer
 from k2jax.model.layers import rms_norm
 from k2jax.model.remat import remat_policy
@@ -281,9 +282,10 @@ def residual_stages(tab: schedules.Table, offload: bool) -> dict:
 
 
 def skip_mode(platform: str | None = None) -> str:
-  """"device" on GPU / TPU, "tick" on CPU (module docstring); `platform` default: JAX's
-  backend here."""
-  return "tick" if (platform or jax.default_backend()) == "cpu" else "device"
+  """"device" on GPU / TPU, "tick" on CPU (module docstring); `platform` default: the backend
+  kernels are chosen for (JAX's here, or the one a compile for another machine targets:
+  k2jax.kernels.platform.target)."""
+  return "tick" if (platform or kernel_platform.backend()) == "cpu" else "device"
 
 
 def skip_of(config) -> str:
