@@ -641,6 +641,41 @@ def test_rl_resumes_exactly_after_kill_9(tmp_path):
   assert b == a
 
 
+def _signal_when(cmd, marker, signum):
+  """Run cmd, send signum once a stderr line holds marker; -> (returncode, stderr)."""
+  p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in p.stderr:
+    lines.append(line)
+    if marker in line:
+      p.send_signal(signum)
+      break
+  rest = p.communicate(timeout=300)[1]
+  return p.returncode, "".join(lines) + rest
+
+
+def test_rl_sigint_and_sigterm_save_where_they_stop_and_the_rerun_resumes(tmp_path):
+  """Ctrl-C once the loop has started: the iteration under way ends, its checkpoint is
+  saved (checkpoint_every would not have), one line, exit 130; the rerun resumes there and
+  SIGTERM does the same with 143. A signal while it sets up stops it before the first
+  iteration (k2jax.rl.train.run); the first line of the loop marks the point. (The budget leaves every trajectory unfinished, so no
+  update is compiled: the test stays short.)"""
+  import signal
+  flags = [f for f in TINY_RL_FLAGS if "iterations=" not in f and "budget=" not in f]
+  cmd = [sys.executable, "-m", "k2jax.rl", *flags, "--config.rl.budget=64",
+         "--config.rl.iterations=4", "--config.rl.checkpoint_every=4", f"--workdir={tmp_path}"]
+  for signum, resumed_at, stop_at in ((signal.SIGINT, None, 1), (signal.SIGTERM, 1, 2)):
+    rc, err = _signal_when(cmd, "RL: iterations", signum)   # the loop's first line
+    assert rc == 128 + signum, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    stops = [l for l in err.splitlines() if "stopped by" in l]
+    assert len(stops) == 1 and f"stopped by {signal.Signals(signum).name}: checkpoint at " \
+        f"iteration {stop_at} of 4; run the same command to resume" in stops[0], err[-3000:]
+    assert max(int(d) for d in os.listdir(tmp_path / "checkpoints")) == stop_at
+    assert [r["step"] for r in _rl_rows(tmp_path)] == list(range(1, stop_at + 1))
+    assert resumed_at is None or f"resumed RL at iteration {resumed_at}" in err
+
+
 def test_rl_cli_bad_input(tmp_path):
   """The table of mistakes for `python -m k2jax.rl` (its own and the trainer's flags): one
   error line each, exit 2, no traceback, nothing written to the workdir."""

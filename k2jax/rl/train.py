@@ -20,7 +20,8 @@ One iteration:
      rl.updates_per_iteration optimizer steps on k15_loss + rl.ptx_weight x the language-model
      loss on curated chat data (k2jax.sft's dialogs), MuonClip fed by this forward's max logits.
 Checkpoints hold the train state and the paused trajectories; a killed run resumes from the
-last one.
+last one. SIGINT / SIGTERM let the iteration under way finish, save a checkpoint and exit 130 /
+143; the same command resumes from there.
 """
 
 import dataclasses
@@ -28,6 +29,7 @@ import functools
 import logging
 import os
 import random
+import signal
 import sys
 import time
 
@@ -351,7 +353,22 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
   """Run (or resume) RL in workdir. init: fn() -> params of the starting policy (or None: a
   random init, for tests). ptx_dialogs: the chat dialogs of the PTX loss (default: data.files,
   else k2jax.sft's default dialogs): the data the policy was fine-tuned on, since PTX on
-  anything else pulls the policy away from the behaviour RL starts from."""
+  anything else pulls the policy away from the behaviour RL starts from.
+
+  SIGINT / SIGTERM as in the pre-training trainer: the iteration under way finishes (its
+  rollouts and updates are the uninterrupted run's), a checkpoint is saved and the run ends
+  with SystemExit(128 + signal); the same command resumes from there."""
+  from k2jax.train import _StopFlag
+  stop = _StopFlag()
+  old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    return _run(config, workdir, init, ptx_dialogs, stop)
+  finally:
+    for s, h in old_handlers.items():
+      signal.signal(s, h)
+
+
+def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   from k2jax import sft
   from k2jax.metrics import MetricsWriter
   from k2jax import resume
@@ -413,14 +430,16 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
   writer = MetricsWriter(workdir, start)
   history = []
   from k2jax.train import files_line
-  if start >= r.iterations:
+  # a signal while setting up stops before the first iteration, one after this line after it
+  stopped, saved = stop.agreed(True), start
+  if stopped is None and start >= r.iterations:
     log.info("RL: all %d iterations are done (raise rl.iterations to go on); %s",
              r.iterations, files_line(workdir))
-  else:
+  elif stopped is None:
     log.info("RL: iterations %d..%d of %d prompts x %d samples on %s; %s", start + 1,
              r.iterations, r.prompts, r.samples, r.envs, files_line(workdir))
   try:
-    for it in range(start, r.iterations):
+    for it in range(start, r.iterations if stopped is None else start):
       t0 = time.perf_counter()
       temperature = temperature_at(it, r.iterations, r.temperature_start, r.temperature_end)
       # training layout -> inference layout (a reshard when the meshes differ)
@@ -463,15 +482,24 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
       history.append(row)
       log.info("iteration %d: %s", it + 1, ", ".join(
           f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-      if (it + 1) % r.checkpoint_every == 0 or it + 1 == r.iterations:
+      stopped = stop.agreed(True)
+      if (it + 1) % r.checkpoint_every == 0 or it + 1 == r.iterations or stopped is not None:
         manager.save(it + 1, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             meta=ocp.args.JsonSave({"iteration": it + 1, "rollouts": rollouts.state()})),
             force=True)
+        saved = it + 1
+      if stopped is not None:
+        break
   finally:
     manager.wait_until_finished()
     manager.close()
     writer.close()
+  if stopped is not None:
+    log.warning("stopped by %s: %s; run the same command to resume",
+                signal.Signals(stopped).name, f"checkpoint at iteration {saved} of "
+                f"{r.iterations}" if saved else "before the first iteration, nothing to save")
+    raise SystemExit(128 + stopped)
   rewards = [h["mean_reward"] for h in history if "mean_reward" in h]
   log.info("done: iteration %d/%d, mean reward %s; %s", r.iterations, r.iterations,
            f"{rewards[0]:.3f} (first) -> {rewards[-1]:.3f} (last)" if rewards else "n/a",
@@ -480,36 +508,47 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
 
 
 def main(argv=None):
-  from k2jax import resume, sft, train
+  from k2jax import interrupt, sft, train
   argv = list(sys.argv if argv is None else argv)
   init, argv = sft.pop_init(argv)
   try:
-    config, workdir = train.parse(argv, "k2jax.rl", " [--init RUN | HF_DIR]", "tiny_rl")
-    if "rl" not in config:
-      raise train.UserError("config has no rl group: start from the tiny_rl preset "
-                            "(--config tiny_rl)")
-    params = None
-    if init is not None:
-      mcfg, params = sft.load_init(init)
-      try:
-        config.model = sft.model_from_init(mcfg, config, argv)
-      except ValueError as e:
-        raise train.UserError(str(e)) from None
-    try:   # everything is checked before any file is written
-      configs_validate(config)
-      parallel.make_mesh(config.mesh)
-      parallel.make_mesh(config.rl.inference_mesh)
-      workdir = train._writable_workdir(workdir)
-      resume.check(workdir, config)    # another kind of run, or a change that cannot resume
-    except ValueError as e:
-      raise train.UserError(str(e)) from None
-    with train.hold(workdir):   # before the first write: one run per workdir
-      train._setup_logging(workdir)
-      train.enable_compilation_cache()
-      run(config, workdir, params)
+    with interrupt.raising():   # until run() sets its own handlers: loading, checks
+      _main(argv, init)
   except train.UserError as e:
     print(f"k2jax.rl: error: {e}", file=sys.stderr)
     raise SystemExit(2)
+  except interrupt.Interrupted as e:   # before run() took the signals over: nothing written
+    print(f"k2jax.rl: stopped by {e.name} while starting; nothing was trained",
+          file=sys.stderr)
+    raise SystemExit(e.exit_code)
+
+
+def _main(argv, init):
+  """Parse, check, run; a mistake raises train.UserError."""
+  from k2jax import resume, sft, train
+  config, workdir = train.parse(argv, "k2jax.rl", " [--init RUN | HF_DIR]", "tiny_rl")
+  if "rl" not in config:
+    raise train.UserError("config has no rl group: start from the tiny_rl preset "
+                          "(--config tiny_rl)")
+  params = None
+  if init is not None:
+    mcfg, params = sft.load_init(init)
+    try:
+      config.model = sft.model_from_init(mcfg, config, argv)
+    except ValueError as e:
+      raise train.UserError(str(e)) from None
+  try:   # everything is checked before any file is written
+    configs_validate(config)
+    parallel.make_mesh(config.mesh)
+    parallel.make_mesh(config.rl.inference_mesh)
+    workdir = train._writable_workdir(workdir)
+    resume.check(workdir, config)    # another kind of run, or a change that cannot resume
+  except ValueError as e:
+    raise train.UserError(str(e)) from None
+  with train.hold(workdir):   # before the first write: one run per workdir
+    train._setup_logging(workdir)
+    train.enable_compilation_cache()
+    run(config, workdir, params)
 
 
 def configs_validate(config):
