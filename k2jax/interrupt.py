@@ -8,6 +8,7 @@ SIGINT, 143 for SIGTERM), as a shell reports a process ended by that signal.
 
 import contextlib
 import signal
+import threading
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -37,6 +38,9 @@ def _raise(signum, frame):
 def raising():
   """Within: SIGINT and SIGTERM raise Interrupted in the main thread (SIGTERM would otherwise
   end the process with no word, SIGINT with a KeyboardInterrupt traceback)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield         # only the main thread may set handlers; a caller's thread keeps its own
+    return
   old = {s: signal.signal(s, _raise) for s in SIGNALS}
   try:
     yield

@@ -551,3 +551,89 @@ def test_train_and_sft_run_on_what_synth_writes(tmp_path):
                 "--config.train.seq_len=1024", "--config.train.batch_size=2")
   assert r.returncode == 0, r.stderr[-3000:]
   assert any("loss" in json.loads(x) for x in open(tmp_path / "sft" / "metrics.jsonl"))
+
+
+class _SlowEcho:
+  """An OpenAI-compatible stub on a thread: one model; each chat reply, after `delay`
+  seconds, is the last user message's text (a rewrite that keeps every fact)."""
+
+  def __init__(self, delay: float):
+    import http.server
+    import threading
+    stub = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def log_message(self, *a):
+        pass
+
+      def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+      def do_GET(self):
+        self._send({"object": "list", "data": [{"id": "stub", "object": "model",
+                                                 "created": 0, "owned_by": "test"}]})
+
+      def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(stub.delay)
+        text = _source_text(req["messages"][-1]["content"])
+        self._send({"id": "x", "object": "chat.completion", "created": 0, "model": "stub",
+                    "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                        "role": "assistant", "content": text}}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    self.delay = delay
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def close(self):
+    self.server.shutdown()
+
+
+def _source_text(content: str) -> str:
+  found = re.findall(r"<<<\n(.*?)\n>>>", content, re.S)
+  return found[-1] if found else content
+
+
+def test_synth_sigint_and_sigterm_stop_in_one_line_and_the_rerun_finishes(tmp_path):
+  """Ctrl-C, then SIGTERM, mid-corpus against a slow endpoint: one line naming the signal and
+  what was kept, exit 130 / 143, no traceback, every line written whole; the third run
+  finishes, each item done once."""
+  stub = _SlowEcho(delay=0.15)
+  docs = tmp_path / "many.jsonl"
+  n = 40
+  docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Note {i} is short."}) + "\n"
+                          for i in range(n)))
+  out = str(tmp_path / "out.jsonl")
+  argv = [sys.executable, "-m", "k2jax.synth", "rephrase", "--input", str(docs), "--output",
+          out, "--endpoint", stub.url, "-k", "1", "--concurrency", "2", "--no_judge"]
+  lines = lambda: sum(1 for f in (out, out + ".drops") if os.path.exists(f) for _ in open(f))
+  try:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+      before = lines()
+      p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      deadline = time.time() + 120
+      while lines() < before + 2:
+        assert p.poll() is None and time.time() < deadline, p.communicate()[1][-2000:]
+        time.sleep(0.02)
+      p.send_signal(signum)
+      stdout, stderr = p.communicate(timeout=60)
+      assert p.returncode == 128 + signum, stderr[-2000:]
+      assert "Traceback" not in stderr, stderr[-2000:]
+      stops = [x for x in stderr.splitlines() if "stopped by" in x]
+      assert len(stops) == 1 and stops[0].startswith(
+          f"k2jax.synth rephrase: stopped by {signal.Signals(signum).name}: kept "), stderr
+      assert stops[0].endswith(f"-> {out}; run the same command to resume")
+      assert before + 2 <= lines() < n
+      [json.loads(x) for x in open(out)]      # every line whole
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+  finally:
+    stub.close()
+  _done_once(out, [f"d{i}#0" for i in range(n)])

@@ -22,6 +22,7 @@ records carry "messages" + "tools" (for `k2jax.sft`).
 
 import argparse
 import concurrent.futures
+import contextlib
 import glob
 import json
 import logging
@@ -29,6 +30,7 @@ import os
 import sys
 import traceback
 
+from k2jax import interrupt
 from k2jax.synth import agentic, dryrun, mathnotes, rephrase
 from k2jax.synth.client import LocalClient, ModelError, OpenAIClient, ScriptedClient, Unreachable
 from k2jax.synth.rephrase import Dropped, Settings
@@ -94,8 +96,11 @@ def run_items(items: list[tuple[str, object]], work, out: Output, concurrency: i
   todo = [(i, p) for i, p in items if i not in out.seen]
   log.info("%s: %d items, %d already done, %d to do", desc, len(items), len(items) - len(todo),
            len(todo))
-  with concurrent.futures.ThreadPoolExecutor(max(1, concurrency)) as pool, \
-       tqdm(total=len(todo), desc=desc, unit="item") as bar:
+  # not `with`: on Ctrl-C / SIGTERM (interrupt.Interrupted) its exit would wait for every
+  # item in flight (minutes of requests); queued items are cancelled instead, and main leaves
+  pool = concurrent.futures.ThreadPoolExecutor(max(1, concurrency))
+  bar = tqdm(total=len(todo), desc=desc, unit="item")
+  try:
     for (item, _), result in zip(todo, pool.map(guarded, [p for _, p in todo])):
       if isinstance(result, Dropped):
         out.drop(item, str(result))
@@ -104,6 +109,9 @@ def run_items(items: list[tuple[str, object]], work, out: Output, concurrency: i
         out.keep(item, result)
       bar.update()
       bar.set_postfix(kept=out.kept, dropped=out.dropped)
+  finally:
+    bar.close()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _client(args):
@@ -173,9 +181,27 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None, *, client=None):
   """The CLI; `client` (any synth.Client, e.g. a ScriptedClient) replaces --endpoint /
-  --workdir / --hf for programmatic runs and tests."""
+  --workdir / --hf for programmatic runs and tests.
+
+  As the command (argv None), SIGINT / SIGTERM: the items written so far stay (each is
+  fsynced as it is written), the ones in flight are redone by a rerun; one line, exit 130 /
+  143. A program calling main(argv) keeps its own handling (KeyboardInterrupt)."""
   args = parser().parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  done = []   # the Output, once open: what the stop line reports
+  try:
+    with interrupt.raising() if argv is None else contextlib.nullcontext():
+      _main(args, client, done)
+  except interrupt.Interrupted as e:
+    what = (f"{done[0].summary()} -> {args.output}" if done else "nothing written")
+    print(f"k2jax.synth {args.pipeline}: stopped by {e.name}: {what}; run the same command "
+          "to resume", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # at once: the interpreter's exit would join the pool's threads, each in a request
+    os._exit(e.exit_code)
+
+
+def _main(args, client, done):
   try:
     shard = parse_shard(args.shard)
     for flag in ("concurrency", "retries", "timeout") + (
@@ -215,6 +241,7 @@ def main(argv=None, *, client=None):
   if args.redo_drops and os.path.exists(args.output + ".drops"):
     os.replace(args.output + ".drops", args.output + ".drops.prev")
   out = Output(args.output)
+  done.append(out)
   try:
     if args.pipeline == "agentic":
       if evolve:
