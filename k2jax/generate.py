@@ -316,8 +316,20 @@ def main(argv=None):
   except UserError as e:
     print(f"k2jax.generate: error: {e}", file=sys.stderr)
     raise SystemExit(2)
-  stream = len(prompts) == 1
+  from k2jax import interrupt
   generated: list[list[int]] = [[] for _ in prompts]
+  try:
+    with interrupt.raising():
+      _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated)
+  except interrupt.Interrupted as e:
+    print(f"\nk2jax.generate: stopped by {e.name} after {sum(map(len, generated))} tokens",
+          file=sys.stderr, flush=True)
+    raise SystemExit(e.exit_code)
+
+
+def _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated):
+  """main's decoding: streams one prompt as it decodes, prints a batch at the end."""
+  stream = len(prompts) == 1
   shown = [""]
 
   def on_token(ids):

@@ -341,7 +341,6 @@ def _port_free(host: str, port: int) -> None:
 
 
 def main(argv=None):
-  from k2jax.generate import UserError, _check_run_dir, load
   p = argparse.ArgumentParser(prog="python -m k2jax.serve", description=__doc__.splitlines()[0])
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="a k2jax.train / sft / rl run: serves its newest checkpoint")
@@ -361,6 +360,19 @@ def main(argv=None):
                  "(0: compile on first use)")
   args = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  from k2jax import interrupt
+  try:
+    # uvicorn takes the signals over while it serves, shuts down gracefully, gives them back
+    # and raises the one it caught again: Interrupted then comes out of uvicorn.run
+    with interrupt.raising():
+      _serve(args)
+  except interrupt.Interrupted as e:
+    print(f"k2jax.serve: stopped by {e.name}", file=sys.stderr, flush=True)
+    raise SystemExit(e.exit_code)
+
+
+def _serve(args):
+  from k2jax.generate import UserError, _check_run_dir, load
   try:
     if not 0 < args.port < 65536:
       raise UserError(f"--port {args.port}: must be in 1..65535")

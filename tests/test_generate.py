@@ -3,6 +3,8 @@ attention equals the expanded one, greedy generation equals transformers' token 
 sampling options behave, the CLI samples from a trained run, and constrained decoding makes
 a random model emit valid tool calls."""
 
+import re
+import signal
 import subprocess
 import sys
 
@@ -199,6 +201,22 @@ def test_cli_bad_inputs_end_in_one_line_and_exit_2(case, run_dir, tmp_path, caps
   (line,) = [l for l in err.splitlines() if l.startswith("k2jax.generate: error:")]
   assert fragment in line, line
   assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_stops_on_a_signal_in_one_line(signum, run_dir):
+  """Ctrl-C / SIGTERM while a prompt streams: one line saying how far it got, exit 130 / 143,
+  no traceback (SIGINT was a KeyboardInterrupt traceback from inside the decode loop)."""
+  p = subprocess.Popen([sys.executable, "-m", "k2jax.generate", "--workdir", str(run_dir),
+                        "--prompt", "def ", "--max_new_tokens", "1000", "--temperature", "1"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  p.stdout.read(len("def ") + 2)    # the prompt and the first generated characters
+  p.send_signal(signum)
+  _, err = p.communicate(timeout=120)
+  assert p.returncode == 128 + signum, err[-2000:]
+  assert "Traceback" not in err
+  assert re.fullmatch(rf"k2jax.generate: stopped by {signal.Signals(signum).name} after "
+                      r"\d+ tokens", err.strip().splitlines()[-1]), err[-2000:]
 
 
 def test_generate_refuses_settings_that_cannot_sample():

@@ -3,6 +3,7 @@ tool calls, concurrent requests sharing batches, bad requests, the CLI."""
 
 import concurrent.futures
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -263,25 +264,36 @@ def test_cli_serves_a_trained_run_and_refuses_bad_input(tmp_path):
       p = subprocess.run([sys.executable, "-m", "k2jax.serve", *args], capture_output=True,
                          text=True, timeout=120)
       assert p.returncode == 2 and fragment in p.stderr.strip().splitlines()[-1], p.stderr
-  port = _free_port()
-  proc = subprocess.Popen([sys.executable, "-m", "k2jax.serve", "--workdir", str(run), "--port",
-                           str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    deadline = time.time() + 240
-    while True:
-      try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-        break
-      except OSError:
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-2000:]
-        time.sleep(0.5)
-    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-    assert [m.id for m in c.models.list().data] == ["run"]
-    r = c.chat.completions.create(model="run", messages=USER, max_tokens=5)
-    assert r.usage.completion_tokens <= 5 and isinstance(r.choices[0].message.content, str)
-  finally:
-    proc.terminate()
-    proc.wait(timeout=60)
+  # served, then stopped by SIGTERM (a service manager) and, a second time, by Ctrl-C: one
+  # line and 128 + signal, no traceback (SIGINT was a KeyboardInterrupt traceback)
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "k2jax.serve", "--workdir", str(run),
+                             "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+      deadline = time.time() + 240
+      while True:
+        try:
+          urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+          break
+        except OSError:
+          assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-2000:]
+          time.sleep(0.5)
+      if signum == signal.SIGTERM:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["run"]
+        r = c.chat.completions.create(model="run", messages=USER, max_tokens=5)
+        assert r.usage.completion_tokens <= 5 and isinstance(r.choices[0].message.content, str)
+      proc.send_signal(signum)
+      out = proc.communicate(timeout=60)[0]
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == 128 + signum, out[-2000:]
+    assert "Traceback" not in out and out.strip().splitlines()[-1] == \
+        f"k2jax.serve: stopped by {signal.Signals(signum).name}", out[-2000:]
 
 
 def test_seeded_requests_share_a_batch_and_still_repeat(served, client):
