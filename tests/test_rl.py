@@ -658,8 +658,8 @@ def test_rl_sigint_and_sigterm_save_where_they_stop_and_the_rerun_resumes(tmp_pa
   """Ctrl-C once the loop has started: the iteration under way ends, its checkpoint is
   saved (checkpoint_every would not have), one line, exit 130; the rerun resumes there and
   SIGTERM does the same with 143. A signal while it sets up stops it before the first
-  iteration (k2jax.rl.train.run); the first line of the loop marks the point. (The budget leaves every trajectory unfinished, so no
-  update is compiled: the test stays short.)"""
+  iteration (k2jax.rl.train.run); the loop's first line marks the point. (The budget leaves
+  every trajectory unfinished, so no update is compiled: the test stays short.)"""
   import signal
   flags = [f for f in TINY_RL_FLAGS if "iterations=" not in f and "budget=" not in f]
   cmd = [sys.executable, "-m", "k2jax.rl", *flags, "--config.rl.budget=64",
