@@ -137,7 +137,7 @@ def test_rephrase_and_math_cli_write_what_train_reads(tmp_path, capsys):
   assert sorted(r["item"] for r in recs) == sorted(f"{d['id']}#{k}" for d in DOCS for k in (0, 1))
   assert "kept 6 records; dropped 0" in capsys.readouterr().out
   assert len(file_documents(out)) == 6
-  cli.main(["rephrase", "--input", docs, "--output", out, "-k", "2"],
+  cli.main(["rephrase", "--input", docs, "--output", out, "-k", "2", "--chunk_chars", "90"],
            client=ScriptedClient(lambda r: pytest.fail("a finished item was redone")))
   shards = [str(tmp_path / f"s{k}.jsonl") for k in range(2)]
   for k, path in enumerate(shards):
@@ -254,6 +254,85 @@ def test_agentic_cli_evolves_tools_and_writes_what_sft_reads(tmp_path, capsys):
   assert all(x["reason"].startswith("bad arguments: convert_currency: ") for x in drops)
   assert (f"kept {len(dialogs)} records; dropped {len(drops)} items ({len(drops)} bad arguments)"
           in capsys.readouterr().out)
+
+
+def _files(tmp_path):
+  return {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
+
+
+def test_a_rerun_with_other_settings_ends_in_one_line_unless_overwrite(tmp_path, capsys):
+  """OUTPUT.settings.json records what shapes the records; a rerun that changes any of them
+  (another --seed once reported 'kept 0 records': every item skipped by id) or another
+  pipeline into the same --output (math records appended to a rephrase file) is refused in
+  one line listing old -> new, every file left as it was; --overwrite starts afresh."""
+  docs = _write_docs(tmp_path)
+  out = str(tmp_path / "re.jsonl")
+  base = ["rephrase", "--input", docs, "--output", out, "-k", "1"]
+  cli.main(base, client=ScriptedClient(faithful))
+  recorded = json.load(open(out + ".settings.json"))
+  assert recorded["pipeline"] == "rephrase" and recorded["seed"] == 0
+  assert recorded["model"] == "ScriptedClient" and recorded["styles"] == sorted(rephrase.STYLES)
+  assert recorded["min_score"] == 7.0 and recorded["judge"] is True
+  capsys.readouterr()
+  never = ScriptedClient(lambda r: pytest.fail("a refused run sent a request"))
+  styles = sorted(rephrase.STYLES)
+  for argv, fragment in [
+      (base + ["--seed", "1"], "(seed: 0 -> 1)"),
+      (base + ["--styles", styles[0]], f"(styles: {','.join(styles)} -> {styles[0]})"),
+      (base + ["--no_judge"], "(judge: True -> False; min_score: 7.0 -> None)"),
+      (["math", "--input", docs, "--output", out], "holds rephrase records (pipeline: rephrase "
+       "-> math): give math its own --output"),
+  ]:
+    before = _files(tmp_path)
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv, client=never)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("k2jax.synth: error: "
+                                                                     f"--output {out} ")
+    assert fragment in err[0] and err[0].endswith("or pass --overwrite to start it afresh "
+                                                  "(its files are kept as .prev)"), err[0]
+    assert _files(tmp_path) == before
+  # an output written before settings were recorded: its first record names the pipeline
+  os.remove(out + ".settings.json")
+  with pytest.raises(SystemExit):
+    cli.main(["math", "--input", docs, "--output", out], client=never)
+  assert "give math its own --output" in capsys.readouterr().err
+  # what only adds items may change: -k 2 does the second rephrasing of each document
+  cli.main(base[:-1] + ["2"], client=ScriptedClient(faithful))
+  assert "kept 3 records" in capsys.readouterr().out
+  old = open(out).read()
+  cli.main(base + ["--seed", "1", "--overwrite"], client=ScriptedClient(faithful))
+  assert "kept 3 records" in capsys.readouterr().out
+  assert open(out + ".prev").read() == old and json.load(open(out + ".settings.json"))["seed"] == 1
+
+
+def _no_tools_model(request):
+  """An evolver that names categories and domains but designs no valid tool."""
+  text = request.messages[-1]["content"]
+  return '["finance"]' if "short names" in text else '[{"name": "bad name!"}]'
+
+
+def test_an_empty_evolution_is_never_cached_and_its_error_names_the_cache(tmp_path, capsys):
+  out = str(tmp_path / "agentic.jsonl")
+  argv = ["agentic", "--evolve", "1,1,1", "--items", "2", "--output", out]
+  for _ in range(2):    # the rerun asks the model again
+    client = ScriptedClient(_no_tools_model)
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv, client=client)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1] == (
+        f"k2jax.synth: error: --evolve 1,1,1: the model evolved no usable tool, so nothing "
+        f"was cached in {out}.tools.json and a rerun evolves again: use a more capable "
+        "--model, or give --tools")
+    assert client.requests and not os.path.exists(out + ".tools.json")
+  # a cache of none, as older versions wrote it: named, with the fix
+  out = str(tmp_path / "old.jsonl")
+  (tmp_path / "old.jsonl.tools.json").write_text("[]")
+  with pytest.raises(SystemExit):
+    cli.main(argv[:-1] + [out, "--dry_run"])
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"k2jax.synth: error: {out}.tools.json holds no tools (an earlier --evolve 1,1,1 evolved "
+      "none): delete it to evolve again, or give --tools")
 
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",

@@ -15,7 +15,10 @@ Every run is resumable and shardable: items are split between `--shard i/n` proc
 hash of their id, results are appended per item (`store.Output`), and a rerun of the same
 command skips what is done. Each item's requests are seeded from (--seed, item id), so a
 deterministic backend gives the same records. Items that fail a check are counted and
-logged in OUTPUT.drops with the reason; `--redo_drops` tries them again.
+logged in OUTPUT.drops with the reason; `--redo_drops` tries them again. OUTPUT.settings.json
+records what shapes the records (pipeline, model, seed, styles, thresholds, ...): a rerun with
+other ones ends in one line listing each as old -> new, unless --overwrite starts OUTPUT
+afresh (the old files kept as .prev).
 Rephrase / math records carry "text" (for `k2jax.train --config.data.files=OUT`); agentic
 records carry "messages" + "tools" (for `k2jax.sft`).
 """
@@ -31,7 +34,7 @@ import sys
 import traceback
 
 from k2jax import interrupt
-from k2jax.synth import agentic, dryrun, mathnotes, rephrase
+from k2jax.synth import agentic, dryrun, mathnotes, rephrase, store
 from k2jax.synth.client import LocalClient, ModelError, OpenAIClient, ScriptedClient, Unreachable
 from k2jax.synth.rephrase import Dropped, Settings
 from k2jax.synth.store import Output, in_shard, parse_shard
@@ -135,6 +138,51 @@ def _client(args):
     raise UserError(str(e)) from None
 
 
+def _fail(line: str):
+  print(f"k2jax.synth: error: {line}", file=sys.stderr)
+  raise SystemExit(2)
+
+
+def _model_name(args, client) -> str:
+  """What answers the requests, as recorded in OUTPUT.settings.json: an endpoint's model
+  name (not its URL: a server may move), a local run's path, dry_run, or a caller's client."""
+  if args.dry_run:
+    return "dry_run"
+  if args.workdir or args.hf:
+    return f"{'workdir' if args.workdir else 'hf'} {os.path.abspath(args.workdir or args.hf)}"
+  if isinstance(client, OpenAIClient):
+    return str(client.model)
+  return getattr(client, "name", type(client).__name__)
+
+
+def _settings(args, client) -> dict:
+  """The settings that shape OUTPUT's records: a rerun into OUTPUT must keep them (a rerun
+  skips done items by id, so records of other settings would be mixed in silently). Those
+  that only add items (--input growing, -k, --items) or pace the run may change."""
+  s = {"pipeline": args.pipeline, "model": _model_name(args, client), "seed": args.seed,
+       "max_tokens": args.max_tokens}
+  if args.pipeline == "agentic":
+    s.update(tools=args.tools, evolve=args.evolve, max_turns=args.max_turns,
+             max_tools=args.max_tools)
+  else:
+    s.update(text_field=args.text_field, id_field=args.id_field, chunk_chars=args.chunk_chars,
+             judge=not args.no_judge, min_score=None if args.no_judge else args.min_score)
+    if args.pipeline == "rephrase":
+      s["styles"] = sorted(args.styles.split(","))
+  return s
+
+
+def _changed_line(output: str, changes: list[str]) -> str:
+  fix = "or pass --overwrite to start it afresh (its files are kept as .prev)"
+  pipeline = next((c for c in changes if c.startswith("pipeline:")), None)
+  if pipeline:
+    old, new = pipeline[len("pipeline: "):].split(" -> ")
+    return (f"--output {output} holds {old} records ({'; '.join(changes)}): give {new} its "
+            f"own --output, {fix}")
+  return (f"--output {output} was written with other settings ({'; '.join(changes)}): rerun "
+          f"with those, give another --output, {fix}")
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m k2jax.synth", description=__doc__.splitlines()[0])
   sub = p.add_subparsers(dest="pipeline", required=True)
@@ -155,6 +203,9 @@ def parser() -> argparse.ArgumentParser:
   common.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
   common.add_argument("--redo_drops", action="store_true",
                       help="try the items of OUTPUT.drops again (the old file is kept as .prev)")
+  common.add_argument("--overwrite", action="store_true",
+                      help="start OUTPUT afresh, e.g. with settings other than those in "
+                      "OUTPUT.settings.json (its files are kept as .prev)")
   docs = argparse.ArgumentParser(add_help=False)
   docs.add_argument("--input", required=True, help="glob of .txt / .md / .jsonl documents")
   docs.add_argument("--text_field", default="text")
@@ -234,10 +285,23 @@ def _main(args, client, done):
     if client is None:
       if not (args.endpoint or args.workdir or args.hf or args.dry_run):
         raise UserError("give the model: --endpoint URL, --workdir RUN, --hf DIR or --dry_run")
+      if args.endpoint:     # a quick check, and the model's name when --model is not given
+        client = _client(args)
+    settings = _settings(args, client)
+    changes = store.settings_changes(args.output, settings)   # before loading a local model
+    if changes and not args.overwrite:
+      raise UserError(_changed_line(args.output, changes))
+    if client is None:
       client = _client(args)
   except (UserError, ValueError) as e:
     print(f"k2jax.synth: error: {e}", file=sys.stderr)
     raise SystemExit(2)
+  if args.overwrite:
+    moved = store.set_aside(args.output)
+    if moved:
+      log.info("--overwrite: moved %s to .prev; starting %s afresh", ", ".join(moved),
+               args.output)
+  store.record_settings(args.output, settings)
   if args.redo_drops and os.path.exists(args.output + ".drops"):
     os.replace(args.output + ".drops", args.output + ".drops.prev")
   out = Output(args.output)
@@ -248,17 +312,26 @@ def _main(args, client, done):
         cache = args.output + ".tools.json"    # evolved once, then reused by every rerun / shard
         if os.path.exists(cache):
           with open(cache) as f:
-            tools += json.load(f)
+            cached = json.load(f)
+          if not cached:    # written by an older k2jax: it would stop every rerun
+            _fail(f"{cache} holds no tools (an earlier --evolve {args.evolve} evolved none): "
+                  "delete it to evolve again, or give --tools")
+          tools += cached
         else:
           new = agentic.evolve_tools(client, categories=evolve[0], domains=evolve[1],
                                      tools=evolve[2], seed=args.seed, log=log.info)
-          with open(cache + ".tmp", "w") as f:
-            json.dump(new, f, indent=1)
-          os.replace(cache + ".tmp", cache)
+          if new:           # never an empty cache: a rerun (a better --model) evolves again
+            with open(cache + ".tmp", "w") as f:
+              json.dump(new, f, indent=1)
+            os.replace(cache + ".tmp", cache)
+          elif tools:
+            log.warning("--evolve %s: the model evolved no usable tool; going on with the %d "
+                        "of --tools (nothing cached in %s)", args.evolve, len(tools), cache)
+          else:
+            _fail(f"--evolve {args.evolve}: the model evolved no usable tool, so nothing was "
+                  f"cached in {cache} and a rerun evolves again: use a more capable --model, "
+                  "or give --tools")
           tools += new
-      if not tools:
-        print("k2jax.synth: error: no usable tools (evolution returned none)", file=sys.stderr)
-        raise SystemExit(2)
       items = [(f"trajectory-{i}", i) for i in range(args.items)]
       work = lambda i: [agentic.trajectory(client, tools, i, seed=args.seed,  # noqa: E731
                                            max_tools=args.max_tools, max_turns=args.max_turns,

@@ -120,6 +120,61 @@ class Output:
     return f"kept {self.kept} records; dropped {self.dropped} items ({why})"
 
 
+# Files beside OUTPUT: its drops, the agentic tool cache, the settings it was written with.
+SIDE_FILES = (".drops", ".tools.json", ".settings.json")
+
+
+def settings_path(output: str) -> str:
+  return output + ".settings.json"
+
+
+def _pipeline_of(record: dict) -> str:
+  """Which pipeline wrote a record (outputs written before settings were recorded)."""
+  if "messages" in record:
+    return "agentic"
+  return "math" if record.get("style") == "learning_note" else "rephrase"
+
+
+def settings_changes(output: str, settings: dict) -> list[str]:
+  """'key: old -> new' for each setting (pipeline, model, seed, styles, thresholds ...) that
+  differs from those OUTPUT was written with; [] when they agree or OUTPUT is new. An output
+  from before settings were recorded is compared by the pipeline of its first record."""
+  path = settings_path(output)
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+  elif os.path.exists(output) and os.path.getsize(output):
+    with open(output, "rb") as f:
+      old = {"pipeline": _pipeline_of(json.loads(f.readline()))}
+  else:
+    return []
+  return [f"{k}: {_show(old[k])} -> {_show(settings.get(k))}" for k in old
+          if k in settings and old[k] != settings[k]]
+
+
+def _show(v) -> str:
+  return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def record_settings(output: str, settings: dict) -> None:
+  path = settings_path(output)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(settings, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def set_aside(output: str) -> list[str]:
+  """Move OUTPUT and its side files to NAME.prev (replacing older .prev files) so a run
+  starts it afresh; -> the names moved."""
+  moved = []
+  for p in [output] + [output + s for s in SIDE_FILES]:
+    if os.path.exists(p):
+      os.replace(p, p + ".prev")
+      moved.append(p)
+  return moved
+
+
 def extract_json(text: str):
   """The first JSON object or list in model text (fenced or not), or ValueError."""
   decoder = json.JSONDecoder(strict=False)
