@@ -74,7 +74,10 @@ def render_chunks(messages: Sequence[dict], tools: Sequence[dict] | None = None,
     role = m.get("role")
     content = m.get("content") or ""
     if not isinstance(content, str):
-      raise ChatFormatError(f"message {i}: content must be a string, got {type(content).__name__}")
+      raise ChatFormatError(f"message {i}: content must be a string, got "
+                            f"{type(content).__name__}" + (" (join its text parts into one "
+                                                           "string)" if isinstance(content, list)
+                                                           else ""))
     if role in ("user", "system"):
       chunks.append(("", _turn(role, m.get("name") or role, content), False))
     elif role == "assistant":

@@ -120,6 +120,10 @@ def read_dialogs(files: str) -> list[dict]:
         problem = dialog_problem(d)
         if problem:
           raise ValueError(f"data.files: {path}:{lineno} {problem}")
+        try:    # what only rendering finds (a list as content, a tool result without its id)
+          chat.render_chunks(d["messages"], d.get("tools"))
+        except chat.ChatFormatError as e:
+          raise ValueError(f"data.files: {path}:{lineno}: {e}") from None
         out.append(d)
   if not out:
     raise ValueError(f"data.files = {files!r}: no dialogs in the matched files")

@@ -155,3 +155,18 @@ def test_init_keeps_its_model_and_takes_only_computation_overrides():
   assert m.remat == "full" and m.hidden_size == init.hidden_size   # not overridden: init's
   with pytest.raises(ValueError, match="the --init weights have model.hidden_size"):
     sft.model_from_init(init, config, [f"--config.model.hidden_size={config.model.hidden_size}"])
+
+
+def test_read_dialogs_names_file_and_line_of_what_only_rendering_finds(tmp_path):
+  """A list as content (OpenAI's content parts) said 'content must be a string' with no file
+  or line, from deep in the data build; every other mistake gave path:line."""
+  from k2jax import sft
+  ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+  parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                        {"role": "assistant", "content": "yo"}]}
+  path = tmp_path / "chats.jsonl"
+  path.write_text(json.dumps(ok) + "\n" + json.dumps(parts) + "\n")
+  with pytest.raises(ValueError) as e:
+    sft.read_dialogs(str(path))
+  assert str(e.value) == (f"data.files: {path}:2: message 0: content must be a string, got "
+                          "list (join its text parts into one string)")

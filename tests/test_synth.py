@@ -382,14 +382,22 @@ def test_dry_run_on_the_readme_inputs_writes_what_the_trainers_read(tmp_path, ca
     (["agentic", "--output", "{tmp}/o.jsonl", "--evolve", "2,2", "--endpoint", "http://x"],
      "--evolve 2,2: must be three counts"),
     (["math", "--input", "{bad}", "--output", "{tmp}/o.jsonl", "--endpoint", "http://x"],
-     "not a JSON object with a 'text' field"),
+     "bad.jsonl:1: no 'text' field (it has 'body'); name the text's field with --text_field"),
+    (["math", "--input", "{notjson}", "--output", "{tmp}/o.jsonl", "--endpoint", "http://x"],
+     "notjson.jsonl:2: not valid JSON (Expecting value at column 1); each line of a .jsonl "
+     "file must be one JSON object"),
+    (["math", "--input", "{docs}", "--output", "{tmp}/o.jsonl", "--endpoint", "not-a-url"],
+     "--endpoint not-a-url: not an http(s) URL; give the server's base URL, e.g. "
+     "http://127.0.0.1:8000/v1"),
     (["math", "--input", "{docs}", "--output", "{tmp}", "--endpoint", "http://x"],
      "is a directory"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, argv, fragment):
   docs = _write_docs(tmp_path)
   (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
-  argv = [a.format(tmp=tmp_path, docs=docs, bad=tmp_path / "bad.jsonl") for a in argv]
+  (tmp_path / "notjson.jsonl").write_text('{"text": "x"}\nplain text\n')
+  argv = [a.format(tmp=tmp_path, docs=docs, bad=tmp_path / "bad.jsonl",
+                   notjson=tmp_path / "notjson.jsonl") for a in argv]
   p = subprocess.run([sys.executable, "-m", "k2jax.synth", *argv], capture_output=True,
                      text=True, timeout=120)
   assert p.returncode == 2, p.stderr

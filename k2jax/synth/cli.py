@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 import traceback
+import urllib.parse
 
 from k2jax import interrupt
 from k2jax.synth import agentic, dryrun, mathnotes, rephrase, store
@@ -60,10 +61,17 @@ def read_documents(pattern: str, text_field: str = "text", id_field: str = "id")
             continue
           try:
             d = json.loads(line)
-            text = d[text_field]
-          except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{path}:{n}: not a JSON object with a {text_field!r} field; set "
-                            "--text_field") from None
+          except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}); each "
+                            "line of a .jsonl file must be one JSON object") from None
+          if not isinstance(d, dict):
+            raise UserError(f"{path}:{n}: a JSON {type(d).__name__}, not an object; each line "
+                            "of a .jsonl file must be one JSON object") from None
+          if text_field not in d:
+            raise UserError(f"{path}:{n}: no {text_field!r} field (it has "
+                            f"{', '.join(map(repr, d)) or 'none'}); name the text's field "
+                            "with --text_field") from None
+          text = d[text_field]
           docs.append({"id": str(d.get(id_field, f"{path}:{n}")), "text": str(text)})
     elif path.endswith((".txt", ".md")):
       with open(path, encoding="utf-8", errors="replace") as f:
@@ -121,6 +129,10 @@ def _client(args):
   if args.dry_run:
     return ScriptedClient(dryrun.agent_model() if args.pipeline == "agentic" else dryrun.faithful)
   if args.endpoint:
+    url = urllib.parse.urlparse(args.endpoint)
+    if url.scheme not in ("http", "https") or not url.netloc:
+      raise UserError(f"--endpoint {args.endpoint}: not an http(s) URL; give the server's "
+                      "base URL, e.g. http://127.0.0.1:8000/v1")
     c = OpenAIClient(args.endpoint, args.model, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
                      concurrency=args.concurrency, retries=args.retries, timeout=args.timeout)
     try:
