@@ -327,6 +327,16 @@ def main(argv=None):
     raise SystemExit(e.exit_code)
 
 
+def visible(text: str, stops) -> str:
+  """What of a streamed text may be shown: up to its first stop string, and short of a tail
+  that could still grow into one (printed text cannot be taken back)."""
+  cut = min((text.index(s) for s in stops if s in text), default=None)
+  if cut is not None:
+    return text[:cut]
+  hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+  return text[:len(text) - hold]
+
+
 def _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated):
   """main's decoding: streams one prompt as it decodes, prints a batch at the end."""
   stream = len(prompts) == 1
@@ -341,7 +351,7 @@ def _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated):
       if args.stop and any(s in tok.decode(generated[b]) for s in args.stop):
         ended.add(b)
     if stream and ids[0] is not None:
-      text = tok.decode([i for i in generated[0] if i not in stop_ids])
+      text = visible(tok.decode([i for i in generated[0] if i not in stop_ids]), args.stop)
       print(text[len(shown[0]):], end="", flush=True)
       shown[0] = text
     return ended
@@ -353,7 +363,12 @@ def _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated):
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  seed=args.seed, stop_ids=stop_ids, on_token=on_token)
   dt = time.perf_counter() - t0
-  if not stream:
+  if stream:    # a held-back tail that never became a stop string
+    text = tok.decode([i for i in out[0] if i not in stop_ids])
+    for s in args.stop:
+      text = text.split(s)[0]
+    print(text[len(shown[0]):], end="", flush=True)
+  else:
     for b, ids in enumerate(out):
       text = tok.decode([i for i in ids if i not in stop_ids])
       for s in args.stop:

@@ -203,6 +203,28 @@ def test_cli_bad_inputs_end_in_one_line_and_exit_2(case, run_dir, tmp_path, caps
   assert "Traceback" not in err
 
 
+def test_visible_streamed_text_stops_short_of_stop_strings():
+  from k2jax.generate import visible
+  assert visible("hello wor", ["world"]) == "hello "      # 'wor' may become 'world'
+  assert visible("hello world and more", ["world", "and"]) == "hello "
+  assert visible("hello w", ["xyz"]) == "hello w"
+  assert visible("abc", []) == "abc"
+
+
+def test_cli_streaming_never_prints_the_stop_string(run_dir, capsys):
+  """One prompt streams; the stop string (and what follows) was printed before the row
+  ended, while a batch trimmed it."""
+  from k2jax import generate as gen
+  argv = ["--workdir", str(run_dir), "--prompt", "def ", "--max_new_tokens", "24",
+          "--temperature", "0"]
+  gen.main(argv)
+  text = capsys.readouterr().out[len("def "):]
+  stop = text[6:9]
+  assert len(stop) == 3
+  gen.main(argv + ["--stop", stop])
+  assert capsys.readouterr().out == "def " + text[:text.index(stop)]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cli_stops_on_a_signal_in_one_line(signum, run_dir):
   """Ctrl-C / SIGTERM while a prompt streams: one line saying how far it got, exit 130 / 143,
