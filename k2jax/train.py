@@ -343,7 +343,7 @@ def _run(config, workdir, mesh, data, init_params=None):
   row, eval_loss = {}, meta.get("eval_loss", float("nan"))
   bar = tqdm(total=t.steps, initial=start, disable=not main_process, dynamic_ncols=True,
              desc="train")
-  step, stop_signal = start, None
+  step, stop_signal, shown = start, None, {}
   try:
     previous = None  # the last step's (number, nan streak), read once the next step is queued
     while step < t.steps:
@@ -370,8 +370,7 @@ def _run(config, workdir, mesh, data, init_params=None):
         row["eval_loss"] = eval_loss
       if row:
         writer.write(step, row)
-        bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}",
-                        max_logit=f"{row.get('max_logit', float('nan')):.1f}")
+        bar.set_postfix(postfix(shown, row))
         row = {}
       if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps
                                  or stop_signal is not None):
@@ -398,6 +397,16 @@ def _run(config, workdir, mesh, data, init_params=None):
   if stopped is not None:
     raise SystemExit(128 + stopped)
   return summary
+
+
+_POSTFIX = {"loss": ".3f", "eval_loss": ".3f", "max_logit": ".1f"}
+
+
+def postfix(shown: dict, row: dict) -> dict:
+  """The progress bar's figures: `shown` updated with those `row` has. A row of eval loss
+  alone (an eval step that is no log step) keeps the last loss on show, not nan."""
+  shown.update({k: format(row[k], f) for k, f in _POSTFIX.items() if k in row})
+  return shown
 
 
 def _check_divergence(step: int, nan_streak, max_nan_steps: int) -> None:

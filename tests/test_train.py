@@ -300,6 +300,17 @@ def test_learns_below_the_unigram_baseline(tmp_path):
   assert os.path.getsize(plot.plot(str(tmp_path))) > 10_000
 
 
+def test_the_progress_bar_keeps_the_last_loss_on_eval_only_rows():
+  """An eval step that is no log step writes a row of eval_loss alone: the bar showed
+  loss=nan, max_logit=nan."""
+  from k2jax.train import postfix
+  shown = {}
+  assert postfix(shown, {"loss": 2.5, "max_logit": 11.25, "grad_norm": 1.0}) == {
+      "loss": "2.500", "max_logit": "11.2"}
+  assert postfix(shown, {"eval_loss": 2.75}) == {"loss": "2.500", "max_logit": "11.2",
+                                                 "eval_loss": "2.750"}
+
+
 def test_help_lists_the_config_groups_and_how_to_override_them():
   procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
