@@ -35,7 +35,7 @@ import sys
 import time
 import uuid
 
-from k2jax import chat
+from k2jax import chat, console, interrupt
 from k2jax.engine import Engine, Event, Job
 
 log = logging.getLogger("k2jax.serve")
@@ -359,8 +359,7 @@ def main(argv=None):
                  help="before listening, compile every batch bucket for prompts of this length "
                  "(0: compile on first use)")
   args = p.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-  from k2jax import interrupt
+  console.setup()
   try:
     # uvicorn takes the signals over while it serves, shuts down gracefully, gives them back
     # and raises the one it caught again: Interrupted then comes out of uvicorn.run

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from k2jax import configs, data as data_lib, kernels, metrics as metrics_lib, model, optim
 from k2jax import parallel
 from k2jax import resume, runlock
+from k2jax.console import quiet_libraries
 from k2jax.checkpoint import CheckpointError, Checkpointer
 from k2jax.metrics import MetricsWriter
 from k2jax.parallel import layout, pipeline
@@ -116,8 +117,7 @@ def _setup_logging(workdir):
   log_file.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
   for h in (console, log_file):
     root.addHandler(h)
-  for noisy in ("absl", "jax._src", "orbax", "grain"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  quiet_libraries()
   _quiet_closed_event_loops()
 
 

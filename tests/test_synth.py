@@ -713,6 +713,7 @@ def test_synth_sigint_and_sigterm_stop_in_one_line_and_the_rerun_finishes(tmp_pa
       stdout, stderr = p.communicate(timeout=60)
       assert p.returncode == 128 + signum, stderr[-2000:]
       assert "Traceback" not in stderr, stderr[-2000:]
+      assert "HTTP Request" not in stderr      # the HTTP client's INFO line per request
       stops = [x for x in stderr.splitlines() if "stopped by" in x]
       assert len(stops) == 1 and stops[0].startswith(
           f"k2jax.synth rephrase: stopped by {signal.Signals(signum).name}: kept "), stderr

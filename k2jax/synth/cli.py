@@ -34,7 +34,7 @@ import sys
 import traceback
 import urllib.parse
 
-from k2jax import interrupt
+from k2jax import console, interrupt
 from k2jax.synth import agentic, dryrun, mathnotes, rephrase, store
 from k2jax.synth.client import LocalClient, ModelError, OpenAIClient, ScriptedClient, Unreachable
 from k2jax.synth.rephrase import Dropped, Settings
@@ -250,7 +250,7 @@ def main(argv=None, *, client=None):
   fsynced as it is written), the ones in flight are redone by a rerun; one line, exit 130 /
   143. A program calling main(argv) keeps its own handling (KeyboardInterrupt)."""
   args = parser().parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  console.setup()
   done = []   # the Output, once open: what the stop line reports
   try:
     with interrupt.raising() if argv is None else contextlib.nullcontext():
