@@ -17,3 +17,5 @@ def test_quickstart_runs(monkeypatch):
   outputs = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
   assert "done: step 6/6" in outputs
   assert "functions.get_weather:0" in outputs and "'city': 'Paris'" in outputs
+  # the parsed content is the assistant's words, not the rest of the rendered dialog
+  assert "content: 'Let me check.'\ncalls: [" in outputs
