@@ -92,22 +92,30 @@ def _programs(cfg):
       logits, cache = decode.decode_step(cfg, params, cache, tokens)
       return _sample(logits, key, allowed, **o), logits, cache
 
-    def steps(params, cache, tokens, key, start, n, **o):
-      """n decode steps on device (no logits processor): tokens [n, B]."""
+    def steps(params, cache, tokens, key, start, n, logp=False, **o):
+      """n decode steps on device (no logits processor): tokens [n, B] (with logp: and
+      each one's log probability [n, B])."""
       def body(carry, i):
         cache, tok = carry
-        nxt, _, cache = step(params, cache, tok, fold(key, start + i), None, **o)
-        return (cache, nxt), nxt
+        nxt, logits, cache = step(params, cache, tok, fold(key, start + i), None, **o)
+        return (cache, nxt), ((nxt, token_logprobs(logits, nxt)) if logp else nxt)
       (cache, _), toks = jax.lax.scan(body, (cache, tokens), jnp.arange(n))
       return toks, cache
 
     _PROGRAMS[key] = (jax.jit(prefill, static_argnames=opts),
                       jax.jit(step, static_argnames=opts, donate_argnums=1),
-                      jax.jit(steps, static_argnames=opts + ("n",), donate_argnums=1))
+                      jax.jit(steps, static_argnames=opts + ("n", "logp"), donate_argnums=1))
   return _PROGRAMS[key]
 
 
 CHUNK = 16   # decode steps per dispatch when no logits processor needs the host every step
+
+
+def token_logprobs(logits, tokens):
+  """log softmax(logits)[token] per row, at temperature 1 (the policy's own probability,
+  what a trainer's forward gives the same token): logits [B, V], tokens [B] -> [B]."""
+  logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, jnp.asarray(tokens)[:, None], axis=-1)[:, 0]
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
@@ -141,8 +149,8 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | Sequence[int] = 0, stop_ids: Sequence[int] = (),
              logits_processor: Callable[[int, list[int]], np.ndarray | None] | None = None,
-             on_token: Callable[[list[int | None]], set[int] | None] | None = None
-             ) -> list[list[int]]:
+             on_token: Callable[[list[int | None]], set[int] | None] | None = None,
+             return_logprobs: bool = False):
   """Sample continuations of token-id prompts (lists of different lengths).
 
   Args:
@@ -158,8 +166,12 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
       (or None = all), called on the host per row and step (constrained decoding).
     on_token: fn(list of this step's token per row, None for finished rows), for streaming;
       it may return a set of rows to end now (stop strings).
+    return_logprobs: also return each generated token's log probability under the model
+      (temperature 1, before top-k / top-p: the policy's, whatever sampled it), as the
+      sampler computed it; RL compares them with the trainer's.
   Returns:
-    The generated token ids per row (the prompt excluded).
+    The generated token ids per row (the prompt excluded); with return_logprobs, (ids,
+    log probabilities) of the same shape.
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token")
@@ -202,19 +214,23 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
         mask[b, :len(m)] = m
     return jnp.asarray(mask)
 
+  lps: list[list[float]] = [[] for _ in range(B)]
   cache = decode.init_cache(cfg, B, S)
-  nxt, _, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
-                          fold(key, 0), allowed(), **opts)
+  nxt, logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
+                               fold(key, 0), allowed(), **opts)
   pending = [np.asarray(nxt)]            # sampled, not yet handed out
+  pending_lp = [np.asarray(token_logprobs(logits, nxt))] if return_logprobs else [None]
   t = 0
   while True:
-    for ids in pending:
+    for ids, lp in zip(pending, pending_lp):
       emitted = []
       for b in range(n):
         if done[b]:
           emitted.append(None)
           continue
         out[b].append(int(ids[b]))
+        if lp is not None:
+          lps[b].append(float(lp[b]))
         emitted.append(int(ids[b]))
         done[b] = int(ids[b]) in stop
       if on_token is not None:
@@ -222,16 +238,19 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
           done[b] = True
       t += 1
       if done.all() or t == max_new_tokens:
-        return out[:n]
+        return (out[:n], lps[:n]) if return_logprobs else out[:n]
     # Rows that finished inside a chunk keep decoding there; their extra tokens are dropped.
     if logits_processor is None:
       chunk = min(CHUNK, max_new_tokens - t)
-      toks, cache = steps(params, cache, nxt, key, t, n=chunk, **opts)
+      toks, cache = steps(params, cache, nxt, key, t, n=chunk, logp=return_logprobs, **opts)
+      toks, chunk_lp = toks if return_logprobs else (toks, None)
       nxt = toks[-1]
       pending = list(np.asarray(toks))
+      pending_lp = list(np.asarray(chunk_lp)) if return_logprobs else [None] * len(pending)
     else:
-      nxt, _, cache = step(params, cache, nxt, fold(key, t), allowed(), **opts)
+      nxt, logits, cache = step(params, cache, nxt, fold(key, t), allowed(), **opts)
       pending = [np.asarray(nxt)]
+      pending_lp = [np.asarray(token_logprobs(logits, nxt))] if return_logprobs else [None]
 
 
 # ---------------------------------------------------------------------------------- CLI

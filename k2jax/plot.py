@@ -2,7 +2,9 @@
 
 Left: training and eval loss (an RL run: mean reward per iteration, overall and per
 environment). Right: max attention logit per step (overall and, where logged, per layer),
-with the QK-Clip threshold tau when some head went past it (the run clipped).
+with the QK-Clip threshold tau when some head went past it (the run clipped). An RL run has a
+second row: greedy accuracy on each environment's fixed eval set with the fraction of samples
+truncated, and the sampler-vs-trainer log-probability gap with the KL to the initial policy.
 DIR is a run directory of k2jax.train, k2jax.sft or k2jax.rl, or its metrics.jsonl.
 """
 
@@ -61,10 +63,39 @@ def plot(workdir: str, out: str | None = None) -> str:
   return out
 
 
+def _lines(ax, rows, keys, style=""):
+  for k in keys:
+    pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
+    if pts:
+      ax.plot(*zip(*pts), style, lw=1, label=k)
+
+
+def _rl_panels(rows, ax_eval, ax_gap):
+  """An RL run's second row: held-out greedy accuracy per environment and the fraction of
+  samples truncated; the sampler-vs-trainer log-probability gap and the KL to the initial
+  policy (log scale: the gap should sit near float rounding)."""
+  keys = sorted({k for r in rows for k in r if k.startswith("eval_accuracy/")})
+  _lines(ax_eval, rows, keys, "o-")
+  _lines(ax_eval, rows, ["truncated_frac"], ":")
+  ax_eval.set(xlabel="iteration", ylabel="fraction", title="greedy eval accuracy; truncated")
+  ax_eval.legend(fontsize=7)
+  _lines(ax_gap, rows, ["logp_gap_sampler_trainer", "kl_to_init"])
+  if any(r.get(k, 0) > 0 for r in rows for k in ("logp_gap_sampler_trainer", "kl_to_init")):
+    ax_gap.set_yscale("log")
+    ax_gap.legend(fontsize=7)
+  ax_gap.set(xlabel="iteration", title="|log pi_sampler - log pi_trainer|; KL to init")
+
+
 def draw(rows: list[dict], opt: dict, title: str):
   """The figure of metrics rows (`opt`: the run's optimizer config, for tau)."""
-  fig, (ax_left, ax_logit) = plt.subplots(1, 2, figsize=(11, 4))
-  if any("mean_reward" in r for r in rows):   # an RL run
+  rl = any("mean_reward" in r for r in rows)
+  if rl:
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    (ax_left, ax_logit), (ax_eval, ax_gap) = axes
+    _rl_panels(rows, ax_eval, ax_gap)
+  else:
+    fig, (ax_left, ax_logit) = plt.subplots(1, 2, figsize=(11, 4))
+  if rl:   # an RL run
     keys = ["mean_reward"] + sorted({k for r in rows for k in r if k.startswith("reward/")})
     for k in keys:
       pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]

@@ -60,6 +60,10 @@ RESUMABLE = (
     ("rl.iterations", "run length"),
     ("rl.checkpoint_every", "checkpoint cadence"),
     ("rl.sandbox", "code sandbox isolation"),
+    ("rl.eval_every", "evaluation cadence"),
+    ("rl.eval_tasks", "evaluation set size"),
+    ("rl.samples_every", "sample log cadence"),
+    ("rl.kl_to_init", "KL logging"),
     ("rl.inference_mesh.", "sampler layout (weights are resharded to it every iteration)"),
 )
 

@@ -53,6 +53,23 @@ def test_teacher_forced_decoding_equals_the_full_forward(name):
   assert max(errs) < 1e-4, max(errs)
 
 
+def test_returned_logprobs_are_the_full_forwards():
+  """generate(return_logprobs=True): each sampled token's log pi at temperature 1 (the first
+  from the prefill, the others from chunks of on-device steps, as RL decodes), as the full
+  forward gives it (RL compares the sampler's with the trainer's)."""
+  cfg = CONFIGS["plain"]
+  params = model.init(cfg, jax.random.key(0))
+  prompts = [[1, 5, 9], [2, 7]]
+  out, lps = generate.generate(cfg, params, prompts, max_new_tokens=20, temperature=1.0,
+                               seed=3, return_logprobs=True)
+  for p, o, lp in zip(prompts, out, lps):
+    assert len(lp) == len(o) == 20
+    seq = jnp.asarray([p + o[:-1]])
+    full = jax.nn.log_softmax(model.forward(cfg, params, seq)[0][0, len(p) - 1:], axis=-1)
+    want = np.asarray(full)[np.arange(len(o)), o]
+    np.testing.assert_allclose(lp, want, atol=1e-4)
+
+
 def test_absorbed_attention_equals_expanded_attention():
   """mla_absorbed over a cache of latents == softmax(q k^T) v with k, v expanded by kv_b."""
   cfg = CONFIGS["yarn"]

@@ -526,8 +526,10 @@ def rl_config(**rl):
                       moe_intermediate_size=32, intermediate_size=96, q_lora_rank=32,
                       kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                       num_attention_heads=2))
+  # no greedy evaluation unless a test asks (its compile and decoding cost seconds)
   c.rl.update({**dict(prompts=2, samples=2, iterations=2, segment_tokens=4, budget=6,
-                      updates_per_iteration=1, ptx_batch_size=2, checkpoint_every=1), **rl})
+                      updates_per_iteration=1, ptx_batch_size=2, checkpoint_every=1,
+                      eval_every=0), **rl})
   c.train.update(dict(seq_len=256, steps=8))
   return c
 
@@ -557,8 +559,14 @@ def test_tool_calls_continue_the_trajectory():
 
 
 def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
+  """Partial rollouts, resume, and what RL logs while it runs: greedy accuracy on each
+  environment's fixed eval set (at iteration 1: the initial policy), the sampled responses
+  with their rewards and lengths (samples.jsonl), the fraction truncated, the sampler's
+  log pi against the trainer's over the tokens sampled this iteration (one policy in two
+  programs: float rounding apart), the KL to the initial policy; `k2jax.plot` draws them."""
+  from k2jax import plot
   from k2jax.rl import train as rl_train
-  c = rl_config()
+  c = rl_config(eval_every=1, eval_tasks=2, samples_every=1, kl_to_init=True)
   out = rl_train.run(c, str(tmp_path))
   hist = out["history"]
   # 4-token segments against a 6-token budget: nothing finishes in iteration 1 (paused),
@@ -569,6 +577,19 @@ def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
   assert -0.5 <= hist[1]["mean_reward"] <= 1.0
   rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2]
+  evals = {"eval_reward/arithmetic", "eval_accuracy/arithmetic", "eval_truncated/arithmetic"}
+  assert evals <= set(rows[0]) and 0 <= rows[0]["eval_accuracy/arithmetic"] <= 1
+  assert evals | {"truncated_frac", "mean_response_tokens", "logp_gap_sampler_trainer",
+                  "logp_gap_max", "logp_gap_tokens", "kl_to_init"} <= set(rows[1])
+  # the resumed trajectories' second segments (2 tokens each) were sampled by these weights
+  assert rows[1]["logp_gap_tokens"] == 8 and rows[1]["logp_gap_max"] < 1e-4, rows[1]
+  assert rows[1]["kl_to_init"] == pytest.approx(0, abs=1e-6)   # nothing trained before
+  samples = [json.loads(x) for x in open(tmp_path / "samples.jsonl")]
+  assert [s["iteration"] for s in samples] == [2] * 4
+  assert set(samples[0]) == {"iteration", "env", "group", "sample", "prompt", "response",
+                             "reward", "tokens", "truncated", "turns"}
+  assert samples[0]["prompt"].startswith("What is ") and samples[0]["tokens"] == 6
+  assert plot.plot(str(tmp_path)).endswith("curves.png")
   # killed after iteration 1 (trajectories paused mid-answer), resumed: iteration 2 is the
   # uninterrupted run's, paused trajectories, sampler state and weights included
   c.rl.iterations = 1
@@ -576,13 +597,17 @@ def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
   c.rl.iterations = 2
   again = rl_train.run(c, str(tmp_path / "split"))["history"]
   assert len(again) == 1 and again[0]["resumed_trajectories"] == 4
-  for k in ("mean_reward", "k15_loss", "ptx_loss", "mean_response_tokens"):
+  for k in ("mean_reward", "k15_loss", "ptx_loss", "mean_response_tokens",
+            "eval_accuracy/arithmetic", "logp_gap_tokens"):
     assert again[0][k] == pytest.approx(hist[1][k], rel=1e-5), k
   rows = [json.loads(x) for x in open(tmp_path / "split" / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2]
+  assert (tmp_path / "split" / "samples.jsonl").read_text() == \
+      (tmp_path / "samples.jsonl").read_text()
   # the starting weights are the caller's: two runs from the same arrays (the trainer donates
   # its state to each step, which must not delete them)
   start = out["state"].params
+  c.rl.update(dict(eval_every=0, samples_every=0, kl_to_init=False))   # (shorter)
   for name in ("a", "b"):
     rl_train.run(c, str(tmp_path / name), init=lambda: start)
   assert all(not x.is_deleted() for x in jax.tree.leaves(start))
@@ -595,7 +620,8 @@ TINY_RL_FLAGS = [
     "--config.model.kv_lora_rank=16", "--config.model.num_attention_heads=2",
     "--config.train.seq_len=256", "--config.rl.prompts=2", "--config.rl.samples=2",
     "--config.rl.segment_tokens=4", "--config.rl.budget=6", "--config.rl.updates_per_iteration=2",
-    "--config.rl.ptx_batch_size=2", "--config.rl.iterations=6", "--config.rl.checkpoint_every=2"]
+    "--config.rl.ptx_batch_size=2", "--config.rl.iterations=6", "--config.rl.checkpoint_every=2",
+    "--config.rl.eval_every=0"]
 
 
 def _rl_rows(workdir):
@@ -693,6 +719,7 @@ def test_rl_cli_bad_input(tmp_path):
       (["--config", "tiny_rl", "--config.mesh.data=3"], "mesh"),
       (["--config", "tiny_rl", "--config.rl.temperature_end=-1"], "rl.temperature_end = -1"),
       (["--config", "tiny_rl", "--config.rl.tau=0"], "rl.tau = 0"),
+      (["--config", "tiny_rl", "--config.rl.eval_every=-1"], "rl.eval_every = -1 must be >= 0"),
       (["--config", "tiny_rl", "--config.rl.ptx_weight=nan"], "rl.ptx_weight = nan"),
       (["--config", "tiny_rl", "--config.rl.ops=/"], "rl.ops: arithmetic ops '/'"),
       (["--config", "tiny_rl", "--config.rl.envs=code", "--config.rl.sandbox=chroot"],
@@ -759,7 +786,7 @@ def test_an_end_marker_split_across_segments_ends_the_turn(monkeypatch):
         outs[i].append(int(ch))
       ended.update(on_token([int(ch) if i in alive else None for i in range(len(prompts))])
                    or set())
-    return outs
+    return outs, [[0.0] * len(o) for o in outs]     # (ids, log probabilities)
 
   ended = set()
   monkeypatch.setattr(k2jax.generate, "generate", fake_generate)
@@ -809,3 +836,4 @@ def test_the_measured_rl_setting_is_the_tiny_rl_preset():
   diff = {k: (preset.get(k), measured.get(k)) for k in set(preset) | set(measured)
           if preset.get(k) != measured.get(k)}
   assert diff == {}
+

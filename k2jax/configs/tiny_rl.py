@@ -36,6 +36,10 @@ def get_config():
                                   # leaves little reward signal to learn from
       temperature_end=0.5,
       checkpoint_every=10,
+      eval_every=10,              # greedy accuracy on a fixed eval set per environment (0: off)
+      eval_tasks=32,              # tasks in each environment's eval set
+      samples_every=10,           # iterations whose sampled responses go to samples.jsonl
+      kl_to_init=False,           # log KL(policy || the initial policy) (a second forward)
       inference_mesh=base.mesh_config(),   # the sampler's layout; weights are resharded to it
   ))
   # optimizer steps = iterations x updates_per_iteration

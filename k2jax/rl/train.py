@@ -19,6 +19,10 @@ One iteration:
      log pi_old(y|x) with the weights that sampled the last segment, and take
      rl.updates_per_iteration optimizer steps on k15_loss + rl.ptx_weight x the language-model
      loss on curated chat data (k2jax.sft's dialogs), MuonClip fed by this forward's max logits.
+Logs (DIR/metrics.jsonl, per iteration): reward, fraction truncated, losses, the mean
+|log pi_sampler - log pi_trainer| over the tokens sampled, every rl.eval_every iterations
+greedy accuracy on a fixed eval set per environment, optionally the KL to the initial
+policy; every rl.samples_every iterations the sampled responses (DIR/samples.jsonl).
 Checkpoints hold the train state and the paused trajectories; a killed run resumes from the
 last one. SIGINT / SIGTERM let the iteration under way finish, save a checkpoint and exit 130 /
 143; the same command resumes from there.
@@ -26,6 +30,7 @@ last one. SIGINT / SIGTERM let the iteration under way finish, save a checkpoint
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import random
@@ -64,6 +69,8 @@ class Trajectory:
   truncated: bool = False
   final_text: str = ""
   segments: int = 0           # iterations it has decoded in (> 1: resumed partial rollout)
+  logp: list = dataclasses.field(default_factory=list)   # the sampler's log pi per policy token
+  fresh: int = 0              # logp index where this iteration's segment began
 
   def to_json(self):
     d = dataclasses.asdict(self)
@@ -177,6 +184,106 @@ def old_logprobs(config, params, batch):
   return sequence_logprobs(logits, batch["targets"], batch["mask"]).reshape(P, K)
 
 
+def trainer_logprobs(config, params, batch):
+  """-> (log pi(y|x) per sequence [P, K] as old_logprobs, log pi per target position [P*K, T]):
+  one forward gives the K1.5 loss its pi_old and the logs their per-token view."""
+  P, K = batch["rewards"].shape
+  logits, _ = model.forward(config.model, params, batch["inputs"], positions=batch["positions"],
+                            segment_ids=batch["segment_ids"])
+  tok = -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                         batch["targets"])
+  return jnp.sum(tok * batch["mask"], axis=-1).reshape(P, K), tok
+
+
+def sampler_gap(groups, trainer_tok, mask):
+  """|log pi_sampler - log pi_trainer| over the policy tokens sampled this iteration (the
+  sampler's weights are the trainer's then; older segments of a paused trajectory were
+  sampled by older weights): -> (mean, max, count). The two compute one policy in different
+  programs (decode over the latent cache on the inference layout, the training forward):
+  they should agree to float rounding; a gap that grows means the update trains on
+  probabilities the sampler did not sample with."""
+  gaps = []
+  for i, t in enumerate(x for ts in groups for x in ts):
+    trainer = trainer_tok[i, np.flatnonzero(mask[i] > 0)]
+    if len(trainer) != len(t.logp):      # a trajectory of a checkpoint written before logp
+      continue
+    gaps.append(np.abs(trainer[t.fresh:] - np.asarray(t.logp[t.fresh:], np.float32)))
+  gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+  return (float(gaps.mean()) if gaps.size else float("nan"),
+          float(gaps.max()) if gaps.size else float("nan"), int(gaps.size))
+
+
+def kl_k3(logp, logp_ref, mask):
+  """KL(pi || pi_ref) estimated over sampled tokens, k3 = e^r - 1 - r with r = log pi_ref -
+  log pi (unbiased and >= 0 for samples of pi; ours are drawn at the rollout temperature, so
+  it is an estimate of the same order, not exact)."""
+  r = np.clip(logp_ref - logp, -20.0, 20.0)
+  k3 = np.expm1(r) - r
+  return float(np.sum(k3 * mask) / max(float(np.sum(mask)), 1.0))
+
+
+def eval_sets(config, environments) -> list:
+  """(environment, fixed tasks) per environment for greedy evaluation: arithmetic's held-out
+  problems (never drawn for training), the others' tasks of a fixed seed. self_critique has
+  none: its reward ranks a group's responses, and a group of one has no ranks."""
+  r, out = config.rl, []
+  for env in environments:
+    if env.name == "self_critique":
+      continue
+    if isinstance(env, envs_lib.Arithmetic):
+      env = envs_lib.Arithmetic(max_operand=env.max_operand, budget=env.budget,
+                                use_tools=bool(env.tools), split="heldout", ops=env.ops)
+      tasks = env.all_tasks()
+      tasks = random.Random(0).sample(tasks, min(int(r.eval_tasks), len(tasks)))
+    else:
+      tasks = env.tasks(random.Random(0), int(r.eval_tasks))
+    out.append((env, tasks))
+  return out
+
+
+def evaluate(config, tokenizer, sets, cfg, params, penalty: float) -> dict:
+  """Greedy decoding of each fixed eval set, whole (multi-turn included): -> {eval_reward/ENV,
+  eval_accuracy/ENV (reward 1: solved), eval_truncated/ENV}."""
+  row = {}
+  for env, tasks in sets:
+    ro = Rollouts(config, tokenizer, [env], random.Random(0))
+    for i, task in enumerate(tasks):
+      ids = chat.encode(task.messages, env.tools, tokenizer=tokenizer)
+      ro.groups[i] = [Trajectory(i, 0, task, list(ids), [False] * len(ids), turn_start=len(ids))]
+    while any(not t.done for ts in ro.groups.values() for t in ts):
+      ro.decode(cfg, params, 0.0, seed=0)
+    groups = list(ro.groups.values())
+    rewards = score(groups, [env], penalty)[:, 0]
+    row[f"eval_reward/{env.name}"] = float(rewards.mean())
+    row[f"eval_accuracy/{env.name}"] = float(np.mean(rewards >= 1.0))
+    row[f"eval_truncated/{env.name}"] = float(np.mean([ts[0].truncated for ts in groups]))
+  return row
+
+
+class Samples:
+  """DIR/samples.jsonl: the sampled responses of an iteration, one line each (iteration,
+  env, group, sample, prompt, response, reward, tokens, truncated, turns). A resumed run
+  first drops the lines of iterations after its checkpoint, as MetricsWriter does."""
+
+  def __init__(self, workdir: str, start: int):
+    self.path = os.path.join(workdir, "samples.jsonl")
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        keep = [x for x in f if x.endswith("\n") and json.loads(x)["iteration"] <= start]
+      with open(self.path, "w") as f:
+        f.writelines(keep)
+
+  def write(self, iteration: int, groups, rewards) -> None:
+    with open(self.path, "a") as f:
+      for ts, rs in zip(groups, rewards):
+        for t, reward in zip(ts, rs):
+          f.write(json.dumps({
+              "iteration": iteration, "env": t.task.env, "group": t.group, "sample": t.sample,
+              "prompt": t.task.messages[-1]["content"], "response": t.final_text,
+              "reward": float(reward), "tokens": t.generated, "truncated": t.truncated,
+              "turns": t.turns}, ensure_ascii=False) + "\n")
+
+
 class Rollouts:
   """Trajectories in flight, grouped by prompt; decoding segments with generate()."""
 
@@ -206,6 +313,8 @@ class Rollouts:
   def decode(self, cfg, params, temperature: float, seed: int):
     """One segment for every unfinished trajectory; returns the number of tokens decoded."""
     from k2jax.generate import generate
+    for t in (t for g in self.groups.values() for t in g if t.done):
+      t.fresh = len(t.logp)      # sampled in an earlier iteration, maybe by older weights
     active = [t for g in self.groups.values() for t in g if not t.done]
     self.resumed = sum(t.segments > 0 for t in active)   # paused earlier, going on now
     if not active:
@@ -226,11 +335,13 @@ class Rollouts:
           end.add(i)
       return end
 
-    out = generate(cfg, params, [t.ids for t in active], max_new_tokens=max(room),
-                   temperature=temperature, seed=seed, stop_ids=sorted(self.stop),
-                   on_token=on_token)
-    for t, new, cap in zip(active, out, room):
+    out, logps = generate(cfg, params, [t.ids for t in active], max_new_tokens=max(room),
+                          temperature=temperature, seed=seed, stop_ids=sorted(self.stop),
+                          on_token=on_token, return_logprobs=True)
+    for t, new, lp, cap in zip(active, out, logps, room):
       new = new[:cap]
+      t.fresh = len(t.logp)
+      t.logp += lp[:cap]
       t.ids += new
       t.policy += [True] * len(new)
       t.generated += len(new)
@@ -426,8 +537,16 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
     ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
                              for d in dialogs], t.seq_len, tok.pad_id)
   step_fn = step_program(config, tx)
-  logp_fn = jax.jit(functools.partial(old_logprobs, config))
+  logp_fn = jax.jit(functools.partial(trainer_logprobs, config))
   writer = MetricsWriter(workdir, start)
+  samples = Samples(workdir, start)
+  sets = eval_sets(config, environments) if r.get("eval_every", 0) else []
+  init_policy = None
+  if r.get("kl_to_init", False):   # the policy RL started from: --init's, or the seed's init
+    with jax.set_mesh(train_mesh):
+      init_policy = (jax.device_put(init(), shardings.params, may_alias=False) if init else
+                     jax.jit(lambda k: init_state(config, tx, k).params,
+                             out_shardings=shardings.params)(jax.random.key(t.seed)))
   history = []
   from k2jax.train import files_line
   # a signal while setting up stops before the first iteration, one after this line after it
@@ -445,19 +564,28 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
       # training layout -> inference layout (a reshard when the meshes differ)
       inf_params = jax.device_put(state.params, inf_shardings)
       judge.params = inf_params
+      row = {}
+      if sets and it % r.eval_every == 0:    # the weights this iteration starts from
+        with jax.set_mesh(inf_mesh):
+          row.update(evaluate(config, tok, sets, config.model, inf_params,
+                              r.truncation_penalty))
       rollouts.refill()
       with jax.set_mesh(inf_mesh):
         decoded = rollouts.decode(config.model, inf_params, temperature,
                                   seed=decode_seed(t.seed, it))
       groups = rollouts.complete_groups()
-      row = {"temperature": temperature, "decoded_tokens": decoded,
-             "groups_trained": len(groups), "in_flight": len(rollouts.groups),
-             "resumed_trajectories": rollouts.resumed}
+      row.update({"temperature": temperature, "decoded_tokens": decoded,
+                  "groups_trained": len(groups), "in_flight": len(rollouts.groups),
+                  "resumed_trajectories": rollouts.resumed})
       if groups:
         rewards = score(groups, environments, r.truncation_penalty)
         batch = batch_of(groups, rewards, r.prompts, tok.pad_id)
         with jax.set_mesh(train_mesh):
-          batch["logp_old"] = logp_fn(state.params, batch)
+          batch["logp_old"], trainer_tok = logp_fn(state.params, batch)
+          gap, gap_max, gap_n = sampler_gap(groups, np.asarray(trainer_tok), batch["mask"])
+          if init_policy is not None:
+            kl = kl_k3(np.asarray(trainer_tok), np.asarray(logp_fn(init_policy, batch)[1]),
+                       batch["mask"])
           # PTX rows drawn from a generator keyed by the iteration, not one carried across
           # iterations: a resumed run draws what the uninterrupted one drew
           ptx_rng = np.random.default_rng([int(t.seed) + 1, it])
@@ -477,6 +605,11 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
                                                          for i, ts in enumerate(groups)
                                                          if ts[0].task.env == e.name]))
                       for e in environments if any(ts[0].task.env == e.name for ts in groups)})
+        row.update(logp_gap_sampler_trainer=gap, logp_gap_max=gap_max, logp_gap_tokens=gap_n)
+        if init_policy is not None:
+          row["kl_to_init"] = kl
+        if r.get("samples_every", 0) and (it + 1) % r.samples_every == 0:
+          samples.write(it + 1, groups, rewards)
       row["seconds"] = time.perf_counter() - t0
       writer.write(it + 1, row)
       history.append(row)
@@ -567,6 +700,11 @@ def configs_validate(config):
     if n not in envs_lib.ENVIRONMENTS:
       raise ValueError(f"rl.envs: unknown environment {n!r}; choose from "
                        + ", ".join(envs_lib.ENVIRONMENTS))
+  for k in ("eval_every", "eval_tasks", "samples_every"):
+    if int(r.get(k, 0)) < 0:
+      raise ValueError(f"rl.{k} = {r[k]} must be >= 0 (0 turns it off)")
+  if int(r.get("eval_every", 0)) > 0 and int(r.get("eval_tasks", 0)) < 1:
+    raise ValueError(f"rl.eval_tasks = {r.eval_tasks} must be >= 1 while rl.eval_every > 0")
   if r.samples < 2:
     raise ValueError(f"rl.samples = {r.samples}: the K1.5 baseline needs >= 2 samples per prompt")
   # (key, lowest value, why): each must be finite and above (or, for >=, at least) its bound
