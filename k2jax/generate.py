@@ -307,6 +307,18 @@ def main(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   args = p.parse_args(argv)
+  from k2jax import interrupt
+  generated: list[list[int]] = []   # per row, filled as it decodes: the stop line's count
+  try:
+    with interrupt.raising():       # loading too: a Ctrl-C there was a traceback
+      _main(args, generated)
+  except interrupt.Interrupted as e:
+    where = f"after {sum(map(len, generated))} tokens" if generated else "while loading"
+    print(f"\nk2jax.generate: stopped by {e.name} {where}", file=sys.stderr, flush=True)
+    raise SystemExit(e.exit_code)
+
+
+def _main(args, generated):
   try:
     if args.max_new_tokens < 1:
       raise UserError(f"--max_new_tokens {args.max_new_tokens}: must be >= 1")
@@ -335,15 +347,8 @@ def main(argv=None):
   except UserError as e:
     print(f"k2jax.generate: error: {e}", file=sys.stderr)
     raise SystemExit(2)
-  from k2jax import interrupt
-  generated: list[list[int]] = [[] for _ in prompts]
-  try:
-    with interrupt.raising():
-      _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated)
-  except interrupt.Interrupted as e:
-    print(f"\nk2jax.generate: stopped by {e.name} after {sum(map(len, generated))} tokens",
-          file=sys.stderr, flush=True)
-    raise SystemExit(e.exit_code)
+  generated.extend([] for _ in prompts)
+  _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated)
 
 
 def visible(text: str, stops) -> str:
