@@ -10,8 +10,10 @@ import math
 
 import jax.numpy as jnp
 
+FACTORS = (1.25, 1.5, 2.0, 3.0, 4.0)   # x the balanced share: the static sizes below the worst
 
-def capacities(total: int, parts: int, factors=(1.25, 1.5, 2.0, 3.0, 4.0),
+
+def capacities(total: int, parts: int, factors=FACTORS,
                multiple: int = 8) -> tuple[int, ...]:
   """Sizes for `parts` slices of `total` rows: the balanced share total / parts times each
   factor (rounded up to `multiple`, capped at total), then the worst case `total`."""

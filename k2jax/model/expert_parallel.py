@@ -21,6 +21,30 @@ are exchanged first, and the transport buffers take the smallest of a few static
             (source, destination) count: ~ep C / A x the ideal (1.25x when balanced).
   padded    every slot sized for the worst case (C = A): ep x the ideal; the reference.
 
+Rounds (ragged; issue 42). XLA reserves memory for a switch's largest branch whether or not
+it runs, and the worst case receives ep x A rows: on K2 (16 shards, A = 32,768) 7.5 GB per
+[rows, d] buffer, and with its SwiGLU intermediates, outputs and the backward's recompute
+~29 GiB of a train step's 128 GiB of temporaries per TPU v5p chip, for a branch that almost
+never runs. So every capacity c above a bound B runs as R = ceil(c / B) rounds of B
+received rows each. B is the largest of the other sizes (4 A, `buckets.FACTORS`): the
+rounds reserve no larger buffer than a branch already does, and the worst case takes
+ceil(ep / 4) rounds (4 on K2). Device d's incoming stream is the senders' slices in order,
+sender s's starting at land[s, d] = sum_{s' < s} counts[s', d]; round r takes the window
+[r B, (r + 1) B) of every stream: s sends rows [lo, hi) of its d-bound slice,
+
+    lo = clip(r B - land[s, d], 0, counts[s, d]),   hi = clip((r + 1) B - land[s, d], 0, ...),
+
+landing at land[s, d] + lo - r B in d's round buffer (`_window`; the one-shot exchange is
+the window r = 0 with B >= every stream). d runs its experts on those B rows, and the
+results travel back along the same window into the senders' [A, d] output, which
+accumulates over the rounds (ragged_all_to_all writes only where it receives; the windows
+are disjoint). Every device has the whole counts matrix, so a round exchanges nothing but
+rows. The rounds are a `lax.scan` with a checkpointed body: the backward (the recompute
+below; such a branch keeps nothing) redoes and differentiates one round at a time. Rounds
+that start past the largest load anywhere (agreed by every device, like the branch) are a
+`lax.cond` that moves nothing. Bucketed and padded keep their one-shot worst case: they
+are CPU reference paths (padded is the tests' reference), not what a chip runs.
+
 The backward pass is written out (`_exchange`, a custom VJP) because autodiff of the switch
 cannot keep what it needs at a sensible size: differentiating a switch materializes the
 residuals of every branch (here up to ep x A rows each, 8.4 GB per K2 layer and sequence
@@ -50,7 +74,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from k2jax.kernels import grouped_matmul, platform
-from k2jax.kernels.buckets import capacities, choose
+from k2jax.kernels.buckets import FACTORS, capacities, choose
 from k2jax.kernels.fp8 import dequantize, quantize
 from k2jax.kernels.pallas_utils import cotangent_for, varying_like
 
@@ -74,10 +98,18 @@ class _Plan(NamedTuple):
   saved: int           # rows of the residual buffers; branches receiving more recompute
   fp8: bool
   a2a: object          # lax.ragged_all_to_all or a stand-in (CPU tests)
+  bound: int           # ragged: rows a round receives; larger capacities run in rounds
 
   def received(self, c: int, ep: int) -> int:
     """Rows a device receives into with capacity c."""
     return c if self.transport == "ragged" else ep * c
+
+  def in_rounds(self, c: int) -> bool:
+    return self.transport == "ragged" and c > self.bound
+
+  def keeps(self, c: int, ep: int) -> bool:
+    """Whether capacity c's forward keeps its residuals (else the backward recomputes)."""
+    return self.received(c, ep) <= self.saved and not self.in_rounds(c)
 
 
 class _Route(NamedTuple):
@@ -88,11 +120,30 @@ class _Route(NamedTuple):
   local: jax.Array     # [A] expert id on the destination shard
   counts: jax.Array    # [ep_src, ep_dst] assignments of the group
   branch: jax.Array    # index into _Plan.caps
+  need: jax.Array      # the largest load anywhere (agreed by every device): rounds past it idle
 
 
-def _send(plan, route, c, a, fill):
+def _round_count(c: int, bound: int) -> int:
+  """Rounds of `bound` received rows that cover a capacity of c (the tests shorten it)."""
+  return -(-c // bound)
+
+
+def _window(counts, start, c):
+  """The part of every (sender s, receiver d) slice that falls in rows [start, start + c) of
+  d's incoming stream (the senders' slices in order: s's starts at sum_{s' < s}
+  counts[s', d]) -> (first row in s's sorted assignments, rows, row in d's buffer), each
+  [ep_src, ep_dst]. start = 0 with c >= every stream is the whole exchange at once."""
+  land = _exclusive_cumsum(counts, axis=0)
+  lo = jnp.clip(start - land, 0, counts)
+  n = jnp.clip(start + c - land, 0, counts) - lo
+  # an empty slice gets offset 0: in bounds whatever the window
+  return _exclusive_cumsum(counts, axis=1) + lo, n, jnp.where(n > 0, land + lo - start, 0)
+
+
+def _send(plan, route, c, a, fill, start=0):
   """a [A, ...] (sorted by destination) -> what this device receives, [received(c), ...];
-  rows not received hold `fill`."""
+  rows not received hold `fill`. Ragged: rows [start, start + c) of this device's incoming
+  stream (one round; the whole stream by default)."""
   ep = route.counts.shape[0]
   rest = a.shape[1:]
   if plan.transport != "ragged":
@@ -100,26 +151,36 @@ def _send(plan, route, c, a, fill):
         a, mode="drop")
     return jax.lax.all_to_all(slots, plan.axis, 0, 0, tiled=True).reshape((ep * c,) + rest)
   me = jax.lax.axis_index(plan.axis)
-  send, recv = route.counts[me], route.counts[:, me]
-  # my slice lands on each receiver after the slices of lower-numbered senders
-  land = _exclusive_cumsum(route.counts, axis=0)[me]
-  return plan.a2a(a, jnp.full((c,) + rest, fill, a.dtype), _exclusive_cumsum(send), send,
-                  land, recv, axis_name=plan.axis)
+  first, n, at = _window(route.counts, start, c)
+  # ragged_all_to_all's result takes the `output` operand's type: varying where `a` is, so
+  # no cast to varying (whose transpose is a psum) comes after it
+  out = varying_like(jnp.full((c,) + rest, fill, a.dtype), a)
+  return plan.a2a(a, out, first[me], n[me], at[me], n[:, me], axis_name=plan.axis)
 
 
-def _back(plan, route, c, a):
-  """The inverse route: received rows [received(c), ...] -> their senders' [A, ...] order."""
+def _back(plan, route, c, a, start=0):
+  """The inverse route: received rows [received(c), ...] -> their senders' [A, ...] order.
+  Ragged: the rows of window [start, start + c), zeros elsewhere."""
   ep = route.counts.shape[0]
   rest = a.shape[1:]
   if plan.transport != "ragged":
     back = jax.lax.all_to_all(a.reshape((ep, c) + rest), plan.axis, 0, 0, tiled=True)
     return back[route.dest, route.rank]
   me = jax.lax.axis_index(plan.axis)
-  send, recv = route.counts[me], route.counts[:, me]
-  home = _exclusive_cumsum(route.counts, axis=1)[:, me]
-  A = route.token.shape[0]
-  return plan.a2a(a, jnp.zeros((A,) + rest, a.dtype), _exclusive_cumsum(recv), recv, home,
-                  send, axis_name=plan.axis)
+  first, n, at = _window(route.counts, start, c)
+  out = varying_like(jnp.zeros((route.token.shape[0],) + rest, a.dtype), a)
+  return plan.a2a(a, out, at[:, me], n[:, me], first[:, me], n[me], axis_name=plan.axis)
+
+
+# Row permutations (argsort results) marked as such: a scatter whose indices may repeat is
+# made deterministic on TPU through an index buffer the size of its output (u32 [rows, d])
+# and a gather back, two buffers the size of the received rows per (un)sort.
+def _permute(a, perm):
+  return a.at[perm].get(unique_indices=True)
+
+
+def _unpermute(a, perm):
+  return jnp.zeros_like(a).at[perm].set(a, unique_indices=True)
 
 
 def _swiglu(g, u):
@@ -135,26 +196,64 @@ def _experts(p, xs, ws, sizes):
   return (ws[:, None] * o.astype(jnp.float32)).astype(dt), (g, u)
 
 
+def _dispatch(plan, route, c, p, rows, wf, start=0):
+  """Send rows [A, d] and combine weights wf [A] (sorted by destination), run the experts on
+  what arrives (rows [start, start + c) of the incoming stream when ragged) -> (results in
+  arrival order [received(c), d], what the backward keeps of them)."""
+  e_loc = p["gate"].shape[0]
+  recv = _send(plan, route, c, rows, 0, start)
+  recv_e = _send(plan, route, c, route.local, e_loc, start)   # padding rows: id e_loc, last
+  recv_w = _send(plan, route, c, wf, 0, start)
+  by_expert = jnp.argsort(recv_e, stable=True)
+  sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
+  xs, ws = _permute(recv, by_expert), _permute(recv_w, by_expert)
+  out, (g, u) = _experts(p, xs, ws, sizes)
+  return _unpermute(out, by_expert), (xs, g, u, ws, by_expert, sizes)
+
+
+def _rounds(plan, c, p, rows, wf, route):
+  """The ragged exchange of capacity c > plan.bound as rounds of plan.bound received rows:
+  round r sends, runs and returns window [r bound, (r + 1) bound) of every device's incoming
+  stream, its results written into their senders' rows of y [A, d] (each row belongs to one
+  window). Rounds starting past the largest load (route.need, the same on every device)
+  move nothing and are skipped. The body is checkpointed: differentiated (the backward's
+  recompute), the scan keeps a round index per round and redoes one round at a time."""
+  C = plan.bound
+
+  # No CSE across the scan's iterations to prevent: without the barriers XLA fuses more.
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def step(y, r):
+    def run(y):
+      out, _ = _dispatch(plan, route, C, p, rows, wf, r * C)
+      # Added, not written into y as ragged_all_to_all's `output`: jax's transpose of that
+      # operand masks the received rows by offsets, and an empty slice's offset (which may
+      # coincide with a real slice's) cancels that slice's mark.
+      return y + _back(plan, route, C, out, r * C)
+    return jax.lax.cond(r * C < route.need, run, lambda y: y, y), None
+
+  y = varying_like(jnp.zeros_like(rows), rows)
+  return jax.lax.scan(step, y, jnp.arange(_round_count(c, C), dtype=jnp.int32))[0]
+
+
 def _branch(plan, c, p, x, w, route, save: bool):
   """The exchange with capacity c -> (y_sorted [A, d], residuals padded to plan.saved rows
   or None). y_sorted[a] = w_a expert(x[token_a]) for this device's sorted assignments."""
   ep = route.counts.shape[0]
-  e_loc = p["gate"].shape[0]
-  recv = _send(plan, route, c, x[route.token], 0)
-  recv_e = _send(plan, route, c, route.local, e_loc)      # padding rows: id e_loc, sort last
-  recv_w = _send(plan, route, c, w.astype(jnp.float32), 0)
-  by_expert = jnp.argsort(recv_e, stable=True)
-  sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-  xs, ws = recv[by_expert], recv_w[by_expert]
-  out, (g, u) = _experts(p, xs, ws, sizes)
-  # typed as varying where x is (lax.ragged_all_to_all's result is not), so dy is too
-  y = varying_like(_back(plan, route, c, jnp.zeros_like(out).at[by_expert].set(out)), x)
+  rows, wf = x[route.token], w.astype(jnp.float32)
+  if plan.in_rounds(c):
+    y, kept = _rounds(plan, c, p, rows, wf, route), None
+  else:
+    out, kept = _dispatch(plan, route, c, p, rows, wf)
+    y = _back(plan, route, c, out)
+  # typed as varying where x is, so dy is too
+  y = varying_like(y, x)
   if not save:
     return y, None
   n = plan.received(c, ep)
-  if n > plan.saved:            # too large to keep: the backward recomputes this branch
+  if not plan.keeps(c, ep):     # too large to keep: the backward recomputes this branch
     res = _zeros(_residual_shapes(plan, p, x))
   else:
+    xs, g, u, ws, by_expert, sizes = kept
     pad = lambda a: jnp.pad(a, [(0, plan.saved - n)] + [(0, 0)] * (a.ndim - 1))
     res = _store(plan, pad(xs), pad(g), pad(u), pad(ws), pad(by_expert), sizes)
   # every branch's residuals of one type (under shard_map: varying over the token shards)
@@ -225,7 +324,7 @@ def _exchange_bwd(plan, saved, dy):
   p, x, w, route, res = saved
   ep = route.counts.shape[0]
   dt = x.dtype
-  kept = [plan.received(c, ep) <= plan.saved for c in plan.caps]
+  kept = [plan.keeps(c, ep) for c in plan.caps]
   S, d, f = plan.saved, x.shape[-1], p["gate"].shape[-1]
   mm_vjp = lambda a, wt, ct, sizes: jax.vjp(
       lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(dt))[1](ct)
@@ -264,7 +363,7 @@ def _exchange_bwd(plan, saved, dy):
       n, xs, g, u, ws, by_expert, sizes = loaded(c)
       # _send and _back move rows along the same routes in opposite directions, so each is
       # the other's transpose (padding rows carry nothing either way).
-      d_o = _send(plan, route, c, dy, 0)[by_expert]
+      d_o = _permute(_send(plan, route, c, dy, 0), by_expert)
       h = _swiglu(g, u)
       dh_u = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
                     sizes)[0]
@@ -272,7 +371,7 @@ def _exchange_bwd(plan, saved, dy):
       dh = (ws[:, None] * dh_u.astype(jnp.float32)).astype(dt)
       dg, du = jax.vjp(_swiglu, g, u)[1](dh)
       dxs = mm_vjp(xs, p["gate"], dg, sizes)[0] + mm_vjp(xs, p["up"], du, sizes)[0]
-      unsort = lambda a: jnp.zeros_like(a).at[by_expert].set(a)
+      unsort = functools.partial(_unpermute, perm=by_expert)
       d_x = _back(plan, route, c, unsort(dxs))
       d_w = _back(plan, route, c, unsort(d_ws))
       d_x = jnp.zeros_like(x).at[route.token].add(d_x)
@@ -308,7 +407,8 @@ _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport: str = "auto",
-                       fp8_storage: bool = False, keep: bool = True, ragged_all_to_all=None):
+                       fp8_storage: bool = False, keep: bool = True, ragged_all_to_all=None,
+                       round_rows: int | None = None):
   """Routed-expert output for local tokens x [N, d] with global expert ids idx [N, k].
 
   Args:
@@ -323,6 +423,8 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
     keep: keep the smallest capacity's residuals for the backward pass; False: every
       backward pass recomputes its exchange (the least memory, the most work).
     ragged_all_to_all: override for lax.ragged_all_to_all (a CPU emulation in tests).
+    round_rows: ragged: the most rows one round receives; a larger capacity runs in rounds
+      of this many (default: the largest factor's capacity, 4 x A; tests shrink it).
   Returns:
     [N, d]: sum_k w[n, k] * expert_{idx[n, k]}(x[n]).
   """
@@ -347,13 +449,18 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
     caps, need = capacities(A, ep), jnp.max(counts)      # largest (source, dest) slice
   else:
     caps, need = capacities(ep * A, ep), jnp.max(jnp.sum(counts, 0))  # most rows received
+  if transport != "ragged":
+    bound = caps[-1]            # no rounds: CPU reference paths (the module docstring)
+  else:
+    bound = round_rows or capacities(ep * A, ep, FACTORS[-1:])[0]
   plan = _Plan(transport, axis, caps, 0, fp8_storage, ragged_all_to_all
-               or jax.lax.ragged_all_to_all)
+               or jax.lax.ragged_all_to_all, bound)
   # The smallest capacity keeps its residuals (kernels/buckets.py: 1.25x the balanced load,
   # what a balanced router needs); the larger ones recompute.
   plan = plan._replace(saved=plan.received(caps[0], ep) if keep else 0)
+  need = agree(need)
   route = _Route(order // k, dest, rank, (expert % e_loc).astype(jnp.int32), counts,
-                 choose(agree(need), caps))
+                 choose(need, caps), need)
   y_sorted = _exchange(plan, p_local, x, w.reshape(-1)[order], route)
   # back to token order; the k weighted expert outputs of a token summed in float32
   y = y_sorted[jnp.argsort(order)].reshape(N, k, -1)
