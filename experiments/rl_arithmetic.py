@@ -230,7 +230,6 @@ def rl_config(variant, seed, iterations, model_cfg, task="one_digit"):
     if k in v:
       r.rl[k] = v[k]
   r.train.steps = r.rl.iterations * r.rl.updates_per_iteration
-  r.rl.eval_every = 0       # this script measures held-out greedy accuracy itself, on all of it
   if "optimizer" in v:
     r.optimizer.name = v["optimizer"]
   if "learning_rate" in v:
