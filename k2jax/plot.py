@@ -78,7 +78,8 @@ def _rl_panels(rows, ax_eval, ax_gap):
   _lines(ax_eval, rows, keys, "o-")
   _lines(ax_eval, rows, ["truncated_frac"], ":")
   ax_eval.set(xlabel="iteration", ylabel="fraction", title="greedy eval accuracy; truncated")
-  ax_eval.legend(fontsize=7)
+  if ax_eval.get_legend_handles_labels()[0]:     # a run logging none of them draws no lines
+    ax_eval.legend(fontsize=7)
   _lines(ax_gap, rows, ["logp_gap_sampler_trainer", "kl_to_init"])
   if any(r.get(k, 0) > 0 for r in rows for k in ("logp_gap_sampler_trainer", "kl_to_init")):
     ax_gap.set_yscale("log")
