@@ -170,6 +170,22 @@ def _quiet_closed_event_loops():
   sys.unraisablehook, sys.excepthook = unraisable, hook
 
 
+def _compiled_on_every_process(fn, name: str, *args):
+  """`fn` compiled for `args`, returned once every process of the run has compiled it.
+
+  Without the wait a process whose compile ends first starts the program's collectives
+  alone. XLA:CPU's gloo collectives set up each communicator at its first collective
+  with a fixed 30 s deadline: a peer that compiled 30 s longer (a loaded machine, one
+  process finding the program in the compilation cache) failed the run with
+  "Gloo context initialization failed: DEADLINE_EXCEEDED". The coordination service's
+  barrier (orbax's, not a device collective) waits as long as the slowest compile; a dead
+  peer still ends the run through jax.distributed's heartbeat."""
+  from orbax.checkpoint import multihost
+  compiled = fn.lower(*args).compile()   # fn: a jax.jit
+  multihost.get_barrier_sync_fn()(key=f"k2jax_{name}_compiled", timeout_ms=3 * 3600 * 1000)
+  return compiled
+
+
 def _device_batch(batch, sharding):
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
           for k, v in batch.items()}
@@ -327,6 +343,13 @@ def _run(config, workdir, mesh, data, init_params=None):
                     in_shardings=(shardings.params, batch_sharding))
   eval_batches = [_device_batch(b, batch_sharding) for b in data.eval_batches(t.eval_batches)]
 
+  first_batch = None
+  if jax.process_count() > 1 and start < t.steps:
+    first_batch = _device_batch(next(train_iter), batch_sharding)  # step start + 1's
+    step_fn = _compiled_on_every_process(step_fn, "train_step", state, first_batch)
+    if eval_batches:
+      eval_fn = _compiled_on_every_process(eval_fn, "eval_step", state.params, eval_batches[0])
+
   def evaluate(params):
     if not eval_batches:
       return float("nan")
@@ -347,7 +370,10 @@ def _run(config, workdir, mesh, data, init_params=None):
   try:
     previous = None  # the last step's (number, nan streak), read once the next step is queued
     while step < t.steps:
-      state, metrics = step_fn(state, _device_batch(next(train_iter), batch_sharding))
+      batch = (first_batch if first_batch is not None
+               else _device_batch(next(train_iter), batch_sharding))
+      first_batch = None
+      state, metrics = step_fn(state, batch)
       step += 1
       if previous is not None:  # waits for the previous step only: the device stays busy
         _check_divergence(*previous, t.max_nan_steps)

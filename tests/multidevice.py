@@ -51,10 +51,11 @@ def worker(devices, *args):
   return result(start_worker(devices, *args))
 
 
-def cli(devices, workdir, *extra):
+def cli(devices, workdir, *extra, stderr=subprocess.PIPE):
+  """`stderr`: a file, for a test that reads the output while the run goes on."""
   return subprocess.Popen([sys.executable, "-m", "k2jax.train", *CLI, f"--workdir={workdir}",
                            *extra], cwd=REPO, env=env(devices), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=stderr, text=True)
 
 
 def finish(proc, timeout=900):
