@@ -23,8 +23,19 @@ CLI = ["--config=tiny", "--config.model.num_hidden_layers=2", "--config.train.ba
 NO_CHECKPOINTS = ["--config.train.checkpoint_every=0"]
 
 
+# XLA:CPU's machine code at LLVM -O0 in these subprocesses: each compiles multi-device steps
+# (pipelined ones above all) and runs them for a few steps, so optimized code never pays back
+# its compile. Measured here: the pipelined step of test_no_weight_moves_between_pipeline_devices
+# 149 s -> 98 s; in a full run the pipeline meshes fixture 480 s -> 340 s. Not for the whole
+# suite: with it in every process, tests that train longer slowed (test_sft's CLI 70 -> 109 s,
+# test_train's host_state 71 -> 131 s) and the run took 45:52 against 37:47. It changes LLVM's
+# work only, not XLA's HLO passes or buffer assignment.
+CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def env(devices, cache=True):
-  e = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  e = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+           f"{CPU_COMPILE_FLAGS}")
   if not cache:
     # Pipelined steps put collectives inside conditionals. Loaded from the persistent
     # compilation cache (tests/conftest.py), such a step has deadlocked XLA:CPU 0.10
