@@ -113,6 +113,7 @@ def _setup_logging(workdir):
   fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
   console = logging.StreamHandler(sys.stderr)
   console.setFormatter(_ConsoleFormatter(fmt, "%H:%M:%S"))
+  console.addFilter(_OncePerLibraryLine())
   log_file = _LogFile(os.path.join(workdir, "train.log"))
   log_file.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
   for h in (console, log_file):
@@ -146,6 +147,26 @@ class _ConsoleFormatter(logging.Formatter):
       return super().format(record)
     return (f"{self.formatTime(record, self.datefmt)} {record.levelname} {record.name}: "
             f"{message.splitlines()[0][:300]} (traceback in train.log)")
+
+
+class _OncePerLibraryLine(logging.Filter):
+  """On the console, a library's warning or error whose first line was already shown is not
+  shown again; train.log keeps every record. After a failed orbax save (a full disk) asyncio
+  logs "_GatheringFuture exception was never retrieved" once per pending write: 35 identical
+  lines under the one k2jax prints, in one run on a 24 MB tmpfs."""
+
+  def __init__(self):
+    super().__init__()
+    self.shown = set()
+
+  def filter(self, record):
+    if record.name.startswith("k2jax") or record.levelno < logging.WARNING:
+      return True
+    key = (record.name, (record.getMessage().splitlines() or [""])[0])
+    if key in self.shown:
+      return False
+    self.shown.add(key)
+    return True
 
 
 def _quiet_closed_event_loops():
