@@ -14,6 +14,7 @@ end in one line naming the problem and exit code 2.
 import contextlib
 import errno
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -364,10 +365,12 @@ def _run(config, workdir, mesh, data, init_params=None):
                     in_shardings=(shardings.params, batch_sharding))
   eval_batches = [_device_batch(b, batch_sharding) for b in data.eval_batches(t.eval_batches)]
 
-  first_batch = None
+  # read lazily: train_iter's saved position stays the steps taken
+  batches = (_device_batch(b, batch_sharding) for b in train_iter)
   if jax.process_count() > 1 and start < t.steps:
-    first_batch = _device_batch(next(train_iter), batch_sharding)  # step start + 1's
-    step_fn = _compiled_on_every_process(step_fn, "train_step", state, first_batch)
+    first = next(batches)
+    batches = itertools.chain([first], batches)
+    step_fn = _compiled_on_every_process(step_fn, "train_step", state, first)
     if eval_batches:
       eval_fn = _compiled_on_every_process(eval_fn, "eval_step", state.params, eval_batches[0])
 
@@ -391,10 +394,7 @@ def _run(config, workdir, mesh, data, init_params=None):
   try:
     previous = None  # the last step's (number, nan streak), read once the next step is queued
     while step < t.steps:
-      batch = (first_batch if first_batch is not None
-               else _device_batch(next(train_iter), batch_sharding))
-      first_batch = None
-      state, metrics = step_fn(state, batch)
+      state, metrics = step_fn(state, next(batches))
       step += 1
       if previous is not None:  # waits for the previous step only: the device stays busy
         _check_divergence(*previous, t.max_nan_steps)
