@@ -96,11 +96,17 @@ def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None):
   """
   if tab is not None:
     return _pipelined_grads(mcfg, params, batch, tab, skip)
+  # The objective is  ce_sum / N + aux,  N the batch's loss tokens and aux the mean over
+  # its sequences of the sequence-wise balance loss, however the batch is split: each of
+  # the A microbatches (equal numbers of sequences) adds its aux, a mean over its own
+  # sequences, times N / A (times its own token count would weight sequences by how many
+  # loss tokens their microbatch happens to have, and change the router's gradient with A).
+  weight = jnp.sum(batch["loss_mask"].astype(jnp.float32)) / grad_accum
 
   def micro(mb):
     def f(p):
       ce_sum, n, aux = lm_loss(mcfg, p, mb)
-      return ce_sum + aux.aux_loss * n, (ce_sum, n, aux)
+      return ce_sum + aux.aux_loss * weight, (ce_sum, n, aux)
     return jax.grad(f, has_aux=True)(params)
 
   if grad_accum == 1:
@@ -111,7 +117,7 @@ def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None):
       acc_g, acc_ce, acc_n, acc_stats = acc
       stats = model.ForwardStats(max_logits=jnp.maximum(acc_stats.max_logits, aux.max_logits),
                                  expert_load=acc_stats.expert_load + aux.expert_load,
-                                 aux_loss=acc_stats.aux_loss + aux.aux_loss * n)
+                                 aux_loss=acc_stats.aux_loss + aux.aux_loss * weight)
       return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g), acc_ce + ce_sum,
               acc_n + n, stats), None
 

@@ -726,7 +726,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   stage_params: this device's [V L, ...] stored rows;
   on [V L] bool (real layers); pre_params {"embed", dense stacks}; head {"final_norm",
   "lm_head": this device's [D, vocab / P] columns}; mb: microbatches [M, mb, T]; tokens [M]:
-  each microbatch's loss tokens (the weight of its aux loss, as in k2jax.step's
+  the weight of each microbatch's aux loss (the batch's loss tokens / M, as in k2jax.step's
   accumulation)."""
   Pn, V, L = sp.stages, sp.virtual, sp.per_stage
   p = jax.lax.axis_index(AXIS)
@@ -1119,7 +1119,9 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   offload = offloads(cfg) and grads
   cfg = _pipeline_model_cfg(cfg)
   mask = mb["loss_mask"].astype(jnp.float32)
-  tokens = jnp.sum(mask, axis=(1, 2))
+  # each microbatch's aux loss (a mean over its sequences) weighs N / M, N the batch's loss
+  # tokens: the objective of the whole batch at once, whatever the split (k2jax.step._grads)
+  tokens = jnp.full((M,), jnp.sum(mask) / M)
   stack = params[sp.stack.name]
   pre_names = ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]
   pre_params = {k: params[k] for k in pre_names}
