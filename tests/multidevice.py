@@ -85,6 +85,27 @@ def assert_close(got, want, rtol=1e-5, steps=None):
   np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=rtol)
 
 
+def assert_states_close(got_dir, want_dir, rtol=1e-5):
+  """Every leaf of two runs' final train states (parallel_worker._save_state: params,
+  optimizer moments, master weights, QK-Clip's record, counters) agrees: floats within
+  `rtol` of the reference leaf's norm, the rest exactly. The moments sum each step's
+  gradients, so this compares every gradient leaf of every step."""
+  got, want = (np.load(os.path.join(str(d), "state.npz")) for d in (got_dir, want_dir))
+  assert sorted(got.files) == sorted(want.files), set(got.files) ^ set(want.files)
+  bad = []
+  for k in want.files:
+    a, b = got[k], want[k]
+    assert a.shape == b.shape, (k, a.shape, b.shape)
+    if np.issubdtype(b.dtype, np.floating):
+      a, b = a.astype(np.float64), b.astype(np.float64)
+      rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+      if not rel <= rtol:
+        bad.append(f"{k}: {rel:.1e}")
+    elif not np.array_equal(a, b):
+      bad.append(f"{k}: {np.sum(a != b)} of {a.size} differ")
+  assert not bad, f"{len(bad)} of {len(want.files)} state leaves differ: " + "; ".join(bad[:8])
+
+
 def free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))

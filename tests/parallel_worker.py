@@ -21,10 +21,13 @@ def meshes(out, *rest):
   /kMODE (mesh.pipeline_skip), /o (model.offload: the pipeline's residual slots in host
   memory) and /g (zbh1's table built for stages of equal cost, which runs on its grid of one
   task per device and tick, schedules._grid; the tiny model's traced costs pick 1F1B's
-  ticks)."""
+  ticks); /fFAULT injects a gradient fault (`_faulty_grads`: the tests show their state
+  comparison sees it). Each run's final train state is saved as it is checkpointed (the
+  logical layout) and written leaf by leaf to WORKDIR/state.npz (`_save_state`)."""
   import contextlib
   from unittest import mock
   from k2jax import metrics, train
+  from k2jax import step as step_lib
   from k2jax.parallel import pipeline, schedules
   sep = rest.index("--")
   specs, cli = rest[:sep], list(rest[sep + 1:])
@@ -45,6 +48,8 @@ def meshes(out, *rest):
         config.mesh.pipeline_skip = o[1:]
       elif o == "o":
         config.model.offload = True
+      elif o[0] == "f":
+        patch = mock.patch.object(step_lib, "_grads", _faulty_grads(step_lib._grads, o[1:]))
       elif o == "g":
         def equal_stages(mcfg, P, V, M, schedule, *args, per_device=None, **kwargs):
           tab = schedules.build(schedule, P, V, M, None, per_device is not False)
@@ -53,11 +58,65 @@ def meshes(out, *rest):
         patch = mock.patch.object(pipeline, "schedule_table", equal_stages)
       else:
         config.train[{"b": "batch_size", "a": "grad_accum"}[o[0]]] = int(o[1:])
+    # one checkpoint, of the final state: what _save_state reads back
+    config.train.checkpoint_every = config.train.steps
     workdir = f"{out}/{s.replace('/', '_')}"
     with patch:
       train.train(config, workdir)
     result[s] = {r["step"]: [r["loss"], r["max_logit"]] for r in metrics.read(workdir)}
+    _save_state(workdir)
   print("RESULT " + json.dumps(result))
+
+
+def _faulty_grads(grads_fn, fault):
+  """`k2jax.step._grads` with a fault a pipeline or mesh bug could make: "2x" doubles the
+  gradient of the MoE experts' down-projections (every update MuonClip makes is the same:
+  Muon orthogonalizes its momentum, whatever its scale), "drop" leaves the first of the
+  microbatches out of the gradient (the loss still counts it)."""
+  import jax.numpy as jnp
+
+  def faulty(mcfg, params, batch, grad_accum, tab=None, skip=None):
+    g, loss, aux = grads_fn(mcfg, params, batch, grad_accum, tab, skip)
+    if fault == "2x":
+      hit = lambda path: "['experts']['down']" in jax.tree_util.keystr(path)
+      assert any(hit(p) for p, _ in jax.tree_util.tree_flatten_with_path(g)[0])
+      g = jax.tree_util.tree_map_with_path(lambda p, x: 2 * x if hit(p) else x, g)
+    elif fault == "drop":
+      assert tab is None and grad_accum > 1, "one device, several microbatches"
+      # microbatch i holds rows i, i + A, ... (step.microbatches): drop the rows of i = 0
+      rest = jax.tree.map(lambda x: x.reshape((-1, grad_accum) + x.shape[1:])[:, 1:].reshape(
+          (-1,) + x.shape[1:]), batch)
+      g = grads_fn(mcfg, params, rest, grad_accum - 1, tab, skip)[0]
+    else:
+      raise ValueError(f"unknown fault {fault!r}")
+    return jax.tree.map(lambda x: x.astype(jnp.float32), g), loss, aux
+  return faulty
+
+
+def _save_state(workdir):
+  """The run's newest checkpoint (the logical layout, whatever the mesh), every leaf of its
+  train state (params, optimizer moments and master weights, QK-Clip's record, counters) as
+  WORKDIR/state.npz, keyed by tree path. Muon's and Adam's first moments are running sums of
+  the gradients, so a wrong gradient leaf shows in its moment even where MuonClip's update,
+  which ignores the gradient's scale, hides it from the losses."""
+  import orbax.checkpoint as ocp
+  from k2jax import configs, optim
+  from k2jax.step import init_state
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = configs.from_dict(json.load(f))
+  tx = optim.optimizer(config)
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+      jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(0)))
+  manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                                  item_handlers={"state": ocp.StandardCheckpointHandler()})
+  state = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract))).state
+  manager.close()
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  np.savez(os.path.join(workdir, "state.npz"),
+           **{jax.tree_util.keystr(p): np.asarray(a) for p, a in leaves})
 
 
 def zero1():

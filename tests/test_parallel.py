@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, cli, cores_to_itself,
-                               env, finish, free_port, losses, result, start_worker, worker)
+from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, assert_states_close,
+                               cli, cores_to_itself, env, finish, free_port, losses, result,
+                               start_worker, worker)
 
 
 @pytest.fixture
@@ -33,18 +34,26 @@ def runs(tmp_path_factory):
                      *NO_CHECKPOINTS)
   eight = start_worker(8, "meshes", str(out / "eight"), "2x4", "8x1", "1x8", "4x2", "2x4/b16/a2",
                        "--", *CLI, *NO_CHECKPOINTS)
-  return {**result(one), **result(eight)}  # the two compile concurrently, one per core
+  runs = {**result(one), **result(eight)}  # the two compile concurrently, one per core
+  runs["dirs"] = {m: out / ("one" if m.startswith("1x1") else "eight") / m.replace("/", "_")
+                  for m in runs}
+  return runs
 
 
 def test_meshes_match_one_device(runs):
+  """Losses and max logits of each step (rel < 1e-5), and every leaf of the final train
+  state: the optimizer's moments sum the gradients, so every gradient leaf is compared
+  (test_pipeline_meshes shows the comparison failing on a wrong leaf)."""
   for mesh in ("2x4", "8x1", "1x8", "4x2"):
-    assert_close(runs[mesh], runs["1x1"])  # loss and max logit of each step, rel < 1e-5
+    assert_close(runs[mesh], runs["1x1"])
+    assert_states_close(runs["dirs"][mesh], runs["dirs"]["1x1"])
 
 
 def test_grad_accumulation_on_a_sharded_mesh_matches_one_device(runs):
-  """data=2 x expert=4 with two microbatches (each spanning all 8 devices) gives the losses
-  and max logits of one device with the whole batch at once."""
+  """data=2 x expert=4 with two microbatches (each spanning all 8 devices) gives the losses,
+  max logits and final train state of one device with the whole batch at once."""
   assert_close(runs["2x4/b16/a2"], runs["1x1/b16"])
+  assert_states_close(runs["dirs"]["2x4/b16/a2"], runs["dirs"]["1x1/b16"])
 
 
 def test_expert_parallel_transports_equal_a_float64_reference():

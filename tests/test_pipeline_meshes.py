@@ -13,8 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, cores_to_itself, env,
-                               finish, free_port, losses, result, start_worker, worker)
+from tests.multidevice import (CLI, NO_CHECKPOINTS, REPO, assert_close, assert_states_close,
+                               cores_to_itself, env, finish, free_port, losses, result,
+                               start_worker, worker)
 
 
 @pytest.fixture(autouse=True)
@@ -32,11 +33,14 @@ PIPE_CLI = [a.replace("num_hidden_layers=2", "num_hidden_layers=9").replace(
 
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
-  """One device with the whole batch, and pipelined meshes on 8 devices: PxDxE/aM/vV."""
+  """One device with the whole batch (and with a gradient fault, FAULTS), and pipelined
+  meshes on 8 devices: PxDxE/aM/vV. {mesh: {step: [loss, max]}}, and "dirs": {mesh: the
+  run's directory, with its final state.npz}."""
   out = tmp_path_factory.mktemp("pipeline")
   # set up before the autouse `cores` of the test that asks for it: takes the lock itself
   with cores_to_itself():
-    one = start_worker(1, "meshes", str(out / "one"), "1x1", "--", *PIPE_CLI, *NO_CHECKPOINTS)
+    one = start_worker(1, "meshes", str(out / "one"), "1x1", *FAULTS, "--", *PIPE_CLI,
+                       *NO_CHECKPOINTS)
     # Two 8-device workers at once: each mesh's run is mostly its (single-threaded) compile,
     # so on CI's 2 cores the halves take about half the time one worker took (426 s).
     halves = [start_worker(8, "meshes", str(out / f"eight{i}"), *PIPELINE_MESHES[i::2], "--",
@@ -44,7 +48,17 @@ def pipeline_runs(tmp_path_factory):
     # read all three at once: a worker blocked on a full stderr pipe would wait for others
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
       parts = list(pool.map(result, [one, *halves]))
-  return {k: v for part in parts for k, v in part.items()}
+  runs = {k: v for part in parts for k, v in part.items()}
+  runs["dirs"] = {m: out / where / m.replace("/", "_") for where, names in [
+      ("one", ("1x1", *FAULTS)), ("eight0", PIPELINE_MESHES[0::2]),
+      ("eight1", PIPELINE_MESHES[1::2])] for m in names}
+  return runs
+
+
+# One device with a fault a pipeline bug could make in the gradient (parallel_worker.
+# _faulty_grads): the experts' down-projection gradient doubled, the first of two
+# microbatches left out of it.
+FAULTS = ("1x1/f2x", "1x1/a2/fdrop")
 
 
 # PxDxE/aM/vV/sSCHEDULE; the 1f1b schedule unless named. Each mesh compiles its own
@@ -75,8 +89,24 @@ def test_pipeline_matches_one_device(pipeline_runs, mesh):
   last two stages padding; zbh1); two groups of microbatches through 2 x 2 stages over data and
   expert; the GPipe schedule on pipeline=4 x 2 virtual over expert=2; idle phases skipped
   per device on pipeline 4 and 8: losses and max logits of one device with the whole batch
-  (rel < 1e-5)."""
+  (rel < 1e-5), and so does every leaf of the final train state: the optimizer's moments sum
+  each step's gradients, so every gradient leaf of every step is compared."""
   assert_close(pipeline_runs[mesh], pipeline_runs["1x1"])
+  dirs = pipeline_runs["dirs"]
+  assert_states_close(dirs[mesh], dirs["1x1"])
+
+
+def test_the_state_comparison_sees_a_gradient_fault_the_losses_do_not(pipeline_runs):
+  """The comparison above fails on a run whose gradient is wrong: one leaf doubled (the
+  experts' down-projection; its losses and max logits still equal one device's, as
+  MuonClip's update ignores the gradient's scale: the check the losses alone gave), or a
+  microbatch left out."""
+  dirs = pipeline_runs["dirs"]
+  assert_close(pipeline_runs["1x1/f2x"], pipeline_runs["1x1"])
+  with pytest.raises(AssertionError, match=r"1 of \d+ state leaves differ: .*experts.*down"):
+    assert_states_close(dirs["1x1/f2x"], dirs["1x1"])
+  with pytest.raises(AssertionError, match="state leaves differ"):
+    assert_states_close(dirs["1x1/a2/fdrop"], dirs["1x1"])
 
 
 def test_the_pipeline_fixture_runs_the_prefix_overlay_under_expert_parallelism():
