@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from k2jax.model import spec
 from k2jax.model.attention import attention_specs, mla
+from k2jax.model.embedding import embed
 from k2jax.model.layers import mlp, mlp_specs, rms_norm
 from k2jax.model.moe import MoEStats, moe, moe_specs
 from k2jax.model.remat import remat_policy
@@ -194,7 +195,7 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
   B, T = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
+  x = embed(params["embed"], tokens, dt)
   max_logits, moe_stats, cache = [], None, {}
   for st in stacks(cfg):
     x, (layer_max, layer_moe, *lat) = _run_stack(cfg, st.ffn, params[st.name], x, positions,

@@ -69,6 +69,7 @@ from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec, param_s
 from k2jax.kernels import moe as moe_kernels
 from k2jax.kernels import platform as kernel_platform
 from k2jax.model import counting, remat, spec as model_spec, transformer
+from k2jax.model.embedding import embed
 from k2jax.model.layers import rms_norm
 from k2jax.model.remat import remat_policy
 from k2jax.parallel import bwsplit, schedules
@@ -611,7 +612,9 @@ def _head(cfg, hp, y, targets, loss_mask, grads: bool):
 def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
   """Embedding and the leading (dense) stacks of one microbatch -> (stage-0 input, their
   max logits [dense layers, H])."""
-  x = jnp.take(params["embed"], inputs, axis=0).astype(jnp.dtype(cfg.dtype))
+  # its backward sends each token's cotangent to the expert shard holding its row (embedding.py:
+  # autodiff gathered the whole microbatch's cotangents on every device)
+  x = embed(params["embed"], inputs, cfg.dtype)
   x = jax.lax.with_sharding_constraint(x, logical_spec(("batch", "length", "embed")))
   pre_max = [jnp.full((0, cfg.num_attention_heads), -jnp.inf, jnp.float32)]
   for st in transformer.stacks(cfg):
