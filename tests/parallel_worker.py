@@ -530,15 +530,17 @@ def muon_local(*mesh_specs):
 
 
 def embedding():
-  """k2jax.model.embedding's written backward against autodiff of jnp.take on one device, in
-  float64 (and bf16 cotangents into a float32 table), on data 2 x expert 4, expert 8 and
-  pipeline 2 x expert 4 with the lookup inside a shard_map over `pipeline` (as
-  pipeline._pre runs it); vocabularies the expert group divides (264: the table split on its
-  rows) and does not (203: stored whole, padded for the exchange); fresh random ids with an
-  id on every device, one device's tokens all one id, and a block of the last id; rows sent
-  in ep (default), 1 and 5 rounds (5 does not divide a device's 24 tokens). Returns the
-  largest relative error per case, whether the gradient is stored as the table is, and the
-  error of a deliberately wrong routing (each row sent to the next shard)."""
+  """k2jax.model.embedding's lookup and written backward against jnp.take and its autodiff on
+  one device: the lookup bit for bit, the gradient of sum(x w) in float64 (and with bf16
+  cotangents into a float32 table), on data 2 x expert 4, expert 8 and pipeline 2 x expert
+  4 with the lookup inside a shard_map over `pipeline` (as pipeline._pre runs it);
+  vocabularies the expert group divides (264: the table split on its rows) and does not
+  (203: stored whole, padded for the backward's exchange); fresh random ids with an id on
+  every device, one device's tokens all one id, and a block of the last id; rows sent in ep
+  (default), 1 and 5 rounds (5 does not divide a device's 24 tokens). Returns per case the
+  largest relative error of the gradient, whether the lookup is exact, the gradient stored
+  as the table is and the exchange taken, and for one case what a deliberately wrong
+  routing (every row sent to the next shard, both ways) gives."""
   from unittest import mock
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -564,17 +566,18 @@ def embedding():
     return jnp.asarray(table, tdt), jnp.asarray(ids, jnp.int32), jnp.asarray(w, tdt)
 
   def grad(mesh, table, ids, w, dtype, rounds):
-    loss = lambda t, i, w: jnp.sum(embed(t, i, dtype, rounds=rounds).astype(w.dtype) * w)
-    g = jax.grad(loss)
+    def g(t, i, w):        # the lookup (its forward) and the gradient of sum(x w)
+      x, vjp = jax.vjp(lambda t: embed(t, i, dtype, rounds=rounds), t)
+      return x, vjp(w.astype(x.dtype))[0]
     if mesh.shape["pipeline"] > 1:
-      g = jax.shard_map(g, in_specs=(P(), P(), P()), out_specs=P(), axis_names={"pipeline"},
-                        check_vma=False)
+      g = jax.shard_map(g, in_specs=(P(), P(), P()), out_specs=(P(), P()),
+                        axis_names={"pipeline"}, check_vma=False)
     with jax.set_mesh(mesh):
       t = jax.device_put(table, NamedSharding(mesh, param_spec(("vocab", "embed"), table.shape,
                                                                mesh)))
       i, w = (jax.device_put(a, NamedSharding(mesh, P(("data", "expert")))) for a in (ids, w))
-      out = jax.jit(g)(t, i, w)
-    return out, out.sharding.is_equivalent_to(t.sharding, 2)
+      x, out = jax.jit(g)(t, i, w)
+    return x, out, out.sharding.is_equivalent_to(t.sharding, 2)
 
   from k2jax.model import embedding as module
   scatter, traced = module._scatter, []
@@ -584,19 +587,23 @@ def embedding():
     mesh = jax.make_mesh(meshes[m], ("pipeline", "data", "expert"),
                          axis_types=(AxisType.Auto,) * 3)
     table, ids, w = inputs(V, dtype)
-    want = jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0).astype(dtype).astype(w.dtype)
-                                      * w))(table)
+    x_want, vjp = jax.vjp(lambda t: jnp.take(t, ids, axis=0).astype(dtype), table)
+    want = vjp(w.astype(x_want.dtype))[0]
     traced.clear()
-    got, stored = grad(mesh, table, ids, w, dtype, rounds)
+    x, got, stored = grad(mesh, table, ids, w, dtype, rounds)
     err = lambda g: float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(want, np.float64)))
                           / np.max(np.abs(np.asarray(want, np.float64))))
     key = f"{m}/V{V}/r{rounds}/{dtype}"
-    out[key] = {"err": err(got), "stored_as_table": bool(stored), "exchanged": bool(traced)}
+    out[key] = {"err": err(got), "stored_as_table": bool(stored), "exchanged": bool(traced),
+                "forward_equal": bool(np.array_equal(np.asarray(x), np.asarray(x_want)))}
     if (m, V, rounds, dtype) == ("2x4", 264, 0, "float64"):
       a2a = jax.lax.all_to_all
       wrong = lambda x, *a, **k: a2a(jnp.roll(x, 1, 0), *a, **k)
       with mock.patch.object(jax.lax, "all_to_all", wrong):
-        out[key]["wrong_routing_err"] = err(grad(mesh, table, ids, w, dtype, rounds)[0])
+        x, g, _ = grad(mesh, table, ids, w, dtype, rounds)
+      out[key]["wrong_routing_err"] = err(g)
+      out[key]["wrong_routing_forward_equal"] = bool(np.array_equal(np.asarray(x),
+                                                                    np.asarray(x_want)))
   print("RESULT " + json.dumps({"seed": seed, "cases": out}))
 
 

@@ -83,21 +83,23 @@ def test_expert_parallel_transports_equal_a_float64_reference():
   assert min(v for n, v in errors["even/bucketed/selective/fp8"].items() if n != "y") > 1e-4
 
 
-def test_embedding_gradient_reaches_the_rows_owner_and_equals_autodiff():
-  """The embedding's written backward (k2jax.model.embedding: each token's cotangent row sent
-  to the expert shard holding its vocabulary row, summed there and over data) equals jax.grad
-  of jnp.take on one device to float64 rounding, on data 2 x expert 4, expert 8 and inside
-  the pipeline's shard_map (pipeline 2 x expert 4), for a vocabulary the expert group
-  divides and one it does not, ids repeated within and across devices, one device's tokens
-  all one id, in 1, 5 and ep rounds, and with bf16 cotangents; the gradient is stored as the
-  table is. A wrong routing (each row to the next shard) is far off: the test can fail."""
+def test_embedding_exchange_equals_take_and_its_autodiff():
+  """The embedding lookup with its rows read on the expert shard that holds them, and its
+  written backward (k2jax.model.embedding: each token's cotangent row sent to that shard,
+  summed there and over data), equal jnp.take bit for bit and jax.grad of it on one device
+  to float64 rounding, on data 2 x expert 4, expert 8 and inside the pipeline's shard_map
+  (pipeline 2 x expert 4), for a vocabulary the expert group divides and one it does not,
+  ids repeated within and across devices, one device's tokens all one id, in 1, 5 and ep
+  rounds, and with bf16 cotangents; the gradient is stored as the table is. A wrong routing
+  (each row to the next shard) is far off both ways: the test can fail."""
   got = worker(8, "embedding")
   cases = got["cases"]
   assert len(cases) == 11
   for case, r in cases.items():
-    assert r["exchanged"] and r["stored_as_table"], (case, r, got["seed"])
+    assert r["exchanged"] and r["stored_as_table"] and r["forward_equal"], (case, r, got)
     assert r["err"] < (1e-14 if case.endswith("float64") else 1e-6), (case, r, got["seed"])
-  assert cases["2x4/V264/r0/float64"]["wrong_routing_err"] > 0.1
+  wrong = cases["2x4/V264/r0/float64"]
+  assert wrong["wrong_routing_err"] > 0.1 and not wrong["wrong_routing_forward_equal"]
 
 
 def test_zero1_shards_optimizer_state_not_params():

@@ -1,35 +1,41 @@
-"""The embedding lookup, with its backward pass written out for a table split on its rows.
+"""The embedding lookup and its backward, written out for a table split on its rows.
 
-    x[t] = E[id_t]                          forward: jnp.take, as before
+    x[t] = E[id_t]                                        forward: a gather
     dE[r] = sum over tokens t with id_t = r of dx[t]      backward: a scatter-add
 
 Under a mesh the table [V, d] is split on its rows over the expert group (sharding rule
-`vocab`) and the tokens over every non-pipeline device (`batch`: data x expert). Autodiff
-leaves the scatter-add to XLA's partitioner, which gathers the whole batch's cotangents onto
-every device first: the `kimi_k2` preset's pipelined step on v5p 8x16x16 (PP16 x EP16 x DP8)
-held bf16[128, 4096, 7168] (7 GiB) and the bf16[524288, 7168] rows of its scatter (7 GiB)
-per device (issue 42), and a sharding rule splitting the table on d instead gathered as
-well. Here the backward is a shard_map over the token axes. With ep devices in the expert
-group, the table's rows are ep contiguous slices of Vl = ceil(V / ep) rows (owner
-o(r) = r // Vl, the row's place there r - o(r) Vl), and device (i, j) of (data, expert):
+`vocab`) and the tokens over every non-pipeline device (`batch`: data x expert). Autodiff of
+jnp.take leaves both to XLA's partitioner, which gathers: the `kimi_k2` preset's pipelined
+step on v5p 8x16x16 (PP16 x EP16 x DP8) held, per device, the whole microbatch's cotangents
+bf16[128, 4096, 7168] (7 GiB) and the bf16[524288, 7168] rows of its scatter (7 GiB), and
+the whole table bf16[163840, 7168] (2.2 GiB, gathered over the expert group for each
+microbatch's forward and again for the backward's recompute) (issue 42); a sharding rule
+splitting the table on d instead gathered as well. Here both are shard_maps over the token
+axes. With ep devices in the expert group the table's rows are ep contiguous slices of
+Vl = ceil(V / ep) (owner o(r) = r // Vl, the row's place there r - o(r) Vl), and device
+(i, j) of (data, expert), holding n tokens and slice j:
 
-    sends each of its n cotangent rows dx[t] to expert shard o(id_t)   (all_to_all)
-    adds what it receives into its own slice:  dE_j^i[r - j Vl] += dx[t]  for o(id_t) = j
-    dE_j = sum_i dE_j^i                        (psum over data: replicated there, as E is)
+    forward   sends each id_t to shard o(id_t), which reads row id_t - o Vl of its slice
+              and sends it back                              (two all_to_alls over expert)
+    backward  sends each dx[t] to shard o(id_t), which adds it at row id_t - o Vl:
+                  dE_j^i = sum over the group's tokens t with o(id_t) = j of dx[t]
+              then dE_j = sum_i dE_j^i     (psum over data: replicated there, as E is)
 
-so each device ends with the gradient of the rows it holds, and only cotangent rows cross
-the expert group. Shapes are static while ids are not: a device's slots for one shard are
-padded to the worst case (all its rows to that shard). The rows go in `rounds` chunks (a
-scan), so one round's [ep, n / rounds, d] buffer, at rounds = ep the size of the device's own
-cotangents, is all that is live at once; every round moves ep x its rows, as padding does
-(ep n d per device in all, what an all-gather of the group's cotangents would move).
+so each device ends with the gradient of the rows it holds and only rows its tokens use
+cross the expert group. Shapes are static while ids are not: a device's slots for one shard
+are padded to the worst case (all its rows to that shard). The rows go in `rounds` chunks
+(a scan), so one round's [ep, n / rounds, d] buffer, at rounds = ep the size of the device's
+own rows, is all that is live at once; every round moves ep x its rows, as padding does (ep
+n d per device each way: what an all-gather of the group's cotangents moves, and at K2's
+shapes 0.4x the table's all-gather, per microbatch).
 
-The cotangents travel in the model dtype and are summed in float32 (or the table's dtype
-where wider): autodiff widens them to the table's dtype before its scatter-add, so the sum is
-at least as precise. Ids outside [0, V) add nothing. A table whose rows the expert group
-does not divide is stored whole (sharding_rules.param_spec): its rows are padded to ep Vl
-for the exchange and the gradient sliced back. Without an expert axis the tokens already
-sit with every row they need: plain autodiff of jnp.take.
+The forward equals jnp.take bit for bit. Cotangents travel in the model dtype and are summed
+in float32 (or the table's dtype where wider): autodiff widens them to the table's dtype
+before its scatter-add, so the sum is at least as precise. Ids outside [0, V) add nothing
+(and read zeros where the table is split; jnp.take's NaN elsewhere). A table whose rows the expert group does not divide is stored whole
+(sharding_rules.param_spec): its forward is a local gather, and for the backward its rows
+are padded to ep Vl and the gradient sliced back. Without an expert axis the tokens already
+sit with every row they need: plain jnp.take and its autodiff.
 """
 
 import functools
@@ -45,7 +51,7 @@ from k2jax.kernels.pallas_utils import varying_like
 
 
 class _Plan(NamedTuple):
-  """What is static about one lookup's backward (hashable: a custom_vjp nondiff argument)."""
+  """What is static about one lookup (hashable: a custom_vjp nondiff argument)."""
   vocab: int             # V, the table's rows
   table_dtype: object    # the gradient's dtype (the table's)
   owners: tuple          # mesh axes the rows are split over (the expert group)
@@ -59,9 +65,9 @@ def _axis(names):
 
 
 def _plan(table, ids, rounds: int):
-  """The plan of a lookup under the current mesh, or None where plain autodiff is the right
-  backward (no mesh, no expert group, ids not split over the owners' axes, or a shard_map
-  that already holds those axes)."""
+  """The plan of a lookup under the current mesh, or None where jnp.take and its autodiff
+  need no exchange or cannot have this one (no mesh, no expert group, ids not split over
+  the owners' axes, or a shard_map that already holds those axes)."""
   mesh = jax.sharding.get_abstract_mesh()
   owners = active_mesh_axes("vocab", mesh)
   tokens = active_mesh_axes("batch", mesh)
@@ -75,6 +81,54 @@ def _plan(table, ids, rounds: int):
   return _Plan(table.shape[0], table.dtype, owners, ep, tokens, rounds)
 
 
+def _routes(plan, ids):
+  """Inside shard_map over plan.tokens: where this device's ids [n] go, in R rounds of c ->
+  (dest [R, c]: the expert shard holding each one's row, ep where none does; at [R, ep, c]:
+  the rows of this shard's slice that round k's s-th id of each sender asks for, Vl where
+  it asks none of this shard)."""
+  owners, ep = _axis(plan.owners), plan.ep
+  vl = -(-plan.vocab // ep)
+  n = ids.shape[0]
+  R = min(plan.rounds or ep, n)
+  c = -(-n // R)
+  ids = jnp.pad(ids, (0, R * c - n), constant_values=-1)
+  real = (ids >= 0) & (ids < plan.vocab)
+  dest = jnp.where(real, ids // vl, ep).reshape(R, c)     # ep: nowhere (dropped)
+  local = (ids - (ids // vl) * vl).astype(jnp.int32).reshape(R, c)
+  slot = jnp.broadcast_to(jnp.arange(c), (R, c))
+  rnd = jnp.broadcast_to(jnp.arange(R)[:, None], (R, c))
+  # every round's requests in one exchange (ep R c integers)
+  where = jnp.full((ep, R, c), vl, jnp.int32).at[dest, rnd, slot].set(local, mode="drop")
+  return dest, jax.lax.all_to_all(where, owners, 0, 0, tiled=True).transpose(1, 0, 2)
+
+
+def _as_bits(a):
+  """Rows cross the group as their bits: XLA (seen on CPU) otherwise moves a widening that
+  follows an exchange ahead of it, which then carries twice the bytes of bf16 rows."""
+  return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
+
+
+def _gather(plan, dtype, table, ids):
+  """Inside shard_map over plan.tokens: this expert shard's slice [Vl, d] of the table and
+  this device's ids [b, ...] -> its rows [b, ..., d] in `dtype`, each read on the shard that
+  holds it and sent back (the backward's exchange in reverse)."""
+  owners, ep = _axis(plan.owners), plan.ep
+  d = table.shape[-1]
+  dest, at = _routes(plan, ids.reshape(-1))
+  R, c = dest.shape
+
+  def round_(_, xs):
+    to, at = xs                                      # [c], [sender, c]
+    rows = jnp.take(table, at.reshape(-1), axis=0, mode="fill", fill_value=0).astype(dtype)
+    back = jax.lax.all_to_all(_as_bits(rows.reshape(ep, c, d)), owners, 0, 0, tiled=True)
+    back = jax.lax.bitcast_convert_type(back, dtype)          # [owner, c, d]
+    return None, back.at[to, jnp.arange(c)].get(mode="fill", fill_value=0)
+
+  _, x = jax.lax.scan(round_, None, (dest, at))
+  n = math.prod(ids.shape)
+  return x.reshape(R * c, d)[:n].reshape(ids.shape + (d,))
+
+
 def _scatter(plan, d: int, ct, ids):
   """Inside shard_map over plan.tokens: this device's cotangents ct [b, ..., d] of its ids
   [b, ...] -> the gradient of the expert shard's Vl rows, summed over the group and over
@@ -82,46 +136,35 @@ def _scatter(plan, d: int, ct, ids):
   owners, ep = _axis(plan.owners), plan.ep
   vl = -(-plan.vocab // ep)
   acc = jnp.promote_types(plan.table_dtype, jnp.float32)
-  rows, ids = ct.reshape(-1, d), ids.reshape(-1)
-  n = ids.shape[0]
-  R = min(plan.rounds or ep, n)
-  c = -(-n // R)
-  pad = R * c - n
-  ids = jnp.pad(ids, (0, pad), constant_values=-1)
-  rows = jnp.pad(rows, ((0, pad), (0, 0)))
-  real = (ids >= 0) & (ids < plan.vocab)
-  dest = jnp.where(real, ids // vl, ep).reshape(R, c)     # ep: nowhere (dropped)
-  local = (ids - (ids // vl) * vl).astype(jnp.int32).reshape(R, c)
-  slot = jnp.broadcast_to(jnp.arange(c), (R, c))
-  rnd = jnp.broadcast_to(jnp.arange(R)[:, None], (R, c))
-  # Each row's place on its owner, for every round at once (ep R c integers): slot (j, k, s)
-  # holds the local row of round k's s-th row if it goes to shard j, else vl (dropped there).
-  where = jnp.full((ep, R, c), vl, jnp.int32).at[dest, rnd, slot].set(local, mode="drop")
-  where = jax.lax.all_to_all(where, owners, 0, 0, tiled=True)    # [sender, R, c]
+  dest, at = _routes(plan, ids.reshape(-1))
+  R, c = dest.shape
+  rows = ct.reshape(-1, d)
+  rows = jnp.pad(rows, ((0, R * c - rows.shape[0]), (0, 0))).reshape(R, c, d)
   g = varying_like(jnp.zeros((vl, d), acc), rows)
-
-  # The rows travel as their bits: XLA (seen on CPU) otherwise moves the widening to `acc`
-  # ahead of the exchange, which then carries twice the bytes of bf16 rows.
-  bits = jnp.dtype(f"uint{8 * rows.dtype.itemsize}")
 
   def round_(g, xs):
     r, to, at = xs                                   # [c, d], [c], [sender, c]
-    send = jnp.zeros((ep, c, d), bits).at[to, jnp.arange(c)].set(
-        jax.lax.bitcast_convert_type(r, bits), mode="drop")
+    send = jnp.zeros((ep, c, d), _as_bits(r).dtype).at[to, jnp.arange(c)].set(
+        _as_bits(r), mode="drop")
     got = jax.lax.all_to_all(send, owners, 0, 0, tiled=True).reshape(ep * c, d)
     got = jax.lax.bitcast_convert_type(got, r.dtype).astype(acc)
     return g.at[at.reshape(-1)].add(got, mode="drop"), None
 
-  # the rounds read `where`: its exchange precedes theirs on every device (XLA:CPU may order
-  # independent collectives differently per device and deadlock)
-  g, _ = jax.lax.scan(round_, g, (rows.reshape(R, c, d), dest, where.transpose(1, 0, 2)))
+  # the rounds read `at`: the requests' exchange precedes theirs on every device (XLA:CPU may
+  # order independent collectives differently per device and deadlock)
+  g, _ = jax.lax.scan(round_, g, (rows, dest, at))
   rest = tuple(a for a in plan.tokens if a not in plan.owners)
   return jax.lax.psum(g, rest) if rest else g
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def _lookup(plan, table, ids, dtype):
-  return jnp.take(table, ids, axis=0).astype(dtype)
+  if plan.vocab % plan.ep:      # stored whole: every device holds the rows its ids need
+    return jnp.take(table, ids, axis=0).astype(dtype)
+  owners, tokens = _axis(plan.owners), _axis(plan.tokens)
+  return jax.shard_map(functools.partial(_gather, plan, dtype),
+                       in_specs=(P(owners), P(tokens)), out_specs=P(tokens),
+                       axis_names=set(plan.tokens))(table, ids)
 
 
 def _lookup_fwd(plan, table, ids, dtype):
@@ -144,14 +187,15 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def embed(table, ids, dtype=None, *, rounds: int = 0):
-  """table[ids] in `dtype` (default the table's), whose gradient reaches the table through
-  the expert group's exchange above where a mesh splits the table's rows and the tokens.
+  """table[ids] in `dtype` (default the table's), each row read on, and its gradient sent
+  to, the expert shard that holds it where a mesh splits the table's rows and the tokens
+  (module docstring).
 
   Args:
     table: [V, d], under a mesh split on its rows as sharding rule `vocab` says (or whole).
     ids: int [b, ...], under a mesh split on its leading dimension as `batch` says.
     dtype: the output's dtype (the cotangents travel in it).
-    rounds: chunks the cotangent rows go in (0: ep, module docstring).
+    rounds: chunks the rows go in (0: ep, module docstring).
   Returns:
     [b, ..., d]: jnp.take(table, ids, axis=0).astype(dtype).
   """

@@ -612,8 +612,9 @@ def _head(cfg, hp, y, targets, loss_mask, grads: bool):
 def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
   """Embedding and the leading (dense) stacks of one microbatch -> (stage-0 input, their
   max logits [dense layers, H])."""
-  # its backward sends each token's cotangent to the expert shard holding its row (embedding.py:
-  # autodiff gathered the whole microbatch's cotangents on every device)
+  # each row read on, and its gradient sent to, the expert shard holding it (embedding.py: XLA
+  # gathered the whole table for the forward and the whole microbatch's cotangents for the
+  # backward on every device)
   x = embed(params["embed"], inputs, cfg.dtype)
   x = jax.lax.with_sharding_constraint(x, logical_spec(("batch", "length", "embed")))
   pre_max = [jnp.full((0, cfg.num_attention_heads), -jnp.inf, jnp.float32)]
