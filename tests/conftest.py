@@ -36,3 +36,18 @@ def _release_executables():
   import jax
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture(scope="module")
+def no_persistent_cache():
+  """For modules that compile for TPU topologies (tests/test_tpu_*.py: compile only). The
+  session's persistent cache would store their TPU executables, and reading one back needs a
+  TPU client: each later read fails with a warning ("PjRtCompiler must be constructed with a
+  Client", libtpu 0.0.42.1) and compiles again. Nothing there is worth storing, so nothing is
+  (k2jax.compile turns the cache off for topologies for the same reason)."""
+  import jax
+  key = "jax_persistent_cache_min_compile_time_secs"
+  old = jax.config.values[key]
+  jax.config.update(key, 1e9)
+  yield
+  jax.config.update(key, old)

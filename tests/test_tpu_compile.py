@@ -16,6 +16,7 @@ import sys
 import pytest
 
 pytest.importorskip("libtpu")
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")   # the in-process compile below
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -37,16 +37,7 @@ MIB = 1 << 20
 SMALL = 16 * MIB   # the program's code, scalars and metadata
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_persistent_cache():
-  """Keeps these TPU executables out of the session's persistent compilation cache: reading
-  one back needs a TPU client, so every later read would fail with a warning and compile
-  again (tests/test_tpu_kernels.py)."""
-  key = "jax_persistent_cache_min_compile_time_secs"
-  old = jax.config.values[key]
-  jax.config.update(key, 1e9)
-  yield
-  jax.config.update(key, old)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -47,17 +47,7 @@ H, DQK, DV = 64, 192, 128
 D, F = 7168, 2048
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_persistent_cache():
-  """The session's persistent compilation cache (tests/conftest.py) would store these TPU
-  executables, and reading one back needs a TPU client: each later read fails with a
-  warning ("PjRtCompiler must be constructed with a Client") and compiles again. Nothing here
-  is worth storing, so nothing is."""
-  key = "jax_persistent_cache_min_compile_time_secs"
-  old = jax.config.values[key]
-  jax.config.update(key, 1e9)
-  yield
-  jax.config.update(key, old)
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
