@@ -39,6 +39,7 @@ RESUMABLE = (
     ("model.dtype", "compute dtype"),
     ("model.moe_impl", "MoE implementation"),
     ("model.ep_transport", "expert-parallel transport"),
+    ("model.ep_round_load", "expert exchange's round size (same values)"),
     ("model.attention_impl", "attention implementation"),
     ("model.activation_storage", "activation storage"),
     ("model.offload", "activation offload"),

@@ -76,6 +76,7 @@ def model_config():
       param_dtype="float32",
       moe_impl="auto",                # k2jax.kernels.routed_experts: auto | blocked | ragged | capacity | pallas_gpu | tokamax | dense
       ep_transport="auto",            # expert-parallel all-to-all: auto | ragged | bucketed | padded
+      ep_round_load=2.0,              # ragged: a device receives at most this x its balanced rows at once; more runs in rounds
       remat="none",                   # none | selective (report 2.4.3) | full
       activation_storage="model",     # model | fp8: MoE up-projection / SwiGLU inputs kept in E4M3 (2.4.3)
       offload=False,                  # saved activations the remat policy keeps go to host memory (2.4.3)

@@ -26,9 +26,11 @@ it runs, and the worst case receives ep x A rows: on K2 (16 shards, A = 32,768) 
 [rows, d] buffer, and with its SwiGLU intermediates, outputs and the backward's recompute
 ~29 GiB of a train step's 128 GiB of temporaries per TPU v5p chip, for a branch that almost
 never runs. So every capacity c above a bound B runs as R = ceil(c / B) rounds of B
-received rows each. B is the largest of the other sizes (4 A, `buckets.FACTORS`): the
-rounds reserve no larger buffer than a branch already does, and the worst case takes
-ceil(ep / 4) rounds (4 on K2). Device d's incoming stream is the senders' slices in order,
+received rows each: B = model.ep_round_load x A (2 by default), and the worst case takes
+ceil(ep / 2) rounds (8 on K2). The bound sets the largest buffers XLA reserves, so it is the
+knob between memory and the rounds a skewed load costs (loads up to B run in one shot): on
+the 32k preset (v5p 8x16x16) a bound of 4 A left the step at 132.82 GiB of temporaries, 2 A
+at 98.47. Device d's incoming stream is the senders' slices in order,
 sender s's starting at land[s, d] = sum_{s' < s} counts[s', d]; round r takes the window
 [r B, (r + 1) B) of every stream: s sends rows [lo, hi) of its d-bound slice,
 
@@ -74,7 +76,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from k2jax.kernels import grouped_matmul, platform
-from k2jax.kernels.buckets import FACTORS, capacities, choose
+from k2jax.kernels.buckets import capacities, choose
 from k2jax.kernels.fp8 import dequantize, quantize
 from k2jax.kernels.pallas_utils import cotangent_for, varying_like
 
@@ -416,7 +418,7 @@ _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport: str = "auto",
                        fp8_storage: bool = False, keep: bool = True, ragged_all_to_all=None,
-                       round_rows: int | None = None):
+                       round_load: float = 2.0, round_rows: int | None = None):
   """Routed-expert output for local tokens x [N, d] with global expert ids idx [N, k].
 
   Args:
@@ -431,8 +433,9 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
     keep: keep the smallest capacity's residuals for the backward pass; False: every
       backward pass recomputes its exchange (the least memory, the most work).
     ragged_all_to_all: override for lax.ragged_all_to_all (a CPU emulation in tests).
-    round_rows: ragged: the most rows one round receives; a larger capacity runs in rounds
-      of this many (default: the largest factor's capacity, 4 x A; tests shrink it).
+    round_load: ragged: the most rows one round receives, in multiples of the balanced load
+      A (model.ep_round_load); a larger capacity runs in rounds of that many.
+    round_rows: the same in rows, overriding round_load (tests shrink it).
   Returns:
     [N, d]: sum_k w[n, k] * expert_{idx[n, k]}(x[n]).
   """
@@ -460,7 +463,7 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
   if transport != "ragged":
     bound = caps[-1]            # no rounds: CPU reference paths (the module docstring)
   else:
-    bound = round_rows or capacities(ep * A, ep, FACTORS[-1:])[0]
+    bound = round_rows or capacities(ep * A, ep, (round_load,))[0]
   plan = _Plan(transport, axis, caps, 0, fp8_storage, ragged_all_to_all
                or jax.lax.ragged_all_to_all, bound)
   # The smallest capacity keeps its residuals (kernels/buckets.py: 1.25x the balanced load,

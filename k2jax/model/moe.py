@@ -102,7 +102,8 @@ def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
     y = experts_all_to_all(p["experts"], x2d, idx, w, ep_axis,
                            sync_axes=tuple(a for a in batch_axes if a != ep_axis),
                            transport=cfg.ep_transport,
-                           fp8_storage=cfg.activation_storage == "fp8")
+                           fp8_storage=cfg.activation_storage == "fp8",
+                           round_load=cfg.get("ep_round_load", 2.0))
   else:
     e = p["experts"]
     y = routed_experts(x2d, idx, w, e["gate"], e["up"], e["down"], impl=cfg.moe_impl,
