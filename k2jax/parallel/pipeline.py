@@ -725,12 +725,12 @@ class _Slots(NamedTuple):
 
 
 def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: bool,
-         stage_params, on, pre_params, head, mb, tokens):
+         stage_params, on, pre_params, head, mb, aux_weight):
   """Inside shard_map (pipeline manual). offload: residual slots in host memory (`_Slots`).
   stage_params: this device's [V L, ...] stored rows;
   on [V L] bool (real layers); pre_params {"embed", dense stacks}; head {"final_norm",
-  "lm_head": this device's [D, vocab / P] columns}; mb: microbatches [M, mb, T]; tokens [M]:
-  the weight of each microbatch's aux loss (the batch's loss tokens / M, as in k2jax.step's
+  "lm_head": this device's [D, vocab / P] columns}; mb: microbatches [M, mb, T]; aux_weight:
+  every microbatch's aux loss weight (the batch's loss tokens / M, as in k2jax.step's
   accumulation)."""
   Pn, V, L = sp.stages, sp.virtual, sp.per_stage
   p = jax.lax.axis_index(AXIS)
@@ -748,7 +748,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
 
   def stage_out(pv, x, v, m, mbs=mb):
     y, (ml, load, aux) = stage(pv, on[v], x, mbs["positions"][m], mbs["segment_ids"][m])
-    aux = jnp.sum(aux) * tokens[m] if moe else jnp.zeros((), jnp.float32)
+    aux = jnp.sum(aux) * aux_weight if moe else jnp.zeros((), jnp.float32)
     return (y, aux), (ml, load)
 
   def pre(pp, m, mbs=mb):
@@ -771,7 +771,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     pl0 = jax.tree.map(lambda a: a[0, 0], params)
     x_aval = jax.ShapeDtypeStruct(act_shape, dt)
     layer_fn, saved_l, layer_res, cut_fn = _split_layer(
-        cfg, sp.stack.ffn, pl0, x_aval, mb["positions"][0], mb["segment_ids"][0], tokens[0])
+        cfg, sp.stack.ffn, pl0, x_aval, mb["positions"][0], mb["segment_ids"][0], aux_weight)
     w_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(pl0)]
     n_w = len(w_avals)
     early = [i for i in range(n_w) if i not in cut_fn.late]
@@ -783,7 +783,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
 
     def layer_fwd(pl, x, m):
       return saved_l.vjp(
-          lambda a, b: layer_fn(a, b, mb["positions"][m], mb["segment_ids"][m], tokens[m]),
+          lambda a, b: layer_fn(a, b, mb["positions"][m], mb["segment_ids"][m], aux_weight),
           pl, x, has_aux=True)
 
     def forward(pv, x, v, m):
@@ -1125,7 +1125,7 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   mask = mb["loss_mask"].astype(jnp.float32)
   # each microbatch's aux loss (a mean over its sequences) weighs N / M, N the batch's loss
   # tokens: the objective of the whole batch at once, whatever the split (k2jax.step._grads)
-  tokens = jnp.full((M,), jnp.sum(mask) / M)
+  aux_weight = jnp.sum(mask) / M
   stack = params[sp.stack.name]
   pre_names = ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]
   pre_params = {k: params[k] for k in pre_names}
@@ -1147,7 +1147,7 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
       axis_names={AXIS},
       check_vma=False)
   ce, aux, mx, load, pre_max, g_head, g_pre, g_stage = run(stack, on, pre_params, head, mb,
-                                                           tokens)
+                                                           aux_weight)
   # Summed over the pipeline axis outside the shard_map: only stage 0 (embedding, dense
   # layers) and the last device (the final norm) hold non-zeros. A psum inside it of arrays
   # sharded over the automatic axes (the vocab over `expert`) crashes XLA's SPMD
