@@ -32,9 +32,9 @@ shapes 0.4x the table's all-gather, per microbatch).
 The forward equals jnp.take bit for bit. Cotangents travel in the model dtype and are summed
 in float32 (or the table's dtype where wider): autodiff widens them to the table's dtype
 before its scatter-add, so the sum is at least as precise. Ids outside [0, V) add nothing
-(and read zeros where the table is split; jnp.take's NaN elsewhere). A table whose rows the expert group does not divide is stored whole
-(sharding_rules.param_spec): its forward is a local gather, and for the backward its rows
-are padded to ep Vl and the gradient sliced back. Without an expert axis the tokens already
+(and read zeros where the table is split; jnp.take's NaN elsewhere). A table whose rows the
+expert group does not divide is stored whole (sharding_rules.param_spec): its forward is a
+local gather, and for the backward its rows are padded to ep Vl and the gradient sliced back. Without an expert axis the tokens already
 sit with every row they need: plain jnp.take and its autodiff.
 """
 
@@ -58,6 +58,11 @@ class _Plan(NamedTuple):
   ep: int                # devices in the expert group
   tokens: tuple          # mesh axes the tokens (leading dim of ids) are split over
   rounds: int            # chunks the rows go in (0: as many as the expert group's devices)
+
+  @property
+  def rows(self) -> int:
+    """Vl = ceil(V / ep): the rows of each expert shard's slice."""
+    return -(-self.vocab // self.ep)
 
 
 def _axis(names):
@@ -86,8 +91,7 @@ def _routes(plan, ids):
   (dest [R, c]: the expert shard holding each one's row, ep where none does; at [R, ep, c]:
   the rows of this shard's slice that round k's s-th id of each sender asks for, Vl where
   it asks none of this shard)."""
-  owners, ep = _axis(plan.owners), plan.ep
-  vl = -(-plan.vocab // ep)
+  owners, ep, vl = _axis(plan.owners), plan.ep, plan.rows
   n = ids.shape[0]
   R = min(plan.rounds or ep, n)
   c = -(-n // R)
@@ -133,8 +137,7 @@ def _scatter(plan, d: int, ct, ids):
   """Inside shard_map over plan.tokens: this device's cotangents ct [b, ..., d] of its ids
   [b, ...] -> the gradient of the expert shard's Vl rows, summed over the group and over
   the other token axes (module docstring)."""
-  owners, ep = _axis(plan.owners), plan.ep
-  vl = -(-plan.vocab // ep)
+  owners, ep, vl = _axis(plan.owners), plan.ep, plan.rows
   acc = jnp.promote_types(plan.table_dtype, jnp.float32)
   dest, at = _routes(plan, ids.reshape(-1))
   R, c = dest.shape
@@ -175,11 +178,10 @@ def _lookup_bwd(plan, dtype, ids, dx):
   del dtype
   d = dx.shape[-1]
   owners, tokens = _axis(plan.owners), _axis(plan.tokens)
-  vp = -(-plan.vocab // plan.ep) * plan.ep
   g = jax.shard_map(functools.partial(_scatter, plan, d), in_specs=(P(tokens), P(tokens)),
                     out_specs=P(owners), axis_names=set(plan.tokens))(dx, ids)
   # a table the group does not divide is stored whole: its padded rows sliced off
-  g = g[:plan.vocab] if vp != plan.vocab else g
+  g = g[:plan.vocab] if plan.rows * plan.ep != plan.vocab else g
   return g.astype(plan.table_dtype), None
 
 
