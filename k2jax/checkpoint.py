@@ -335,6 +335,14 @@ def load_run(workdir: str):
 
   Raises ValueError (one line) when the directory holds no run or no checkpoint.
   """
+  config, state, step = load_state(workdir)
+  log.info("loaded params of %s at step %d", os.path.abspath(workdir), step)
+  return config, state.params if hasattr(state, "params") else state["params"]
+
+
+def load_state(workdir: str):
+  """-> (config, whole train state, step) of the newest readable checkpoint of a k2jax.train
+  run, in the logical layout on this process's first device. ValueError as `load_run`."""
   import functools
 
   from k2jax import configs, optim
@@ -372,9 +380,6 @@ def load_run(workdir: str):
       errors.append(f"step {step}: {type(e).__name__}")
       continue
     manager.close()
-    state = r.state
-    params = state.params if hasattr(state, "params") else state["params"]
-    log.info("loaded params of %s at step %d", workdir, step)
-    return config, params
+    return config, r.state, step
   manager.close()
   raise ValueError(f"{workdir}: no checkpoint could be read ({'; '.join(errors)})")

@@ -99,21 +99,8 @@ def _save_state(workdir):
   WORKDIR/state.npz, keyed by tree path. Muon's and Adam's first moments are running sums of
   the gradients, so a wrong gradient leaf shows in its moment even where MuonClip's update,
   which ignores the gradient's scale, hides it from the losses."""
-  import orbax.checkpoint as ocp
-  from k2jax import configs, optim
-  from k2jax.step import init_state
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = configs.from_dict(json.load(f))
-  tx = optim.optimizer(config)
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
-      jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(0)))
-  manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
-                                  item_handlers={"state": ocp.StandardCheckpointHandler()})
-  state = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract))).state
-  manager.close()
+  from k2jax.checkpoint import load_state
+  _, state, _ = load_state(workdir)
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   np.savez(os.path.join(workdir, "state.npz"),
            **{jax.tree_util.keystr(p): np.asarray(a) for p, a in leaves})
