@@ -27,10 +27,13 @@ slots everything is kept in. The loop computes only what the table says:
     it in one tick (K2: the head is 2.2 layer forwards, more than a stage of 2 layers);
     its gradient is taken right there, and the cotangent waits in a buffer for that stage's B;
   - padding layers of an uneven split are skipped (`lax.cond` per layer);
-  - F keeps what the stage's backward needs as `model.remat` decides (jax.vjp residuals of
-    the layers under the remat policy: selective recomputation keeps what report 2.4.3
-    keeps, "full" only layer inputs), in the table's residual slots; B rebuilds the vjp
-    from them. Residuals that are the stage's weights are not copied into the buffers.
+  - F keeps what the stage's backward needs as `model.remat` decides (each layer's jax.vjp
+    residuals under the remat policy: selective recomputation keeps what report 2.4.3
+    keeps, "full" only layer inputs), in the table's residual slots; B rebuilds each
+    layer's vjp from them. Residuals that are the layer's weights are not copied into the
+    buffers. Every phase reads one layer's weights at a time from the device's rows and
+    adds that layer's weight gradients to the float32 sums in place (`_layer_at`): nothing
+    the size of a stage's weights or gradients exists beside them.
     With `model.offload` those slots are in host memory (`_Slots`; report 2.4.3): a tick
     moves the residuals its F made to the host and those its B needs back.
 
@@ -168,23 +171,24 @@ def _traced_overlay(cfg_json: str, P: int, V: int, data: int, expert: int, seq_l
     pre_params = {k: _param_avals(cfg, k) for k in
                   ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]}
     stage_params = _param_avals(cfg, sp.stack.name, sp.per_stage)
-    stage = _stage_fn(cfg, sp.stack.ffn, True)
+    layer = _layer_fn(cfg, sp.stack.ffn)
+    stats = (cfg.num_attention_heads, cfg.n_routed_experts if sp.stack.ffn == "moe" else 0)
     G = data * expert
 
     def probe(k):
       B = k * G
       tokens = jax.ShapeDtypeStruct((B, seq_len), jnp.int32)
       x = jax.ShapeDtypeStruct((B, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
-      on = jax.ShapeDtypeStruct((sp.per_stage,), jnp.bool_)
+      on = jax.ShapeDtypeStruct((1, sp.per_stage), jnp.bool_)
 
       def residuals(pp, sp_, t, x, on):
         pos, seg = _sequences(B, seq_len)
         pre = _Saved().vjp(lambda a: _pre(cfg, sp, a, t, pos, seg), pp, has_aux=True)[2]
-
-        def stage_out(a, b):
-          y, (ml, load, aux) = stage(a, on, b, pos, seg)
-          return (y, jnp.sum(aux)), (ml, load)
-        return pre, _Saved().vjp(stage_out, sp_, x, has_aux=True)[2]
+        rows = jax.tree.map(lambda a: a[None], sp_)             # [V = 1, L, ...]
+        one = jnp.ones((), jnp.float32)
+        res = _layer_residuals(layer, _Saved(), _layer_at(rows, 0, 0), x, pos, seg, one)
+        return pre, _stage_forward(layer, _Saved(), res, rows, 0, on, x, pos, seg, one, True,
+                                   stats)[2]
       return jax.eval_shape(residuals, pre_params, stage_params, tokens, x, on)
     return _plan_overlay(probe, G, G) is not None
 
@@ -296,41 +300,94 @@ def skip_of(config) -> str:
   return skip_mode() if skip == "auto" else skip
 
 
-def _stage_fn(cfg, ffn, skip_padding: bool):
-  """One stage: its layers in a scan under the remat policy; padding layers skipped
-  (`skip_padding`) or computed and discarded.
-  (p [L, ...], on [L], x, positions, segment_ids) -> (y, (max logits [L, H], load [L, E],
-  aux loss [L]))."""
-  H, E = cfg.num_attention_heads, cfg.n_routed_experts
-  moe = ffn == "moe"
+def _layer_at(params, v, l):
+  """Layer l of virtual stage v from a device's rows [V, L, ...]: a dynamic slice of the
+  stack, which XLA fuses into its consumers or copies one layer at a time. Slicing the whole
+  stage first (and scanning over the slice) made XLA:TPU copy the stage's weights in every
+  phase and stack the stage's weight gradients in a bf16 buffer of the stage's size before
+  adding them to the float32 sums: 7.9 of the 30.8 GiB live at the K2 step's peak (v5p
+  8x16x16, libtpu 0.0.42.1)."""
+  return jax.tree.map(lambda a: a[v, l], params)
 
-  def layer(x, p_on, positions, segment_ids):
-    p, on = p_on
 
-    def run(x):
-      y, (ml, ms) = transformer._block(cfg, ffn, x, p, positions, segment_ids)
-      if not moe:
-        return y, (ml, jnp.zeros((0,), jnp.float32), jnp.zeros((), jnp.float32))
-      return y, (ml, ms.expert_load, ms.aux_loss)
+def _add_at(g, v, l, grads, valid, idx=None):
+  """The float32 sums g [V, L, ...] (a list of leaves, or a tree with `idx` None) with
+  grads added at [v, l] where `valid` (leaves `idx` of g, in order, when given)."""
+  add = lambda a, b: a.at[v, l].add(jnp.where(valid, b.astype(a.dtype), 0.0))
+  if idx is None:
+    return jax.tree.map(add, g, grads)
+  g = list(g)
+  for i, b in zip(idx, grads):
+    g[i] = add(g[i], b)
+  return g
 
-    def skip(x):
-      return x, (jnp.full((H,), -jnp.inf, jnp.float32), jnp.zeros((E if moe else 0,)),
-                 jnp.zeros((), jnp.float32))
-    return _if_real(on, run, skip, skip_padding, x)
 
-  policy = remat_policy(cfg.remat, cfg.offload)
-  if policy is not None:
-    layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+def _stage_forward(layer, saved, res_avals, params, v, on, x, positions, segment_ids, weight,
+                   skip_padding: bool, stats):
+  """The F phase of virtual stage v: its layers one at a time (`_layer_at`), padding rows
+  (on [V, L] False) skipped (`skip_padding`) or computed and discarded. With `saved` (a
+  _Saved) each layer's vjp residuals are kept, stacked [L, ...] (one layer's: `res_avals`,
+  traced here where None).
+  stats: (heads, expert-load width) of the padding rows' statistics.
+  -> ((y, weighted aux-loss sum), (max logits [L, H], expert load [L, E]), residuals)."""
+  H, n_load = stats
+  if saved is not None and res_avals is None:
+    res_avals = _layer_residuals(layer, _Saved(), _layer_at(params, 0, 0), x, positions,
+                                 segment_ids, weight)
 
-  def stage(p, on, x, positions, segment_ids):
-    return jax.lax.scan(lambda x, po: layer(x, po, positions, segment_ids), x, (p, on))
-  return stage
+  def body(x, l):
+    pl = _layer_at(params, v, l)
+
+    def real(x):
+      if saved is None:
+        (y, aux), (ml, load) = layer(pl, x, positions, segment_ids, weight)
+        return y, aux, ml, load, []
+      (y, aux), (ml, load), res = saved.vjp(
+          lambda a, b: layer(a, b, positions, segment_ids, weight), pl, x, has_aux=True)
+      return y, aux, ml, load, res
+
+    def pad(x):
+      return (x, jnp.zeros((), jnp.float32), jnp.full((H,), -jnp.inf, jnp.float32),
+              jnp.zeros((n_load,), jnp.float32), _zeros(res_avals) if saved else [])
+    y, aux, ml, load, res = _if_real(on[v, l], real, pad, skip_padding, x)
+    return y, (aux, ml, load, res)
+  y, (aux, ml, load, res) = jax.lax.scan(body, x, jnp.arange(on.shape[1]))
+  return (y, jnp.sum(aux)), (ml, load), res
+
+
+def _stage_backward(saved, params, v, on, res, dy, g, valid, skip_padding: bool):
+  """The B phase of virtual stage v (schedules that do not split W): layer by layer from
+  the last, each one's vjp from its weights (`_layer_at`) and stored residuals (res [L,
+  ...]); its weight gradients go into the float32 sums g [V, L, ...] at [v, l] where
+  `valid`, in the loop, so no stage-sized gradient exists. -> (dx, g)."""
+  def body(carry, xs):
+    dy, g = carry
+    l, r = xs
+    pl = _layer_at(params, v, l)
+
+    def real(dy):
+      gp, dx = saved.vjp_of(pl, r)((dy, jnp.ones((), jnp.float32)))
+      return dx.astype(dy.dtype), gp
+
+    def pad(dy):
+      return dy, jax.tree.map(jnp.zeros_like, pl)
+    dx, gp = _if_real(on[v, l], real, pad, skip_padding, dy)
+    return (dx, _add_at(g, v, l, gp, valid)), None
+  (dx, g), _ = jax.lax.scan(body, (dy, g), (jnp.arange(on.shape[1]), res), reverse=True)
+  return dx, g
+
+
+def _layer_residuals(layer, saved, weights, x, positions, segment_ids, weight):
+  """The avals of what one layer's F keeps for its backward (`saved`'s stored leaves)."""
+  return jax.eval_shape(lambda pl, x: saved.vjp(
+      lambda a, b: layer(a, b, positions, segment_ids, weight), pl, x, has_aux=True)[2],
+      weights, x)
 
 
 def _layer_fn(cfg, ffn):
-  """One real layer for the split (zbh1) schedule, whose backward k2jax.parallel.bwsplit
-  cuts one layer at a time: (p, x, positions, segment_ids, aux weight) -> ((y, weighted aux
-  loss), (max logits [H], expert load [E])), under the remat policy."""
+  """One real layer of a stage, the unit every phase works on (its vjp; zbh1 cuts its
+  backward with k2jax.parallel.bwsplit): (p, x, positions, segment_ids, aux weight) ->
+  ((y, weighted aux loss), (max logits [H], expert load [E])), under the remat policy."""
   def layer(p, x, positions, segment_ids, weight):
     y, (ml, ms) = transformer._block(cfg, ffn, x, p, positions, segment_ids)
     if ffn != "moe":
@@ -553,9 +610,7 @@ def _split_layer(cfg, ffn, weights, x, positions, segment_ids, weight):
   traced at the shapes of `weights` and `x` -> (the layer, the _Saved its forward uses,
   its stored residuals' shapes, the Split). The cotangents are (dy, d aux loss)."""
   layer, saved = _layer_fn(cfg, ffn), _Saved()
-  res = jax.eval_shape(lambda pl, x: saved.vjp(
-      lambda a, b: layer(a, b, positions, segment_ids, weight), pl, x, has_aux=True)[2],
-      weights, x)
+  res = _layer_residuals(layer, saved, weights, x, positions, segment_ids, weight)
   w = jax.tree.leaves(weights)
   one = jax.ShapeDtypeStruct((), jnp.float32)
   cut = bwsplit.split(_split_fn(saved, weights, len(res), 2), len(w), len(w) + len(res),
@@ -738,7 +793,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   moe = sp.stack.ffn == "moe"
   dt = jnp.dtype(cfg.dtype)
   per_device = skip == "device"
-  stage = _stage_fn(cfg, sp.stack.ffn, per_device)
+  layer = _layer_fn(cfg, sp.stack.ffn)
+  stats = (H, E if moe else 0)
   params = jax.tree.map(lambda a: a.reshape((V, L) + a.shape[1:]), stage_params)
   on = on.reshape(V, L)
   fwd_ring = [(j, (j + 1) % Pn) for j in range(Pn)]
@@ -746,96 +802,78 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   act_shape = mb["inputs"].shape[1:] + (cfg.hidden_size,)
   n_pre = sum(s.size for s in transformer.stacks(cfg) if s != sp.stack)
 
-  def stage_out(pv, x, v, m, mbs=mb):
-    y, (ml, load, aux) = stage(pv, on[v], x, mbs["positions"][m], mbs["segment_ids"][m])
-    aux = jnp.sum(aux) * aux_weight if moe else jnp.zeros((), jnp.float32)
-    return (y, aux), (ml, load)
-
   def pre(pp, m, mbs=mb):
     return _pre(cfg, sp, pp, mbs["inputs"][m], mbs["positions"][m], mbs["segment_ids"][m])
 
-  at = lambda tree, v: jax.tree.map(lambda a: a[v], tree)
-  saved = _Saved()     # the stage's vjp: its residuals minus the stage's own weights
-
-  if not (grads and tab.split):
-    def forward(pv, x, v, m):
-      """-> (y, aux), stats, stored residual leaves."""
-      if not grads:
-        out, stats = stage_out(pv, x, v, m)
-        return out, stats, []
-      return saved.vjp(lambda a, b: stage_out(a, b, v, m), pv, x, has_aux=True)
-  else:
-    # zbh1: each layer's backward cut into B (input gradient) and W (weight gradients) by
-    # k2jax.parallel.bwsplit; F keeps every layer's vjp residuals ([L, ...] per leaf), B
-    # hands W the cut ([L, ...]), W reads both.
-    pl0 = jax.tree.map(lambda a: a[0, 0], params)
-    x_aval = jax.ShapeDtypeStruct(act_shape, dt)
-    layer_fn, saved_l, layer_res, cut_fn = _split_layer(
+  # Every phase works one layer at a time (`_layer_at`): F keeps each layer's vjp residuals
+  # minus its weights (`saved`), B / W take the weights again and add each layer's weight
+  # gradients to the sums in place. zbh1 cuts a layer's backward into B (input gradient)
+  # and W (weight gradients) with k2jax.parallel.bwsplit: B hands W the cut ([L, ...]).
+  pl0 = _layer_at(params, 0, 0)
+  x_aval = jax.ShapeDtypeStruct(act_shape, dt)
+  if grads and tab.split:
+    layer, saved, layer_res, cut_fn = _split_layer(
         cfg, sp.stack.ffn, pl0, x_aval, mb["positions"][0], mb["segment_ids"][0], aux_weight)
     w_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(pl0)]
-    n_w = len(w_avals)
-    early = [i for i in range(n_w) if i not in cut_fn.late]
+    early = [i for i in range(len(w_avals)) if i not in cut_fn.late]
     log.info("pipeline (zbh1): W takes %.0f%% of a layer's backward matmul FLOPs (B %.3g, "
              "W %.3g); %d of %d weight gradients in W; B hands W %.3g MB per layer",
              100 * cut_fn.flops["W"] / max(cut_fn.flops["B"] + cut_fn.flops["W"], 1),
-             cut_fn.flops["B"], cut_fn.flops["W"], len(cut_fn.late), n_w,
+             cut_fn.flops["B"], cut_fn.flops["W"], len(cut_fn.late), len(w_avals),
              sum(math.prod(a.shape) * a.dtype.itemsize for a in cut_fn.cut_avals) / 1e6)
+  elif grads:
+    saved = _Saved()
+    layer_res = _layer_residuals(layer, saved, pl0, x_aval, mb["positions"][0],
+                                 mb["segment_ids"][0], aux_weight)
+  else:
+    saved, layer_res = None, []
 
-    def layer_fwd(pl, x, m):
-      return saved_l.vjp(
-          lambda a, b: layer_fn(a, b, mb["positions"][m], mb["segment_ids"][m], aux_weight),
-          pl, x, has_aux=True)
+  def forward(x, v, m, mbs=mb, keep=None):
+    """-> ((y, aux), (max logits, load), stored residual leaves [L, ...])."""
+    return _stage_forward(layer, keep or saved, None if keep else layer_res, params, v, on,
+                          x, mbs["positions"][m], mbs["segment_ids"][m], aux_weight,
+                          per_device, stats)
 
-    def forward(pv, x, v, m):
-      def body(x, xs):
-        pl, on_l = xs
+  def backward(res, dy, v, valid, g):
+    """zbh1's B -> (dx, cut [L, ...], g with the early weight gradients added)."""
+    def body(carry, xs):
+      dy, g = carry
+      l, r = xs
+      pl = _layer_at(params, v, l)
 
-        def real(x):
-          (y, aux), (ml, load), res = layer_fwd(pl, x, m)
-          return y, aux, ml, load, res
+      def real(dy):
+        dx, e, cut = cut_fn.b(*jax.tree.leaves(pl), *r, dy, jnp.ones((), jnp.float32))
+        return dx[0].astype(dt), [e[i] for i in early], cut
 
-        def pad(x):
-          return (x, jnp.zeros((), jnp.float32), jnp.full((H,), -jnp.inf, jnp.float32),
-                  jnp.zeros((E if moe else 0,), jnp.float32),
-                  _zeros(layer_res))
-        y, aux, ml, load, res = _if_real(on_l, real, pad, per_device, x)
-        return y, (aux, ml, load, res)
-      y, (aux, ml, load, res) = jax.lax.scan(body, x, (pv, on[v]))
-      return (y, jnp.sum(aux)), (ml, load), res
+      def pad(dy):
+        return dy, _zeros([w_avals[i] for i in early]), _zeros(cut_fn.cut_avals)
+      dx, e, cut = _if_real(on[v, l], real, pad, per_device, dy)
+      return (dx, _add_at(g, v, l, e, valid, early)), cut
+    leaves, tree = jax.tree.flatten(g)
+    (dx, leaves), cut = jax.lax.scan(body, (dy, leaves), (jnp.arange(L), res), reverse=True)
+    return dx, cut, jax.tree.unflatten(tree, leaves)
 
-    def backward(pv, res, dy, v):
-      """-> (dx, early weight gradients [L, ...] (indices `early`), cut [L, ...])."""
-      def body(dy, xs):
-        pl, on_l, r = xs
+  def weights_grad(res, cut, v, valid, g):
+    """zbh1's W: g with the late weight gradients (cut_fn.late) of stage v added."""
+    def body(leaves, xs):
+      l, r, c = xs
+      pl = _layer_at(params, v, l)
 
-        def real(dy):
-          dx, e, cut = cut_fn.b(*jax.tree.leaves(pl), *r, dy, jnp.ones((), jnp.float32))
-          return dx[0].astype(dt), [e[i] for i in early], cut
+      def real():
+        gw = cut_fn.w(list(jax.tree.leaves(pl)) + list(r), c)
+        return [gw[i] for i in cut_fn.late]
 
-        def pad(dy):
-          return dy, _zeros([w_avals[i] for i in early]), _zeros(cut_fn.cut_avals)
-        dx, e, cut = _if_real(on_l, real, pad, per_device, dy)
-        return dx, (e, cut)
-      dx, (e, cut) = jax.lax.scan(body, dy, (pv, on[v], res), reverse=True)
-      return dx, e, cut
-
-    def weights_grad(pv, res, cut, v):
-      """-> the weight gradients W makes, [L, ...] (indices cut_fn.late)."""
-      def body(_, xs):
-        pl, on_l, r, c = xs
-
-        def real():
-          g = cut_fn.w(list(jax.tree.leaves(pl)) + list(r), c)
-          return [g[i] for i in cut_fn.late]
-
-        def pad():
-          return _zeros([w_avals[i] for i in cut_fn.late])
-        return None, _if_real(on_l, real, pad, per_device)
-      return jax.lax.scan(body, None, (pv, on[v], res, cut))[1]
+      def pad():
+        return _zeros([w_avals[i] for i in cut_fn.late])
+      return _add_at(leaves, v, l, _if_real(on[v, l], real, pad, per_device), valid,
+                     cut_fn.late), None
+    leaves, tree = jax.tree.flatten(g)
+    leaves = jax.lax.scan(body, leaves, (jnp.arange(L), res, cut))[0]
+    return jax.tree.unflatten(tree, leaves)
 
   # Shapes of one F phase's outputs, for the buffers and the idle branch.
   x0 = jnp.zeros(act_shape, dt)
-  f_shapes = jax.eval_shape(lambda pv, x: forward(pv, x, 0, 0), at(params, 0), x0)
+  f_shapes = jax.eval_shape(lambda x: forward(x, 0, 0), x0)
   res_shapes = f_shapes[2]
   slots = tab.sizes
   # Stage 0 keeps the prefix's residuals in its unused residual slot (`_Overlay`) when it
@@ -859,8 +897,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       mbs = jax.tree.map(lambda a: jnp.zeros((1, k * a.shape[1]) + a.shape[2:], a.dtype), mb)
       xk = jnp.zeros((k * act_shape[0],) + act_shape[1:], dt)
       pre_res = _Saved().vjp(lambda pp: pre(pp, 0, mbs), pre_params, has_aux=True)[2]
-      stage_res = _Saved().vjp(lambda a, b: stage_out(a, b, 0, 0, mbs), at(params, 0), xk,
-                               has_aux=True)[2]
+      stage_res = forward(xk, 0, 0, mbs, keep=_Saved())[2]
       return pre_res, stage_res
     overlay = _plan_overlay(lambda k: jax.eval_shape(functools.partial(probe, k)),
                             act_shape[0], G, pre_shapes, res_shapes)
@@ -880,7 +917,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     nbytes = lambda t: sum(_nbytes(a) for a in jax.tree.leaves(t))
     log.info("pipeline: a stage keeps %.3g MB for its backward (model.remat=%s; its %.3g MB "
              "of weights are not copied), %d slots per device in %s memory",
-             nbytes(res_shapes) / 1e6, cfg.remat, nbytes(at(params, 0)) / 1e6, slots["res"],
+             nbytes(res_shapes) / 1e6, cfg.remat, nbytes(params) / V / 1e6, slots["res"],
              "host" if offload else "device")
     if tab.split:
       log.info("pipeline (zbh1): what B hands W waits in %d slots of %.3g MB per device",
@@ -892,7 +929,6 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
 
   def f_phase(args):
     v, m, valid, flags, act, acc = args
-    pv = at(params, v)
     first = (p == 0) & (v == 0)
     no_pre = lambda: (act, jnp.full((n_pre, H), -jnp.inf, jnp.float32))
     if overlay is None:
@@ -902,7 +938,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
                                    lambda: (*no_pre(), _zeros(list(overlay.pre))))
     x = jnp.where(first, x, act)
     pre_max = jnp.where(first & valid, pre_max, -jnp.inf)
-    (y, aux), (ml, load), res = forward(pv, x, v, m)
+    (y, aux), (ml, load), res = forward(x, v, m)
     if overlay is not None:
       res = overlay.write(first, pre_res, [_bits(a) for a in res])
     new = dict(aux=acc["aux"] + aux, mx=acc["mx"].at[v].max(ml),
@@ -934,31 +970,17 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   def head_idle(args):
     return jnp.zeros_like(args[0]), args[-1]
 
-  def add_leaves(tree, idx, values, where):
-    """tree's leaves idx += values where `where` (a bool scalar)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    for i, g in zip(idx, values):
-      leaves[i] = leaves[i] + jnp.where(where, g.astype(leaves[i].dtype), 0.0)
-    return jax.tree.unflatten(treedef, leaves)
-
-  def add_grads(g_stage, v, valid, grads_at, idx):
-    """g_stage[v] += grads (leaves `idx` of the stage's parameter tree) where valid."""
-    leaves, treedef = jax.tree.flatten(g_stage)
-    for i, g in zip(idx, grads_at):
-      leaves[i] = leaves[i].at[v].add(jnp.where(valid, g.astype(leaves[i].dtype), 0.0))
-    return jax.tree.unflatten(treedef, leaves)
-
   def b_phase(args):
     v, m, valid, flags, dy, res, acc = args
-    pv = at(params, v)
+    g = acc["g_stage"]
     cut = None
     first = (p == 0) & (v == 0) & valid
     f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.float32), t)
     no_g_pre = lambda: jax.tree.map(jnp.zeros_like, acc["g_pre"])
     if tab.split:
-      dx, e, cut = backward(pv, res, dy, v)
+      dx, cut, g = backward(res, dy, v, valid, g)
     elif overlay is None:
-      gp, dx = saved.vjp_of(pv, res)((dy, jnp.ones((), jnp.float32)))
+      dx, g = _stage_backward(saved, params, v, on, res, dy, g, valid, per_device)
     else:
       # Stage 0 holds only padding (identity): its input's cotangent is dy, and the
       # prefix's vjp comes from the bytes its F kept (`_Overlay`). The stage's own vjp
@@ -966,26 +988,23 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       # expert exchange among them) and could take collectives its peers do not.
       def stage0():
         vjp = pre_saved.vjp_of(pre_params, overlay.read(res))
-        return dy, jax.tree.map(jnp.zeros_like, pv), f32(vjp(dy)[0])
+        return dy, g, f32(vjp(dy)[0])
 
       def stage():
         kept = [_unbits(a, t) for a, t in zip(res[:len(typed)], typed)]
-        gp, dx = saved.vjp_of(pv, kept)((dy, jnp.ones((), jnp.float32)))
-        return dx, gp, no_g_pre()
-      dx, gp, g_pre = jax.lax.cond(first, stage0, stage)
+        return (*_stage_backward(saved, params, v, on, kept, dy, g, valid, per_device),
+                no_g_pre())
+      dx, g, g_pre = jax.lax.cond(first, stage0, stage)
 
     def pre_grads():   # float32 like the accumulator, whatever the params' dtype
       _, vjp = jax.vjp(lambda pp: pre(pp, m)[0], pre_params)
       return f32(vjp(dx)[0])
     if overlay is None:
       g_pre = branch(first, flags["pre"], pre_grads, no_g_pre)
-    acc = dict(acc, g_pre=jax.tree.map(lambda a, g: a + jnp.where(first, g, 0.0),
-                                       acc["g_pre"], g_pre))
+    acc = dict(acc, g_stage=g, g_pre=jax.tree.map(lambda a, g: a + jnp.where(first, g, 0.0),
+                                                  acc["g_pre"], g_pre))
     if tab.split:
-      acc["g_stage"] = add_grads(acc["g_stage"], v, valid, e, early)
       return dx.astype(dt), cut, acc
-    acc["g_stage"] = jax.tree.map(
-        lambda a, g: a.at[v].add(jnp.where(valid, g.astype(a.dtype), 0.0)), acc["g_stage"], gp)
     return dx.astype(dt), acc
 
   def b_idle(args):
@@ -995,8 +1014,7 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
 
   def w_phase(args):
     v, valid, res, cut, acc = args
-    g = weights_grad(at(params, v), res, cut, v)
-    return dict(acc, g_stage=add_grads(acc["g_stage"], v, valid, g, cut_fn.late))
+    return dict(acc, g_stage=weights_grad(res, cut, v, valid, acc["g_stage"]))
 
   def w_idle(args):
     return args[-1]
