@@ -3,11 +3,15 @@ against plan's (compile only, on any machine with libtpu: `pip install -e ".[tpu
 
     python experiments/compile_tpu.py                       # every row (long on 2 cores)
     python experiments/compile_tpu.py --rows tiny_v5e,k2_preset_no_offload
+    python experiments/compile_tpu.py --rows k2_preset,k2_long_context --memory_only
 
 Each row runs `python -m k2jax.compile ... --json` in its own process (a libtpu abort ends
 that row only) and adds one line to experiments/results/compile/compile_tpu.csv: whether
 XLA compiled it (or its one-line refusal), XLA's device and host bytes per chip, plan's,
-their ratio, and the compile time on this machine.
+their ratio, and the compile time on this machine. With --memory_only each compile stops at
+XLA's buffer assignment (`k2jax.compile --memory_only`): the device figure is then the
+device memory space's total, and the note gives XLA's out-of-memory check (arguments +
+temporary heap).
 """
 
 import argparse
@@ -40,7 +44,7 @@ ROWS = {   # name: (preset, topology, overrides)
 }
 
 
-def run(name, preset, topology, overrides, timeout):
+def run(name, preset, topology, overrides, timeout, memory_only=False):
   with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "fig.json")
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
@@ -48,7 +52,8 @@ def run(name, preset, topology, overrides, timeout):
     t0 = time.perf_counter()
     try:
       r = subprocess.run([sys.executable, "-m", "k2jax.compile", "--config", preset,
-                          "--topology", topology, "--json", path, *overrides],
+                          "--topology", topology, "--json", path, *overrides,
+                          *(["--memory_only"] if memory_only else [])],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
       fig = json.load(open(path)) if os.path.exists(path) else None
       note = r.stderr.strip().splitlines()[-1] if r.returncode and r.stderr.strip() else ""
@@ -59,7 +64,9 @@ def run(name, preset, topology, overrides, timeout):
              compiled=bool(fig and fig.get("compiled")), seconds=round(seconds))
   if fig and fig.get("compiled"):
     dev, host = fig["xla_device"], fig["xla_host"]
-    row.update(xla_device_gb=dev["peak"] / GB, xla_temporaries_gb=dev["temporaries"] / GB,
+    temporaries = dev["temporaries"] if "temporaries" in dev else dev["heap"] + dev[
+        "thread_local"]
+    row.update(xla_device_gb=dev["peak"] / GB, xla_temporaries_gb=temporaries / GB,
                xla_arguments_gb=dev["arguments"] / GB, xla_host_gb=host["peak"] / GB,
                plan_device_gb=(fig["plan_device"] or 0) / GB,
                plan_host_gb=(fig["plan_host"] or 0) / GB, hbm_gb=(fig["hbm"] or 0) / GB,
@@ -67,6 +74,12 @@ def run(name, preset, topology, overrides, timeout):
     row["device_ratio"] = row["xla_device_gb"] / row["plan_device_gb"] if row[
         "plan_device_gb"] else ""
     row["host_ratio"] = row["xla_host_gb"] / row["plan_host_gb"] if row["plan_host_gb"] else ""
+    if fig.get("stage") == "buffer assignment":
+      row["refusal"] = (
+          f"buffer assignment only (k2jax.compile --memory_only): XLA's out-of-memory check "
+          f"(arguments + heap) {dev['check'] / GB:.2f} GB ({dev['check'] / 2**30:.2f} GiB), "
+          f"plan / check {(fig['plan_device'] or 0) / dev['check']:.2f}; heap "
+          f"{dev['heap'] / 2**30:.2f} GiB, thread-local {dev['thread_local'] / 2**30:.2f} GiB")
   else:
     row["refusal"] = (fig or {}).get("refusal") or note
   return row
@@ -78,6 +91,8 @@ def main():
   p.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
   p.add_argument("--timeout", type=int, default=3600, help="seconds per compile")
   p.add_argument("--out", default=os.path.join(OUT, "compile_tpu.csv"))
+  p.add_argument("--memory_only", action="store_true",
+                 help="stop each compile at XLA's buffer assignment (k2jax.compile)")
   args = p.parse_args()
   names = [n for n in args.rows.split(",") if n]
   unknown = [n for n in names if n not in ROWS]
@@ -93,7 +108,7 @@ def main():
   print(f"{'row':<28}{'XLA dev GB':>11}{'plan GB':>9}{'ratio':>7}{'XLA host':>10}"
         f"{'plan host':>10}{'HBM':>7}{'s':>6}")
   for name in names:
-    row = run(name, *ROWS[name], args.timeout)
+    row = run(name, *ROWS[name], args.timeout, args.memory_only)
     with open(args.out, "a", newline="") as f:
       w = csv.DictWriter(f, fields)
       if new:

@@ -15,14 +15,21 @@ analysis of the compiled program is the truth for memory (DESIGN.md); it is prin
 
 A config XLA refuses ends in one line: XLA's reason and the k2jax source line of the
 instruction it names, exit code 1 (a config the trainer itself refuses: exit code 2).
+
+`--memory_only` stops once XLA has placed every buffer (its buffer assignment, where its
+out-of-memory check runs) and reads the figures from there: for K2 on 2,048 chips that is
+a minute or two on a small machine, where code generation takes longer than the rest.
 """
 
 import argparse
 import copy
+import glob
 import math
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -148,6 +155,81 @@ def compile_step(config, devices, dump: str | None = None) -> Compiled:
                   platform, hbm_bytes(devices[0]))
 
 
+# Colors of XLA:TPU's memory spaces in a buffer assignment (libtpu 0.0.42.1): 0 is HBM,
+# 5 host memory (its memory-usage report calls it cmem); the others are on-chip scratch.
+_DEVICE_COLOR, _HOST_COLOR = 0, 5
+_ALLOCATION = re.compile(r"allocation \d+: size (\d+)(.*)")
+
+
+def buffer_assignment(text: str) -> tuple[dict, dict]:
+  """(device, host) bytes of XLA's dumped buffer assignment
+  (`*after_optimizations-buffer-assignment.txt`) by kind: arguments (the entry parameters),
+  heap (the preallocated temporaries: XLA packs every temporary into one heap) and
+  thread_local (buffers of computations XLA:TPU runs on the host: at K2 the part of the Muon
+  update beside host-resident optimizer states). check: what XLA's out-of-memory check
+  counts, arguments + heap (its "HLO temporaries" in the refusals of the 32k step, to the
+  hundredth of a GiB); peak: all three, the device memory space's total."""
+  out = {c: dict(arguments=0, heap=0, thread_local=0) for c in (_DEVICE_COLOR, _HOST_COLOR)}
+  for line in text.splitlines():
+    m = _ALLOCATION.match(line)
+    if not m:
+      continue
+    size, rest = int(m.group(1)), m.group(2)
+    c = re.search(r"color (\d+)", rest)
+    color = int(c.group(1)) if c else 0
+    kind = ("arguments" if "parameter" in rest else "heap" if "preallocated-temp" in rest
+            else "thread_local" if "thread-local" in rest else None)
+    if kind and color in out:
+      out[color][kind] += size
+  for d in out.values():
+    d["check"] = d["arguments"] + d["heap"]
+    d["peak"] = d["check"] + d["thread_local"]
+  return out[_DEVICE_COLOR], out[_HOST_COLOR]
+
+
+def until_buffer_assignment(argv, timeout: float = 3600, poll: float = 2.0,
+                            grace: float = 10.0):
+  """Run `python -m k2jax.compile *argv` (without --memory_only) in a child process that
+  dumps XLA's passes, and stop it once the buffer assignment is written and XLA's
+  out-of-memory check has had `grace` seconds to refuse it. -> (device, host, seconds) from
+  `buffer_assignment`, or (None, the child's last k2jax.compile line, seconds) where the
+  child ended with an error (XLA refused the step)."""
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix="k2jax-compile-") as d:
+    env = dict(os.environ)
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    err = os.path.join(d, "stderr")
+    with open(err, "w") as e:
+      child = subprocess.Popen([sys.executable, "-m", "k2jax.compile", *argv, "--no_plan",
+                                "--dump", os.path.join(d, "xla")],
+                               stdout=subprocess.DEVNULL, stderr=e, env=env)
+    try:
+      while True:
+        # the memory-usage report is written after the buffer assignment is complete
+        done = glob.glob(os.path.join(d, "xla", "*jit_train_step*memory-usage-report.txt"))
+        if done or child.poll() is not None or time.perf_counter() - t0 > timeout:
+          break
+        time.sleep(poll)
+      if done:   # XLA's out-of-memory check runs right after: a refusal ends the child
+        try:
+          child.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+          pass
+        done = child.returncode in (None, 0)
+    finally:
+      child.kill()
+      child.wait()
+    seconds = time.perf_counter() - t0
+    found = glob.glob(os.path.join(d, "xla",
+                                   "*jit_train_step*after_optimizations-buffer-assignment.txt"))
+    if done and found:
+      with open(found[0]) as f:
+        return (*buffer_assignment(f.read()), seconds)
+    lines = [ln for ln in open(err).read().splitlines() if ln.startswith("k2jax.compile")]
+    return None, (lines[-1] if lines else f"k2jax.compile: no buffer assignment in "
+                  f"{seconds:.0f} s"), seconds
+
+
 _SOURCE = re.compile(r"(k2jax/[\w/]+\.py|kernels/[\w/]+\.py)[\":, line]*(\d+)")
 
 
@@ -190,6 +272,36 @@ def table(name: str, topology: str, config, result: Compiled, est) -> str:
   return "\n".join(lines)
 
 
+def assignment_table(name: str, topology: str, config, result: Compiled, est) -> str:
+  """`table` for figures read from XLA's buffer assignment (`--memory_only`)."""
+  d, h = result.device, result.host
+  mesh = ", ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES)
+  n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
+  lines = [f"{name}: XLA's buffer assignment of the train step for {topology} ({n} x "
+           f"{result.kind}; mesh {mesh}) in {result.seconds:.0f} s (code generation not run)",
+           f"{'per device':<34}{'XLA GB':>10}{'plan GB':>10}{'XLA / plan':>12}"]
+
+  def row(label, xla, planned=None):
+    ratio = f"{xla / planned:>12.2f}" if planned else ""
+    lines.append(f"  {label:<32}{xla / GB:>10.2f}"
+                 f"{(f'{planned / GB:>10.2f}' if planned is not None else ''):>10}{ratio}")
+  row("arguments (state, batch)", d["arguments"])
+  row("temporary heap", d["heap"])
+  row("out-of-memory check (both)", d["check"], est.device if est else None)
+  row("thread-local (host-run code)", d["thread_local"])
+  row("device memory space", d["peak"], est.device if est else None)
+  row("host", h["peak"], est.host if est else None)
+  if result.hbm:
+    share = d["peak"] / result.hbm
+    verdict = ("fits" if share <= ROOM else
+               f"fits, but above {ROOM:.0%} of HBM: little room to run" if share <= 1 else
+               "does NOT fit")
+    lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / GIB:.2f} GiB, XLA's "
+                 f"figure): XLA's check {d['check'] / result.hbm:.0%} of it, the device "
+                 f"memory space {share:.0%}: {verdict}")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m k2jax.compile", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,9 +316,12 @@ def main(argv=None):
                  help="directory for XLA's dump of the compiled step: its HLO, buffer "
                  "assignment and memory-usage report (what the temporaries are)")
   p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+  p.add_argument("--memory_only", action="store_true",
+                 help="stop at XLA's buffer assignment (where its out-of-memory check runs) "
+                 "and report its figures from there, without code generation")
   try:
     from k2jax.params import parse_config
-    args, config, _ = parse_config("k2jax.compile", p, argv)
+    args, config, overrides = parse_config("k2jax.compile", p, argv)
     devices = topology_devices(args.topology)
     if args.topology != "local":
       # a compile-only client's executables go into JAX's persistent cache but cannot be
@@ -226,6 +341,23 @@ def main(argv=None):
   except ValueError as e:
     print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
     raise SystemExit(2)
+  if args.memory_only:
+    device, host, seconds = until_buffer_assignment(
+        ["--config", args.config, "--topology", args.topology, *overrides])
+    if device is None:
+      line = host.removeprefix("k2jax.compile: ")
+      if args.json:
+        _write_json(args.json, dict(config=args.config, topology=args.topology,
+                                    compiled=False, refusal=line))
+      print(f"k2jax.compile: {line}", file=sys.stderr)
+      raise SystemExit(1)
+    result = Compiled(None, seconds, device, host, devices[0].device_kind,
+                      devices[0].platform, hbm_bytes(devices[0]))
+    print(assignment_table(args.config, args.topology, config, result, est))
+    if args.json:
+      _write_json(args.json, dict(record(args.config, args.topology, config, result, est),
+                                  stage="buffer assignment"))
+    return
   try:
     result = compile_step(config, devices, dump=args.dump)
   except ValueError as e:   # the trainer's own checks (batch geometry on this mesh)
