@@ -240,7 +240,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
                                f"{tail[:40]!r}")
     if not isinstance(args, dict):
       raise ToolCallParseError(f"tool call {n} ({cid}): arguments must be a JSON object")
-    calls.append({"id": cid, "name": cid.split(":")[0].split(".")[-1], "arguments": args})
+    # the name is what the id holds between `functions.` and `:IDX`, dots included
+    # (namespaced tools: functions.browser.open:0)
+    name = cid.rsplit(":", 1)[0]
+    calls.append({"id": cid, "name": name.removeprefix("functions."), "arguments": args})
     pos = len(text) - len(tail) + len(end)
     n += 1
   # Text after the section is content too; if the section opened inside a <think> block,
@@ -254,6 +257,12 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     trailing = "" if close < 0 else trailing[close + len("</think>"):]
   content = "\n".join(t for t in (content, _strip_think(trailing).strip()) if t)
   return content, calls
+
+
+def section_cut(text: str) -> bool:
+  """Whether a tool-call section opened in `text` and never closed (the reply was cut)."""
+  m = _SECTION_BEGIN.search(text)
+  return bool(m) and not _SECTION_END.search(text, m.end())
 
 
 def _strip_think(text: str) -> str:

@@ -69,6 +69,63 @@ def _number(body, key, lo, hi, default, *, integer=False, lo_open=False):
   return v
 
 
+# Fields the server reads. A field of OpenAI's chat API it does not honour is refused (400
+# naming it) unless it has the value that changes nothing: a client must not believe a
+# penalty or a bias was applied. Fields outside both lists are refused too; `user`,
+# `metadata` and `store` describe the request and are accepted as such.
+_HONOURED = ("model", "messages", "temperature", "top_p", "top_k", "n", "seed", "max_tokens",
+             "max_completion_tokens", "stop", "stream", "stream_options", "tools",
+             "tool_choice", "user", "metadata", "store")
+_NO_OPS = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+           "logit_bias": ({},), "parallel_tool_calls": (True,), "functions": ([],),
+           "function_call": ("none",), "min_tokens": (0,), "logprobs": (False,),
+           "top_logprobs": (0,), "response_format": ({"type": "text"},)}
+
+
+def _same(value, noop) -> bool:
+  """value is the no-op value (numbers by value: 0 and 0.0; booleans only as booleans)."""
+  if isinstance(value, bool) or isinstance(noop, bool):
+    return value is noop
+  if isinstance(noop, (int, float)):
+    return isinstance(value, (int, float)) and value == noop
+  return value == noop
+
+
+def _fields(body) -> None:
+  """Refuse a field the server would otherwise ignore (`_HONOURED`, `_NO_OPS`)."""
+  for key, value in body.items():
+    if key in _HONOURED or value is None:
+      continue
+    if key not in _NO_OPS:
+      raise RequestError(f"{key} is not a field k2jax.serve reads: remove it", param=key)
+    if not any(_same(value, v) for v in _NO_OPS[key]):
+      raise RequestError(f"{key} {json.dumps(value)[:60]} is not supported by k2jax.serve "
+                         f"(only {json.dumps(_NO_OPS[key][0])}, which changes nothing)",
+                         param=key)
+
+
+def _content(m, i: int) -> dict:
+  """Message i with its content as one string: a list of text parts (OpenAI's content
+  parts, also in tool results) is joined; K2's `developer` role is the system role."""
+  content = m.get("content", "")
+  if isinstance(content, list):
+    texts = []
+    for j, part in enumerate(content):
+      if (not isinstance(part, dict) or part.get("type") != "text"
+          or not isinstance(part.get("text"), str)):
+        raise RequestError(f"messages[{i}].content[{j}] must be a text part {{type: text, "
+                           "text}} (the model reads text only)", param=f"messages[{i}]")
+      texts.append(part["text"])
+    content = "".join(texts)
+  if not isinstance(content, (str, type(None))):
+    raise RequestError(f"messages[{i}] must be an object with string content or a list of "
+                       "text parts", param=f"messages[{i}]")
+  m = dict(m, content=content)
+  if m.get("role") == "developer":
+    m["role"] = "system"
+  return m
+
+
 def _tools(body) -> tuple[list | None, dict | str]:
   tools = body.get("tools")
   if tools is not None:
@@ -83,7 +140,11 @@ def _tools(body) -> tuple[list | None, dict | str]:
                            "parameters}}}} with a non-empty name", param=f"tools[{i}]")
   choice = body.get("tool_choice", "auto" if tools else "none")
   if isinstance(choice, dict):
-    name = (choice.get("function") or {}).get("name")
+    fn = choice.get("function")
+    if not isinstance(fn, dict):
+      raise RequestError("tool_choice must be {type: function, function: {name}}",
+                         param="tool_choice")
+    name = fn.get("name")
     names = [t["function"]["name"] for t in tools or ()]
     if name not in names:
       raise RequestError(f"tool_choice names {name!r}, which is not among the request's tools "
@@ -109,13 +170,11 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int) -> tuple
     raise RequestError("messages must be a non-empty list of {role, content}",
                        param="messages")
   for i, m in enumerate(messages):
-    if not isinstance(m, dict) or not isinstance(m.get("content", ""), (str, type(None))):
-      raise RequestError(f"messages[{i}] must be an object with string content (content "
-                         "parts are not supported)", param=f"messages[{i}]")
-  for key in ("logprobs", "response_format"):
-    if body.get(key) not in (None, False) and not (key == "response_format" and
-                                                   body[key] == {"type": "text"}):
-      raise RequestError(f"{key} is not supported by k2jax.serve", param=key)
+    if not isinstance(m, dict):
+      raise RequestError(f"messages[{i}] must be an object with string content or a list of "
+                         "text parts", param=f"messages[{i}]")
+  messages = [_content(m, i) for i, m in enumerate(messages)]
+  _fields(body)
   tools, choice = _tools(body)
   try:
     prompt = chat.encode(messages, tools, tokenizer=tokenizer)
@@ -164,13 +223,20 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int) -> tuple
             emit=lambda e: None, n=n, temperature=float(temperature),
             top_p=None if top_p >= 1 else float(top_p), top_k=top_k, seed=seed, stop=stop,
             hold_tool_calls=bool(tools) and choice != "none", processor=processor)
-  include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+  options = body.get("stream_options") or {}
+  if not isinstance(options, dict):
+    raise RequestError("stream_options must be an object such as {include_usage: true}",
+                       param="stream_options")
+  include_usage = bool(options.get("include_usage"))
   return job, dict(tools=tools if choice != "none" else None, stream=stream,
                    include_usage=include_usage)
 
 
 def _message(text: str, finish: str, tools) -> tuple[dict, str]:
-  """The assistant message of a finished choice (tool calls parsed when tools were given)."""
+  """The assistant message of a finished choice (tool calls parsed when tools were given).
+  Call ids are K2's `functions.NAME:IDX` with IDX counting the reply's calls, whatever index
+  the model wrote (two calls must not share an id). A reply cut by max_tokens inside its
+  call section keeps finish_reason "length" and lists the complete calls before the cut."""
   if tools:
     try:
       content, calls = chat.parse_tool_calls(text)
@@ -178,10 +244,11 @@ def _message(text: str, finish: str, tools) -> tuple[dict, str]:
       content, calls = text, []      # a malformed section stays visible as text
     if calls:
       return {"role": "assistant", "content": content or None, "tool_calls": [
-          {"id": c["id"], "type": "function",
+          {"id": f"functions.{c['name']}:{k}", "type": "function",
            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"],
                                                                    ensure_ascii=False)}}
-          for c in calls]}, "tool_calls"
+          for k, c in enumerate(calls)]}, ("length" if finish == "length" and
+                                            chat.section_cut(text) else "tool_calls")
     text = content
   return {"role": "assistant", "content": text}, finish
 

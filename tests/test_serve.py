@@ -189,7 +189,9 @@ BAD_REQUESTS = [  # (id, body or bytes, status, param, message fragment)
     ("bad-role", {**OK, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages",
      "role 'robot'"),
     ("content-parts", {**OK, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
-     400, "messages[0]", "string content"),
+     400, "messages[0]", "must be a text part"),
+    ("image-part", {**OK, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0]", "text only"),
     ("temperature", {**OK, "temperature": 3}, 400, "temperature", "[0, 2]"),
     ("top_p", {**OK, "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("n", {**OK, "n": 0}, 400, "n", "[1, 16]"),
@@ -206,7 +208,73 @@ BAD_REQUESTS = [  # (id, body or bytes, status, param, message fragment)
      "tools[0]", "non-empty name"),
     ("logprobs", {**OK, "logprobs": True}, 400, "logprobs", "not supported"),
     ("stream-type", {**OK, "stream": "yes"}, 400, "stream", "true or false"),
+    ("stream-options-type", {**OK, "stream": True, "stream_options": "x"}, 400,
+     "stream_options", "must be an object"),
+    ("tool-choice-function-string", {**OK, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": "add"}}, 400, "tool_choice", "function: {name}"),
+    ("presence-penalty", {**OK, "presence_penalty": 0.5}, 400, "presence_penalty",
+     "not supported"),
+    ("frequency-penalty", {**OK, "frequency_penalty": -1}, 400, "frequency_penalty",
+     "not supported"),
+    ("logit-bias", {**OK, "logit_bias": {"50": 10}}, 400, "logit_bias", "not supported"),
+    ("repetition-penalty", {**OK, "repetition_penalty": 1.2}, 400, "repetition_penalty",
+     "not supported"),
+    ("parallel-tool-calls", {**OK, "tools": TOOLS, "parallel_tool_calls": False}, 400,
+     "parallel_tool_calls", "not supported"),
+    ("functions", {**OK, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
+    ("unknown-field", {**OK, "temprature": 0.5}, 400, "temprature", "not a field"),
 ]
+
+
+def test_fields_at_values_that_change_nothing_are_accepted(served):
+  """A client's defaults (zero penalties, no bias, parallel calls allowed, text format) and
+  the request's own metadata are not refused."""
+  code, got = _post(served[0] + "/v1/chat/completions", {
+      **OK, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+      "parallel_tool_calls": True, "response_format": {"type": "text"}, "logprobs": False,
+      "user": "u1", "metadata": {"k": "v"}, "n": None})
+  assert code == 200, got
+
+
+def test_content_parts_and_the_developer_role_read_as_text_and_system(served, client):
+  """OpenAI's content parts (also in tool results) are the joined text, and the `developer`
+  role is the system role: the greedy answers equal those of the plain messages."""
+  plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2 + 3?"}]
+  parts = [{"role": "developer", "content": [{"type": "text", "text": "be "},
+                                             {"type": "text", "text": "brief"}]},
+           {"role": "user", "content": [{"type": "text", "text": "what is 2 + 3?"}]}]
+  kw = dict(model="tiny", max_tokens=6, temperature=0)
+  a = client.chat.completions.create(messages=plain, **kw).choices[0].message.content
+  b = client.chat.completions.create(messages=parts, **kw).choices[0].message.content
+  assert a == b
+  history = [{"role": "user", "content": "add"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "functions.add:0", "type": "function",
+                  "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}]
+  tool = lambda c: client.chat.completions.create(
+      messages=history + [{"role": "tool", "tool_call_id": "functions.add:0", "content": c}],
+      tools=TOOLS, **kw).choices[0].message
+  assert tool("3") == tool([{"type": "text", "text": "3"}])
+
+
+def test_call_ids_count_the_replys_calls_and_a_cut_section_says_length():
+  """Ids are functions.NAME:IDX with IDX counting the reply's calls (the model may write any
+  index), dotted names survive, and a reply cut inside its call section keeps
+  finish_reason "length" with the complete calls before the cut, never a repaired one."""
+  from k2jax.serve import _message
+  call = lambda cid, args: (f"<|tool_call_begin|>{cid}<|tool_call_argument_begin|>{args}"
+                            "<|tool_call_end|>")
+  text = ("<|tool_calls_section_begin|>" + call("functions.add:0", '{"a": 1, "b": 2}')
+          + call("functions.browser.open:0", '{"url": "x"}') + "<|tool_calls_section_end|>")
+  msg, finish = _message(text, "stop", TOOLS)
+  assert finish == "tool_calls"
+  assert [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]] == [
+      ("functions.add:0", "add"), ("functions.browser.open:1", "browser.open")]
+  cut = text[:text.index('{"url"') + 5]
+  msg, finish = _message(cut, "length", TOOLS)
+  assert finish == "length"
+  assert [c["id"] for c in msg["tool_calls"]] == ["functions.add:0"]
+  assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
