@@ -15,6 +15,32 @@ from k2jax.step import lm_loss, microbatches
 from tests.numerics import replay, seed_and_rng
 
 
+def test_host_slots_give_back_what_was_put_narrow_leaves_as_rows_of_128():
+  """_Slots with host memory: each leaf read back from its slot is the value written there,
+  bit for bit, for small (device) leaves, wide ones, and ones narrower than a TPU tile's
+  128 lanes in their last dimension, which host memory keeps as rows of 128 (XLA:TPU padded
+  a [tokens, 16] float32 leaf to 128 lanes)."""
+  store = pipeline._Slots(True)
+  rng = np.random.default_rng(0)
+  avals = [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((3, 7), jnp.int32),
+           jax.ShapeDtypeStruct((20000, 16), jnp.float32),
+           jax.ShapeDtypeStruct((2, 300, 1024), jnp.bfloat16)]
+  assert [store.on_host(a) for a in avals] == [False, False, True, True]
+  buf = store.zeros(4, avals)
+  assert buf[2].shape == (5, 2500, 128) and buf[3].shape == (5, 2, 300, 1024)
+  values = [[jnp.asarray(rng.normal(size=a.shape).astype(np.float32)).astype(a.dtype)
+             for a in avals] for _ in range(2)]
+  put = jax.jit(lambda buf, slot, v: store.put(buf, slot, v))
+  get = jax.jit(lambda buf, slot: store.get(buf, slot, avals))
+  buf = put(buf, 3, values[0])
+  buf = put(buf, 1, values[1])
+  buf = put(buf, -1, values[1])      # an idle tick writes the spare slot
+  for slot, want in ((3, values[0]), (1, values[1])):
+    for g, w in zip(get(buf, slot), want):
+      assert g.shape == w.shape and g.dtype == w.dtype
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_overlay_bytes_round_trip_every_dtype():
   """Prefix leaves of mixed dtypes and batch axes written into stage leaves of other dtypes
   and batch axes, read back bit for bit (NaN payloads, FP8 and bool included); a leaf with

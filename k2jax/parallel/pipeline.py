@@ -727,10 +727,14 @@ class _Slots(NamedTuple):
   [slots, 1, 1]; K2's step aborted in the host DMA emitter with them in host memory), and
   moving them saves nothing. In host memory every slot is a major-most row: a leaf of
   rank < 2 is stored with leading unit axes, so a write never updates part of a buffer's
-  two minor (TPU-tiled) dimensions."""
+  two minor (TPU-tiled) dimensions; a leaf narrower than a TPU tile's 128 lanes in its last
+  dimension is stored with its two minor dimensions as rows of 128 (XLA:TPU padded K2's
+  [tokens, 16] and [tokens, 56] float32 residuals to 128 lanes, 3.3 + 1.1 GiB of host
+  memory a device; swapping the two axes did not help: XLA chose the layout back)."""
   host: bool
 
   HOST_MIN = 1 << 20
+  LANES = 128
 
   def on_host(self, a) -> bool:
     return self.host and _nbytes(a) >= self.HOST_MIN
@@ -739,13 +743,22 @@ class _Slots(NamedTuple):
   def _row(shape):
     return (1,) * max(0, 2 - len(shape)) + tuple(shape)
 
+  @classmethod
+  def _stored(cls, shape):
+    """A slot's shape in host memory: `_row`, its two minor dimensions as rows of LANES
+    where the last is narrower and their product a multiple of LANES."""
+    shape = cls._row(shape)
+    n = shape[-1] * shape[-2]
+    return shape[:-2] + (n // cls.LANES, cls.LANES) if (shape[-1] < cls.LANES and
+                                                         n % cls.LANES == 0) else shape
+
   def zeros(self, n: int, avals):
     # A host buffer is a host scalar broadcast there: zeros made on the device and moved
     # would first hold every slot in device memory (XLA:TPU: the whole buffer as a device
     # temporary; at K2 the slots are 54.6 GB a device).
     host0 = lambda a: jnp.broadcast_to(jax.device_put(jnp.zeros((), a.dtype),
                                                       jax.memory.Space.Host),
-                                       (n + 1,) + self._row(a.shape))
+                                       (n + 1,) + self._stored(a.shape))
     return [host0(a) if self.on_host(a)
             else jnp.zeros((n + 1 if self.host else n,) + a.shape, a.dtype) for a in avals]
 
@@ -760,9 +773,11 @@ class _Slots(NamedTuple):
     # Device leaves take the same unconditional write (their spare slot absorbs idle ticks).
     def one(b, x):
       i = jnp.where(slot >= 0, slot, b.shape[0] - 1)
-      x = x.astype(b.dtype).reshape((1,) + b.shape[1:])
       if self.on_host(x):
+        x = x.astype(b.dtype).reshape((1,) + self._stored(x.shape))
         x = jax.device_put(x, jax.memory.Space.Host)
+      else:
+        x = x.astype(b.dtype).reshape((1,) + b.shape[1:])
       return jax.lax.dynamic_update_slice_in_dim(b, x, i, 0)
     return [one(b, x) for b, x in zip(buf, value)]
 
@@ -774,9 +789,12 @@ class _Slots(NamedTuple):
       return jax.tree.map(lambda b: b[i], buf)
     # the slice moves to the device as it is ([1, ...]) and drops its axis there: XLA's
     # host offloading takes a dynamic slice followed directly by the move to the device
-    move = lambda x, a: (jax.device_put(x, jax.memory.Space.Device) if self.on_host(a) else x)
-    return [move(jax.lax.dynamic_slice_in_dim(b, i, 1, 0), a).reshape(a.shape)
-            for b, a in zip(buf, avals)]
+    def one(b, a):
+      x = jax.lax.dynamic_slice_in_dim(b, i, 1, 0)
+      if not self.on_host(a):
+        return x.reshape(a.shape)
+      return jax.device_put(x, jax.memory.Space.Device).reshape(a.shape)
+    return [one(b, a) for b, a in zip(buf, avals)]
 
 
 def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: bool,
