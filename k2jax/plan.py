@@ -370,11 +370,20 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
                        and not tab.split else ""))
     padded = (f", {sp.padded} padding row(s) stored, first on the stage with the embedding"
               if sp.padded else "")
+    # one SPMD program: every device allocates the busiest device's residual slots
+    used_slots = tab.used("res")
+    unused = ""
+    if used_slots.min() < tab.in_flight:
+      spare = (tab.in_flight - used_slots.mean()) * acts.moved if acts.moved else 0.0
+      unused = (f" on the busiest (every device allocates its slots: one SPMD program; "
+                f"devices use {used_slots.min()}-{used_slots.max()}, mean "
+                f"{used_slots.mean():.0f}" + (f", {spare / GB:.1f} GB of host slots unused "
+                                              f"on the average device" if spare else "") + ")")
     lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
                  f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
                  f"{tab.idle_fraction(costs):.1%} of device time by stage FLOPs "
                  f"({tab.idle_fraction():.1%} if stages did equal work), {tab.in_flight} "
-                 f"stage activations in flight per device"
+                 f"stage activations in flight per device{unused}"
                  f"{padded}"
                  f"{split_note}; the tasks it runs are {tab.work_ratio(costs):.3f}x the "
                  f"work of the model's forward + backward without a pipeline "

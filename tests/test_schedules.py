@@ -197,3 +197,25 @@ def test_work_ratio_counts_each_task_once_and_no_idle_slot(name):
   want = (3 * layers + (3 + recomputed) * pre + head) / (3 * layers + 3 * pre + head)
   assert tab.work_ratio(costs) == pytest.approx(want, rel=1e-9)
   assert tab.work_ratio(costs) < 1.01
+
+
+@pytest.mark.parametrize("name,P,V,M", [("1f1b", 16, 2, 32), ("1f1b", 4, 2, 8),
+                                         ("gpipe", 4, 1, 8), ("zbh1", 4, 1, 8)])
+def test_each_devices_slot_use_is_its_most_residuals_alive_at_once(name, P, V, M):
+  """Table.used: the residual slots a device's own tasks use equal the most stage
+  residuals it holds at one tick (counted from the task table: an F to its B, or W), and
+  the buffer every device allocates is the busiest device's. At K2's 16 x 2: 17 to 47."""
+  tab = schedules.build(name, P, V, M)
+  F, B = tab.task["F"], tab.task["W" if tab.split else "B"]
+  alive = np.zeros((tab.ticks, P), int)
+  for p in range(P):
+    ends = {(int(v), int(m)): t for t in range(tab.ticks)
+            for v, m in [B[t, p]] if v >= 0}
+    for t in range(tab.ticks):
+      v, m = F[t, p]
+      if v >= 0:
+        alive[t:ends[(int(v), int(m))] + 1, p] += 1
+  np.testing.assert_array_equal(tab.used("res"), alive.max(axis=0))
+  assert tab.used("res").max() == tab.sizes["res"]
+  if (name, P, V) == ("1f1b", 16, 2):
+    assert (tab.used("res").min(), tab.sizes["res"]) == (17, 47)

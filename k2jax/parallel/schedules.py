@@ -122,6 +122,14 @@ class Table(NamedTuple):
     """Most stage activations a device keeps for backward at once (= residual slots)."""
     return self.sizes["res"]
 
+  def used(self, buffer: str = "res") -> np.ndarray:
+    """[P] slots of `buffer` ("res" or "cut") each device's own tasks use. Every device
+    allocates sizes[buffer], the most of them: the step is one SPMD program, whose buffers
+    have one shape on every device."""
+    col = self.slots[f"{buffer}_write"]
+    return np.asarray([int(col[:, p].max()) + 1 if (col[:, p] >= 0).any() else 0
+                       for p in range(self.P)])
+
 
 def _phase_costs(task, P, V, costs):
   """{kind: [ticks, P] cost of each device's phase-k task}; costs None = COST per task
