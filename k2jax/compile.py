@@ -245,60 +245,38 @@ def refusal(error: BaseException) -> str:
 
 
 def table(name: str, topology: str, config, result: Compiled, est) -> str:
-  """XLA's per-device memory beside plan's (`est`: k2jax.plan.Estimate, or None)."""
+  """XLA's per-device memory beside plan's (`est`: k2jax.plan.Estimate, or None). Figures
+  read from a buffer assignment (`--memory_only`: `buffer_assignment`'s keys) show its
+  heap, XLA's out-of-memory check and the thread-local buffers."""
   d, h = result.device, result.host
+  partial = "heap" in d
   mesh = ", ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES)
   n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
-  lines = [f"{name}: train step compiled for {topology} ({n} x {result.kind}; mesh {mesh}) "
-           f"in {result.seconds:.0f} s",
-           f"{'per device':<30}{'XLA GB':>10}{'plan GB':>10}{'XLA / plan':>12}"]
-
-  def row(label, xla, planned=None):
-    ratio = f"{xla / planned:>12.2f}" if planned else ""
-    lines.append(f"  {label:<28}{xla / GB:>10.2f}"
-                 f"{(f'{planned / GB:>10.2f}' if planned is not None else ''):>10}{ratio}")
-  row("arguments (state, batch)", d["arguments"])
-  row("outputs not donated", d["outputs"] - d["aliased"])
-  row("temporaries", d["temporaries"])
-  row("device peak", d["peak"], est.device if est else None)
-  row("host", h["peak"], est.host if est else None)
-  if result.hbm:
-    share = d["peak"] / result.hbm
-    verdict = ("fits" if share <= ROOM else
-               f"fits, but above {ROOM:.0%} of HBM: little room to run" if share <= 1 else
-               "does NOT fit")
-    lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / GIB:.2f} GiB, XLA's "
-                 f"figure): peak {share:.0%} of it, {verdict}")
-  return "\n".join(lines)
-
-
-def assignment_table(name: str, topology: str, config, result: Compiled, est) -> str:
-  """`table` for figures read from XLA's buffer assignment (`--memory_only`)."""
-  d, h = result.device, result.host
-  mesh = ", ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES)
-  n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
-  lines = [f"{name}: XLA's buffer assignment of the train step for {topology} ({n} x "
-           f"{result.kind}; mesh {mesh}) in {result.seconds:.0f} s (code generation not run)",
+  what = "XLA's buffer assignment of the train step for" if partial else "train step compiled for"
+  lines = [f"{name}: {what} {topology} ({n} x {result.kind}; mesh {mesh}) in "
+           f"{result.seconds:.0f} s" + (" (code generation not run)" if partial else ""),
            f"{'per device':<34}{'XLA GB':>10}{'plan GB':>10}{'XLA / plan':>12}"]
-
-  def row(label, xla, planned=None):
-    ratio = f"{xla / planned:>12.2f}" if planned else ""
+  planned = est.device if est else None
+  rows = [("arguments (state, batch)", d["arguments"], None)]
+  rows += ([("temporary heap", d["heap"], None), ("out-of-memory check (both)", d["check"], planned),
+            ("thread-local (host-run code)", d["thread_local"], None),
+            ("device memory space", d["peak"], planned)] if partial else
+           [("outputs not donated", d["outputs"] - d["aliased"], None),
+            ("temporaries", d["temporaries"], None), ("device peak", d["peak"], planned)])
+  rows.append(("host", h["peak"], est.host if est else None))
+  for label, xla, plan_bytes in rows:
+    ratio = f"{xla / plan_bytes:>12.2f}" if plan_bytes else ""
     lines.append(f"  {label:<32}{xla / GB:>10.2f}"
-                 f"{(f'{planned / GB:>10.2f}' if planned is not None else ''):>10}{ratio}")
-  row("arguments (state, batch)", d["arguments"])
-  row("temporary heap", d["heap"])
-  row("out-of-memory check (both)", d["check"], est.device if est else None)
-  row("thread-local (host-run code)", d["thread_local"])
-  row("device memory space", d["peak"], est.device if est else None)
-  row("host", h["peak"], est.host if est else None)
+                 f"{(f'{plan_bytes / GB:>10.2f}' if plan_bytes is not None else ''):>10}{ratio}")
   if result.hbm:
     share = d["peak"] / result.hbm
     verdict = ("fits" if share <= ROOM else
                f"fits, but above {ROOM:.0%} of HBM: little room to run" if share <= 1 else
                "does NOT fit")
+    shares = (f"XLA's check {d['check'] / result.hbm:.0%} of it, the device memory space "
+              f"{share:.0%}" if partial else f"peak {share:.0%} of it")
     lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / GIB:.2f} GiB, XLA's "
-                 f"figure): XLA's check {d['check'] / result.hbm:.0%} of it, the device "
-                 f"memory space {share:.0%}: {verdict}")
+                 f"figure): {shares}: {verdict}")
   return "\n".join(lines)
 
 
@@ -353,7 +331,7 @@ def main(argv=None):
       raise SystemExit(1)
     result = Compiled(None, seconds, device, host, devices[0].device_kind,
                       devices[0].platform, hbm_bytes(devices[0]))
-    print(assignment_table(args.config, args.topology, config, result, est))
+    print(table(args.config, args.topology, config, result, est))
     if args.json:
       _write_json(args.json, dict(record(args.config, args.topology, config, result, est),
                                   stage="buffer assignment"))
