@@ -258,7 +258,8 @@ def table(name: str, topology: str, config, result: Compiled, est) -> str:
            f"{'per device':<34}{'XLA GB':>10}{'plan GB':>10}{'XLA / plan':>12}"]
   planned = est.device if est else None
   rows = [("arguments (state, batch)", d["arguments"], None)]
-  rows += ([("temporary heap", d["heap"], None), ("out-of-memory check (both)", d["check"], planned),
+  rows += ([("temporary heap", d["heap"], None),
+            ("out-of-memory check (both)", d["check"], planned),
             ("thread-local (host-run code)", d["thread_local"], None),
             ("device memory space", d["peak"], planned)] if partial else
            [("outputs not donated", d["outputs"] - d["aliased"], None),
@@ -319,38 +320,33 @@ def main(argv=None):
   except ValueError as e:
     print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
     raise SystemExit(2)
-  if args.memory_only:
-    device, host, seconds = until_buffer_assignment(
-        ["--config", args.config, "--topology", args.topology, *overrides])
-    if device is None:
-      line = host.removeprefix("k2jax.compile: ")
-      if args.json:
-        _write_json(args.json, dict(config=args.config, topology=args.topology,
-                                    compiled=False, refusal=line))
-      print(f"k2jax.compile: {line}", file=sys.stderr)
-      raise SystemExit(1)
-    result = Compiled(None, seconds, device, host, devices[0].device_kind,
-                      devices[0].platform, hbm_bytes(devices[0]))
-    print(table(args.config, args.topology, config, result, est))
-    if args.json:
-      _write_json(args.json, dict(record(args.config, args.topology, config, result, est),
-                                  stage="buffer assignment"))
-    return
-  try:
-    result = compile_step(config, devices, dump=args.dump)
-  except ValueError as e:   # the trainer's own checks (batch geometry on this mesh)
-    print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
-    raise SystemExit(2)
-  except Exception as e:   # XLA's refusal: a compile error or out of memory
-    line = refusal(e)
+
+  def refused(line):   # XLA's refusal: exit 1 with its one line (and the JSON saying so)
     if args.json:
       _write_json(args.json, dict(config=args.config, topology=args.topology,
                                   compiled=False, refusal=line))
     print(f"k2jax.compile: {line}", file=sys.stderr)
     raise SystemExit(1)
+
+  if args.memory_only:
+    device, host, seconds = until_buffer_assignment(
+        ["--config", args.config, "--topology", args.topology, *overrides])
+    if device is None:
+      refused(host.removeprefix("k2jax.compile: "))
+    result = Compiled(None, seconds, device, host, devices[0].device_kind,
+                      devices[0].platform, hbm_bytes(devices[0]))
+  else:
+    try:
+      result = compile_step(config, devices, dump=args.dump)
+    except ValueError as e:   # the trainer's own checks (batch geometry on this mesh)
+      print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
+      raise SystemExit(2)
+    except Exception as e:   # XLA's refusal: a compile error or out of memory
+      refused(refusal(e))
   print(table(args.config, args.topology, config, result, est))
   if args.json:
-    _write_json(args.json, record(args.config, args.topology, config, result, est))
+    rec = record(args.config, args.topology, config, result, est)
+    _write_json(args.json, dict(rec, stage="buffer assignment") if args.memory_only else rec)
 
 
 def record(name, topology, config, result: Compiled, est) -> dict:
