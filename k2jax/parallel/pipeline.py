@@ -186,8 +186,7 @@ def _traced_overlay(cfg_json: str, P: int, V: int, data: int, expert: int, seq_l
         pre = _Saved().vjp(lambda a: _pre(cfg, sp, a, t, pos, seg), pp, has_aux=True)[2]
         rows = jax.tree.map(lambda a: a[None], sp_)             # [V = 1, L, ...]
         one = jnp.ones((), jnp.float32)
-        res = _layer_residuals(layer, _Saved(), _layer_at(rows, 0, 0), x, pos, seg, one)
-        return pre, _stage_forward(layer, _Saved(), res, rows, 0, on, x, pos, seg, one, True,
+        return pre, _stage_forward(layer, _Saved(), None, rows, 0, on, x, pos, seg, one, True,
                                    stats)[2]
       return jax.eval_shape(residuals, pre_params, stage_params, tokens, x, on)
     return _plan_overlay(probe, G, G) is not None
