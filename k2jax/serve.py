@@ -76,10 +76,10 @@ def _number(body, key, lo, hi, default, *, integer=False, lo_open=False):
 _HONOURED = ("model", "messages", "temperature", "top_p", "top_k", "n", "seed", "max_tokens",
              "max_completion_tokens", "stop", "stream", "stream_options", "tools",
              "tool_choice", "user", "metadata", "store")
-_NO_OPS = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-           "logit_bias": ({},), "parallel_tool_calls": (True,), "functions": ([],),
-           "function_call": ("none",), "min_tokens": (0,), "logprobs": (False,),
-           "top_logprobs": (0,), "response_format": ({"type": "text"},)}
+_NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+           "logit_bias": {}, "parallel_tool_calls": True, "functions": [],
+           "function_call": "none", "min_tokens": 0, "logprobs": False, "top_logprobs": 0,
+           "response_format": {"type": "text"}}
 
 
 def _same(value, noop) -> bool:
@@ -98,16 +98,16 @@ def _fields(body) -> None:
       continue
     if key not in _NO_OPS:
       raise RequestError(f"{key} is not a field k2jax.serve reads: remove it", param=key)
-    if not any(_same(value, v) for v in _NO_OPS[key]):
+    if not _same(value, _NO_OPS[key]):
       raise RequestError(f"{key} {json.dumps(value)[:60]} is not supported by k2jax.serve "
-                         f"(only {json.dumps(_NO_OPS[key][0])}, which changes nothing)",
+                         f"(only {json.dumps(_NO_OPS[key])}, which changes nothing)",
                          param=key)
 
 
 def _content(m, i: int) -> dict:
   """Message i with its content as one string: a list of text parts (OpenAI's content
   parts, also in tool results) is joined; K2's `developer` role is the system role."""
-  content = m.get("content", "")
+  content = m.get("content", "") if isinstance(m, dict) else None
   if isinstance(content, list):
     texts = []
     for j, part in enumerate(content):
@@ -117,7 +117,7 @@ def _content(m, i: int) -> dict:
                            "text}} (the model reads text only)", param=f"messages[{i}]")
       texts.append(part["text"])
     content = "".join(texts)
-  if not isinstance(content, (str, type(None))):
+  if not isinstance(m, dict) or not isinstance(content, (str, type(None))):
     raise RequestError(f"messages[{i}] must be an object with string content or a list of "
                        "text parts", param=f"messages[{i}]")
   m = dict(m, content=content)
@@ -169,10 +169,6 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int) -> tuple
   if not isinstance(messages, list) or not messages:
     raise RequestError("messages must be a non-empty list of {role, content}",
                        param="messages")
-  for i, m in enumerate(messages):
-    if not isinstance(m, dict):
-      raise RequestError(f"messages[{i}] must be an object with string content or a list of "
-                         "text parts", param=f"messages[{i}]")
   messages = [_content(m, i) for i, m in enumerate(messages)]
   _fields(body)
   tools, choice = _tools(body)
