@@ -1,4 +1,5 @@
-"""k2jax.serve throughput: 1 client vs 16 concurrent clients, batched vs one request at a time.
+"""k2jax.serve throughput and latency: 1 client vs 16 concurrent clients, batched vs one request
+at a time, and short requests among long ones.
 
     python experiments/bench_serve.py                 # tiny model (random weights), this CPU
     python experiments/bench_serve.py --requests 64 --max_tokens 64
@@ -7,8 +8,11 @@ Each setting starts the real server (Starlette + uvicorn, in this process) and d
 the official `openai` client from N threads; every request asks for exactly --max_tokens
 tokens (greedy, no stop: the batch's work is fixed). Rows: requests/s and generated tokens/s,
 and their ratio to the one-client baseline measured in the same run. "one at a time" is the
-same 16 clients against a server with --max_batch 1. Every batch-size bucket is compiled first
-(Engine.warmup), then a warm-up round runs. The machine's ceiling (a measured f32 matmul rate) is printed beside it.
+same 16 clients against a server with --max_batch 1. "mixed": every other request asks for
+max_tokens / 4 tokens, the others 2 max_tokens; "short req s" is the short ones' mean
+latency (with static batching they wait for the long rows of their batch). Every batch-size
+bucket is compiled first (Engine.warmup), then a warm-up round runs. The machine's ceiling
+(a measured f32 matmul rate) is printed beside it.
 CSV: experiments/results/serve/throughput_window20ms.csv (the name carries --window_ms;
 --out picks the folder).
 """
@@ -42,28 +46,39 @@ def matmul_gflops(n=1024, reps=5):
   return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms):
+def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms, mixed=False):
+  """Drive a server with `clients` threads; mixed: every other request asks max_tokens / 4
+  tokens and the others 2 max_tokens (short requests among long ones: what continuous
+  batching lets leave early). -> throughput, and the mean latency of the shortest requests."""
   import openai
   engine = Engine(cfg, params, ByteTokenizer(), max_batch=max_batch, window_s=window_ms / 1e3)
   engine.warmup(prompt_tokens=180, max_tokens=max_tokens, sampled=False)   # every batch bucket
   server = Background(make_app(engine, "tiny"))
   client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+  want = lambda i: (max(1, max_tokens // 4) if i % 2 == 0 else 2 * max_tokens) if mixed \
+      else max_tokens
 
   def one(i):
+    t0 = time.perf_counter()
     r = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": f"request {i}: " + "ab" * (i % 7)}],
-        max_tokens=max_tokens, temperature=0, stop=None)
-    return r.usage.completion_tokens
+        max_tokens=want(i), temperature=0, stop=None)
+    return r.usage.completion_tokens, time.perf_counter() - t0
 
   try:
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
       list(pool.map(one, range(clients)))                     # warm-up: compiles
-      batches = engine.stats["batches"]
+      before = dict(engine.stats)
       t0 = time.perf_counter()
-      tokens = sum(pool.map(one, range(requests)))
+      out = list(pool.map(one, range(requests)))
       dt = time.perf_counter() - t0
-    return dict(requests_per_s=requests / dt, tokens_per_s=tokens / dt,
-                batches=engine.stats["batches"] - batches, seconds=dt)
+    shortest = min(want(i) for i in range(requests))
+    short = [s for i, (_, s) in enumerate(out) if want(i) == shortest]
+    steps = engine.stats.get("steps", 0) - before.get("steps", 0)
+    return dict(requests_per_s=requests / dt, tokens_per_s=sum(n for n, _ in out) / dt,
+                rows_per_step=(engine.stats.get("row_steps", 0) - before.get("row_steps", 0))
+                / max(steps, 1), short_tokens=shortest,
+                short_latency_s=sum(short) / len(short), seconds=dt)
   finally:
     server.stop()
     engine.close()
@@ -79,12 +94,13 @@ def main():
   args = p.parse_args()
   cfg = configs.get_config("tiny").model
   params = model.init(cfg, jax.random.key(0))
-  settings = [("1 client", 1, 16), ("16 clients, batched", 16, 16),
-              ("16 clients, one at a time", 16, 1)]
+  settings = [("1 client", 1, 16, False), ("16 clients", 16, 16, False),
+              ("16 clients, one at a time", 16, 1, False), ("1 client, mixed", 1, 16, True),
+              ("16 clients, mixed", 16, 16, True)]
   rows = []
-  for name, clients, max_batch in settings:
+  for name, clients, max_batch, mixed in settings:
     r = run(cfg, params, clients=clients, max_batch=max_batch, requests=args.requests,
-            max_tokens=args.max_tokens, window_ms=args.window_ms)
+            max_tokens=args.max_tokens, window_ms=args.window_ms, mixed=mixed)
     rows.append(dict(setting=name, clients=clients, max_batch=max_batch, **r))
     print(f"{name}: {r}", flush=True)
   base = rows[0]
@@ -101,10 +117,12 @@ def main():
   print(f"\ntiny model, {args.requests} requests of {args.max_tokens} tokens each, batch window "
         f"{args.window_ms:g} ms; "
         f"{jax.devices()[0].platform} f32 1024^3 matmul {gflops:.0f} GFLOP/s")
-  print(f"{'setting':28s} {'req/s':>8s} {'tok/s':>8s} {'vs 1 client':>12s} {'batches':>8s}")
+  print(f"{'setting':28s} {'req/s':>8s} {'tok/s':>8s} {'vs 1 client':>12s} {'rows/step':>9s} "
+        f"{'short req s':>11s}")
   for r in rows:
     print(f"{r['setting']:28s} {r['requests_per_s']:8.2f} {r['tokens_per_s']:8.1f} "
-          f"{r['tokens_vs_1_client']:11.2f}x {r['batches']:8d}")
+          f"{r['tokens_vs_1_client']:11.2f}x {r['rows_per_step']:9.2f} "
+          f"{r['short_latency_s']:11.3f}")
   print(f"-> {path}")
 
 

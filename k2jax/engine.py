@@ -1,23 +1,31 @@
-"""Batched decoding for concurrent requests: what `k2jax.serve` runs behind its HTTP layer.
+"""Continuous batching for concurrent requests: what `k2jax.serve` runs behind its HTTP layer.
 
-    engine = Engine(cfg, params, tokenizer, max_batch=16)
+    engine = Engine(cfg, params, tokenizer, max_batch=16, max_len=2048)
     job = Job(prompt=ids, n=1, max_tokens=64, temperature=0.7, top_p=1.0, seed=None,
               stop=["\\n\\n"], emit=print)
     engine.submit(job)        # emit(Event) is called from the engine's thread
 
-One thread owns the device. It takes a request, waits up to `window_s` for others when the
-last batch was shared (clients answered together come back within milliseconds; a lone
-client is not made to wait), takes whatever else is queued up to `max_batch` rows,
-groups the rows by the settings a `generate` call shares (temperature, top_p, top_k, seed)
-and decodes each group as one batch: every decode step serves every request of the group.
-Requests that arrive while a batch decodes wait for the next one (static batching: simple,
-and on the accelerator the step time barely grows with rows, so 16 clients get ~16x the
-throughput of one; continuous batching would also let a short request leave early).
+One thread owns the device and a slotted latent cache of `max_batch` rows of `max_len`
+tokens (k2jax.model.decode's cache, allocated once). Between decode dispatches it admits
+queued requests into free slots (one prefill for all of them, written into their rows of the
+cache) and frees the slots of rows that ended, so a short request leaves as soon as it is
+done and a new one joins the running batch instead of waiting for it to end (continuous
+batching, as vLLM / SGLang / JetStream serve). Every decode step serves every occupied slot.
 
-Every row samples with its own key (`generate` with one seed per row): a request's seed
-gives the same tokens whoever shares its batch, as long as the batched forward gives the
-row the same logits (exact on XLA:CPU; accelerators may differ in the last bits, which can
-flip a near-tie). Rows of a request without a seed draw theirs from the engine's generator.
+A dispatch runs `chunk` decode steps on the device (one when a row samples under a logits
+processor, which needs the host every step); a row that ends inside a chunk leaves at its
+end, and what it generated past its end is dropped. A dispatch works on the smallest
+power-of-two prefix of the slots that holds every occupied one (a new row takes the lowest
+free slot) and of the positions that holds every row's tokens: a cache sized for many long
+requests does not make one short request pay for its size.
+
+Rows sample with their own settings (temperature, top_p, top_k are per-row arrays, so
+requests whose settings differ share steps) and their own keys: the key of a row's t-th token
+is fold_in(key(row seed), t), as `k2jax.generate.generate` draws it, so a seeded request
+gives the same tokens whoever shares its steps and whenever it joined, as long as the
+batched forward gives the row the same logits (exact on XLA:CPU; accelerators may differ in
+the last bits, which can flip a near-tie). Rows of a request without a seed draw theirs from
+the engine's generator.
 
 Rows end at a stop token, a stop string (the text is cut before it, as OpenAI does), their
 own `max_tokens`, or when the client goes away (`job.cancelled`). Streamed text is held back
@@ -32,14 +40,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from k2jax import chat
-from k2jax.generate import generate
+from k2jax import chat, kernels
+from k2jax.generate import bucket, sample_rows
+from k2jax.model import decode
 
 log = logging.getLogger("k2jax.engine")
 
 SECTION = "<|tool_calls_section_begin|>"
+CHUNK = 8     # decode steps per dispatch: fewer dispatches vs a row's wait to join / leave
 
 
 @dataclasses.dataclass
@@ -52,6 +64,12 @@ class Event:
   finish_reason: str | None = None
   tokens: int = 0
   error: Exception | None = None
+  # With Job.logprobs: "delta" the entries of the tokens since the row's last delta, "done"
+  # all of them; an entry is (token id, log p, [(alternative id, log p), ...] best first).
+  logprobs: list | None = None
+  # With Job.echo, on a row's first delta and on "done": the prompt's entries (None for its
+  # first token).
+  prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,6 +88,10 @@ class Job:
   hold_tool_calls: bool = False
   # fn(row_of_this_job, ids so far) -> allowed bool [vocab] or None (constrained decoding).
   processor: Callable[[int, list[int]], np.ndarray | None] | None = None
+  # Log probabilities under the model (temperature 1, before any filter or constraint) of
+  # each generated token and of this many alternatives; None: none.
+  logprobs: int | None = None
+  echo: bool = False        # ... and of the prompt's tokens (needs logprobs)
   cancelled: bool = False
 
 
@@ -87,54 +109,175 @@ def _held(text: str, watch: Sequence[str]) -> int:
   return hold
 
 
-class _Row:
-  """One sampled continuation of a job being decoded."""
+def row_seed(seed: int, i: int) -> int:
+  """The sampling seed of row i of a request seeded `seed` (`generate`'s per-row seed)."""
+  return ((seed % 2**31) * 1_000_003 + i) % 2**32
 
-  def __init__(self, job: Job, index: int, stops: Sequence[str]):
-    self.job, self.index, self.ids, self.sent = job, index, [], 0
+
+class _Row:
+  """One sampled continuation of a job, in its slot of the cache."""
+
+  def __init__(self, job: Job, index: int, stops: Sequence[str], seed: int):
+    self.job, self.index, self.ids, self.sent, self.seed = job, index, [], 0, seed
     self.stops = list(job.stop) + list(stops)
     self.watch = self.stops + ([SECTION] if job.hold_tool_calls else [])
     self.finish: str | None = None
     self.text = ""
+    self.lps: list = []
+    self.lp_sent = 0
+    self.prompt_lps: list | None = None
+
+
+def _scores(logits, tokens, top: int) -> dict:
+  """log p(tokens) [...] under logits [..., V] (temperature 1), and the `top` most likely
+  tokens' ids and log p [..., top] when top > 0."""
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  out = {"lp": jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]}
+  if top > 0:
+    out["top_lp"], out["top_ids"] = jax.lax.top_k(lp, top)
+  return out
+
+
+def _programs(cfg, rows: int, S: int):
+  """(admit, steps): the engine's two jitted programs over a cache of `rows` x `S` tokens.
+
+  admit(params, cache, tokens [b, T], lengths [b], slots [b], settings of the b rows,
+    allowed [b, V] | None, filtered, top, echo) -> (first tokens [b], scores, cache): prefill
+    of new rows (right-padded prompts) in a cache of their own, written into rows `slots` of
+    the engine's (a slot index of `rows` or more is dropped: the batch's padding rows).
+  steps(params, cache, tokens [r], settings of the first r slots, active [r], allowed | None,
+    n, span, rows=r, filtered, top) -> (tokens [n, r], scores, cache): n decode steps of the
+    first r slots over the first `span` positions of the cache; free slots (active False) are
+    kept at length 0.
+  Settings: seeds [.] uint32 and the index t [.] of the row's next token (its key is
+  fold_in(key(seed), t)), temperature [.] (0 greedy), top_k [.] (0 all), top_p [.] (1 all).
+  filtered: some row uses top_k / top_p. top: -1, or the sampled tokens' `_scores` with that
+  many alternatives (admit: "first"; with echo also "prompt", of tokens[:, 1:]).
+  """
+  def draw(logits, seeds, t, temperature, top_k, top_p, allowed, filtered):
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, t)
+    return sample_rows(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p,
+                       allowed=allowed, filtered=filtered)
+
+  def admit(params, cache, tokens, lengths, slots, seeds, temperature, top_k, top_p, allowed,
+            filtered, top, echo):
+    b, T = tokens.shape
+    logits, *every, new = decode.prefill(cfg, params, tokens, lengths,
+                                         decode.init_cache(cfg, b, T), every=echo)
+    layers = {name: decode.Latents(*(
+        big.at[:, slots, :T].set(small.astype(big.dtype), mode="drop")
+        for big, small in zip(cache.layers[name], new.layers[name])))
+        for name in cache.layers}
+    cache = decode.Cache(layers, cache.lengths.at[slots].set(lengths, mode="drop"))
+    first = draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
+                 allowed, filtered)
+    scores = {}
+    if top >= 0:
+      scores["first"] = _scores(logits, first, top)
+    if echo:
+      scores["prompt"] = _scores(every[0][:, :-1], tokens[:, 1:], top)
+    return first, scores, cache
+
+  def steps(params, cache, tokens, seeds, t, temperature, top_k, top_p, active, allowed, n,
+            span, rows, filtered, top):
+    # The first `rows` slots (the engine fills the lowest free slot first) and `span`
+    # positions: the work of a step follows the rows and lengths in use, not the cache's size.
+    sub = decode.Cache({name: decode.Latents(*(a[:, :rows, :span] for a in lat))
+                        for name, lat in cache.layers.items()}, cache.lengths[:rows])
+
+    def body(carry, i):
+      sub, tok = carry
+      logits, sub = decode.decode_step(cfg, params, sub, tok)
+      sub = sub._replace(lengths=jnp.where(active, sub.lengths, 0))
+      nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered)
+      return (sub, nxt), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
+    (sub, _), (toks, scores) = jax.lax.scan(body, (sub, tokens), jnp.arange(n))
+    layers = {name: decode.Latents(*(jax.lax.dynamic_update_slice(a, s.astype(a.dtype),
+                                                                  (0, 0, 0, 0))
+                                     for a, s in zip(cache.layers[name], sub.layers[name])))
+              for name in cache.layers}
+    return toks, scores, decode.Cache(layers, cache.lengths.at[:rows].set(sub.lengths))
+
+  return (jax.jit(admit, static_argnames=("filtered", "top", "echo"), donate_argnums=1),
+          jax.jit(steps, static_argnames=("n", "span", "rows", "filtered", "top"),
+                  donate_argnums=1))
+
+
+def _entry(scores, *index) -> tuple:
+  """One token's logprob entry (Event.logprobs) from host `scores` at `index`."""
+  alts = []
+  if "top_ids" in scores:
+    alts = [(int(i), float(v)) for i, v in zip(scores["top_ids"][index], scores["top_lp"][index])]
+  return float(scores["lp"][index]), alts
 
 
 class Engine:
-  """The device-owning decode thread and its queue (see the module docstring).
+  """The device-owning decode thread, its slots and its queue (see the module docstring).
 
   Args:
     cfg, params, tokenizer: the model (as `k2jax.generate.load` returns them).
-    max_batch: rows decoded together at most (a request's n rows count n).
-    window_s: how long the first request of a batch waits for others.
+    max_batch: slots: rows decoded together at most (a request's n rows take n).
+    max_len: tokens a slot holds, prompt and completion (default and at most the model's
+      context). The cache is max_batch x max_len latents (k2jax.model.decode).
+    window_s: how long a request arriving at an idle engine waits for others when the last
+      admission took several rows (clients answered together come back within milliseconds;
+      a lone client is not made to wait). A request arriving while rows decode joins at the
+      next dispatch without waiting.
     seed: draws the sampling key of requests that give none (reproducible server runs).
+    chunk: decode steps per dispatch (module docstring).
   """
 
-  def __init__(self, cfg, params, tokenizer, *, max_batch: int = 16, window_s: float = 0.02,
-               seed: int = 0):
+  def __init__(self, cfg, params, tokenizer, *, max_batch: int = 16, max_len: int | None = None,
+               window_s: float = 0.02, seed: int = 0, chunk: int = CHUNK):
     self.cfg, self.params, self.tok = cfg, params, tokenizer
-    self.max_batch, self.window_s = max_batch, window_s
+    self.max_batch, self.window_s, self.chunk = max_batch, window_s, chunk
+    self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     self.stop_ids = [tokenizer.eos_id] + chat.stop_ids(tokenizer)
     # With a byte tokenizer the chat markers are text: <|im_end|> ends a turn as a string.
     self.stop_text = ["<|im_end|>"]
     self._rng = np.random.default_rng(seed)
     self._queue: queue.Queue = queue.Queue()
+    self._waiting: list[Job] = []          # taken from the queue, not yet given slots
     self._last_rows = 0
-    self.stats = dict(batches=0, rows=0, tokens=0)
+    # A chunk may run past a row's last token: the cache has room for it.
+    self._S = bucket(self.max_len + chunk)
+    self._rows: list[_Row | None] = [None] * max_batch
+    B = max_batch
+    self._host = dict(tokens=np.zeros(B, np.int32), seeds=np.zeros(B, np.uint32),
+                      t=np.zeros(B, np.int32), temperature=np.zeros(B, np.float32),
+                      top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32))
+    self._length = np.zeros(B, np.int64)   # tokens in each slot's cache
+    self._cache = None
+    self.stats = dict(prefills=0, steps=0, row_steps=0, most_rows=0, rows=0, tokens=0)
     self._thread = threading.Thread(target=self._loop, name="k2jax-engine", daemon=True)
     self._thread.start()
 
   def submit(self, job: Job) -> None:
     self._queue.put(job)
 
+  def running_rows(self) -> int:
+    """Rows decoding in slots now."""
+    return sum(r is not None for r in self._rows)
+
+  def waiting_rows(self) -> int:
+    """Rows submitted that have no slot yet (a server's queue bound reads this)."""
+    queued = list(self._queue.queue)       # a snapshot; the engine's thread takes from it
+    return sum(j.n for j in queued + list(self._waiting) if j is not None and not j.cancelled)
+
   def warmup(self, prompt_tokens: int, max_tokens: int, sampled: bool = True) -> None:
-    """Compile the decode programs for every batch-size bucket up to max_batch at one prompt
-    length (a server's first requests otherwise wait for XLA; each bucket is a program).
-    Runs on the caller's thread: call it before serving."""
-    from k2jax.generate import bucket
+    """Compile the programs a server's first requests would otherwise wait for: the prefill
+    of 1..max_batch new rows (each power-of-two bucket a program) at one prompt length,
+    and the decode dispatches up to prompt_tokens + max_tokens, by running such requests
+    through the engine. Blocks until they are done."""
     sizes = sorted({bucket(b, minimum=1) for b in range(1, self.max_batch + 1)})
     for b in sizes:
       for temperature in (0.0, 1.0) if sampled else (0.0,):
-        generate(self.cfg, self.params, [[self.tok.bos_id] * prompt_tokens] * b,
-                 max_new_tokens=max_tokens, temperature=temperature)
+        done = threading.Semaphore(0)
+        self.submit(Job(prompt=[self.tok.bos_id] * prompt_tokens, n=b, max_tokens=max_tokens,
+                        temperature=temperature, seed=0,
+                        emit=lambda e: e.kind in ("done", "error") and done.release()))
+        for _ in range(b):
+          done.acquire()
 
   def close(self) -> None:
     self._queue.put(None)
@@ -142,104 +285,229 @@ class Engine:
 
   # --------------------------------------------------------------------------- the thread
 
-  def _take(self) -> list[Job] | None:
-    first = self._queue.get()
+  def _free(self) -> int:
+    return sum(r is None for r in self._rows)
+
+  def _take(self) -> bool:
+    """Move queued jobs to `_waiting`: blocks while nothing decodes or waits. False once
+    the engine is closed."""
+    busy = any(self._rows) or self._waiting
+    try:
+      first = self._queue.get_nowait() if busy else self._queue.get()
+    except queue.Empty:
+      return True
     if first is None:
-      return None
-    jobs, rows = [first], first.n
-    # Wait for company only under concurrent load (the last batch had several rows): a lone
-    # client would pay the window on every request for nothing.
-    deadline = time.monotonic() + (self.window_s if self._last_rows > 1 else 0.0)
-    while rows < self.max_batch:
+      return False
+    self._waiting.append(first)
+    rows = sum(j.n for j in self._waiting)
+    # Wait for company only when idle under concurrent load (the last admission had several
+    # rows): a lone client would pay the window on every request for nothing.
+    wait = self.window_s if not busy and self._last_rows > 1 else 0.0
+    deadline = time.monotonic() + wait
+    while rows < self._free():
       try:
-        wait = deadline - time.monotonic()
-        job = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+        left = deadline - time.monotonic()
+        job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
       except queue.Empty:
         break
       if job is None:
         self._queue.put(None)
         break
-      jobs.append(job)
+      self._waiting.append(job)
       rows += job.n
-    self._last_rows = rows
-    return jobs
+    return True
 
   def _loop(self) -> None:
-    while (jobs := self._take()) is not None:
-      groups: dict[tuple, list[Job]] = {}
-      for job in jobs:
-        if job.cancelled:
-          continue
-        key = (job.temperature if job.temperature > 0 else 0.0,
-               job.top_p if job.temperature > 0 else None,
-               job.top_k if job.temperature > 0 else None)
-        groups.setdefault(key, []).append(job)
-      for group in groups.values():
-        try:
-          self._decode(group)
-        except Exception as e:    # the server keeps serving; these requests get a 500
-          log.exception("decoding a batch of %d requests failed", len(group))
-          for job in group:
-            job.emit(Event("error", error=e))
+    while self._take():
+      try:
+        self._admit()
+        if any(self._rows):
+          self._advance()
+      except Exception as e:    # the server keeps serving; these requests get a 500
+        jobs = {id(r.job): r.job for r in self._rows if r is not None}
+        log.exception("decoding %d requests failed", len(jobs))
+        for job in jobs.values():
+          job.emit(Event("error", error=e))
+        self._rows = [None] * self.max_batch
+        self._cache = None      # donated into the failed call: start over
 
-  def _decode(self, jobs: list[Job]) -> None:
-    rows = [_Row(job, i, self.stop_text) for job in jobs for i in range(job.n)]
-    first = jobs[0]
-    seeds = []
-    for job in jobs:      # row i of a seeded request: a key from (seed, i)
-      base = job.seed % 2**31 if job.seed is not None else int(self._rng.integers(2**31))
-      seeds += [(base * 1_000_003 + i) % 2**32 for i in range(job.n)]
-    tok, stop_ids = self.tok, set(self.stop_ids)
+  def _admit(self) -> None:
+    """Give waiting jobs free slots (in arrival order) and prefill them together."""
+    new: list[_Row] = []
+    free = [s for s, r in enumerate(self._rows) if r is None]
+    while self._waiting and (self._waiting[0].cancelled or self._waiting[0].n <= len(free)):
+      job = self._waiting.pop(0)
+      if job.cancelled:
+        continue
+      if job.n > self.max_batch or len(job.prompt) + job.max_tokens > self.max_len:
+        job.emit(Event("error", error=ValueError(
+            f"a request of {job.n} rows x {len(job.prompt)} + {job.max_tokens} tokens does "
+            f"not fit the engine's slots ({self.max_batch} of {self.max_len} tokens)")))
+        continue
+      seed = job.seed if job.seed is not None else int(self._rng.integers(2**31))
+      for i in range(job.n):
+        row = _Row(job, i, self.stop_text, row_seed(seed, i))
+        row.slot = free.pop(0)
+        self._rows[row.slot] = row
+        new.append(row)
+    if self._waiting and self._waiting[0].n > self.max_batch:
+      job = self._waiting.pop(0)
+      job.emit(Event("error", error=ValueError(
+          f"n {job.n} is more than the engine's {self.max_batch} slots")))
+    if not new:
+      return
+    if self._cache is None:
+      self._cache = decode.init_cache(self.cfg, self.max_batch, self._S)
+    self._last_rows = len(new)
+    b = bucket(len(new), minimum=1)
+    T = min(bucket(max(len(r.job.prompt) for r in new)), self._S)
+    tokens = np.zeros((b, T), np.int32)
+    lengths = np.ones(b, np.int32)
+    slots = np.full(b, self.max_batch, np.int32)      # padding rows: dropped
+    settings = {k: np.zeros(b, v.dtype) for k, v in self._host.items() if k not in ("tokens", "t")}
+    settings["top_p"][:] = 1
+    for i, row in enumerate(new):
+      tokens[i, :len(row.job.prompt)] = row.job.prompt
+      lengths[i], slots[i] = len(row.job.prompt), row.slot
+      for k, v in self._settings(row).items():
+        settings[k][i] = v
+        self._host[k][row.slot] = v
+      self._host["t"][row.slot] = 1
+      self._length[row.slot] = len(row.job.prompt)
+    allowed = self._allowed(new, b)
+    admit, _ = self._compiled()
+    top, echo = self._top(new), any(r.job.echo for r in new)
+    first, scores, self._cache = admit(
+        self.params, self._cache, tokens, lengths, slots, settings["seeds"],
+        settings["temperature"], settings["top_k"], settings["top_p"], allowed,
+        filtered=self._filtered(new), top=top, echo=echo)
+    first, scores = np.asarray(first), jax.tree.map(np.asarray, scores)
+    self.stats["prefills"] += 1
+    self.stats["rows"] += len(new)
+    for i, row in enumerate(new):
+      self._host["tokens"][row.slot] = first[i]
+      if row.job.echo:
+        prompt = scores["prompt"]
+        row.prompt_lps = [None] + [(t, *_entry(prompt, i, j))
+                                   for j, t in enumerate(row.job.prompt[1:])]
+      if row.job.max_tokens == 0:      # scoring only (echo): nothing to generate
+        self._end(row, "length")
+        continue
+      self._on_token(row, int(first[i]), _entry(scores["first"], i) if top >= 0 else None)
 
-    def finish(row: _Row, reason: str) -> None:
-      row.finish = reason
-      row.job.emit(Event("done", row.index, row.text, reason, len(row.ids)))
+  def _advance(self) -> None:
+    """One dispatch of decode steps over the occupied slots (the lowest `rows`, a power of
+    two); rows that end free their slots."""
+    rows = [r for r in self._rows if r is not None]
+    constrained = any(r.job.processor for r in rows)
+    n = 1 if constrained else self.chunk
+    span = min(bucket(int(max(self._length[r.slot] for r in rows)) + n), self._S)
+    nb = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.max_batch)
+    active = np.array([r is not None for r in self._rows[:nb]])
+    h = {k: v[:nb] for k, v in self._host.items()}
+    _, steps = self._compiled()
+    top = self._top(rows)
+    toks, scores, self._cache = steps(
+        self.params, self._cache, h["tokens"], h["seeds"], h["t"], h["temperature"],
+        h["top_k"], h["top_p"], active,
+        self._allowed(self._rows[:nb], nb) if constrained else None,
+        n=n, span=span, rows=nb, filtered=self._filtered(rows), top=top)
+    toks, scores = np.asarray(toks), jax.tree.map(np.asarray, scores)
+    self.stats["steps"] += n
+    self.stats["row_steps"] += n * len(rows)
+    self.stats["most_rows"] = max(self.stats["most_rows"], len(rows))
+    self._host["tokens"][:nb] = toks[-1]
+    self._host["t"][:nb][active] += n
+    self._length[:nb][active] += n
+    for i in range(n):
+      for row in rows:
+        if row.finish is None:
+          self._on_token(row, int(toks[i, row.slot]),
+                         _entry(scores, i, row.slot) if top >= 0 else None)
 
-    def on_token(ids):
-      ended = set()
-      for b, i in enumerate(ids):
-        row = rows[b]
-        if i is None or row.finish:
-          continue
-        if row.job.cancelled:
-          row.finish = "cancelled"
-          ended.add(b)
-          continue
-        row.ids.append(i)
-        text = tok.decode([t for t in row.ids if t not in stop_ids])
-        cut = min((text.find(s) for s in row.stops if s in text), default=-1)
-        reason = None
-        if cut >= 0:
-          text, reason = text[:cut], "stop"
-        elif i in stop_ids:
-          reason = "stop"
-        elif len(row.ids) >= row.job.max_tokens:
-          reason = "length"
-        row.text = text
-        visible = text if reason else text[:len(text) - _held(text, row.watch)]
-        if row.job.hold_tool_calls and SECTION in visible:
-          visible = visible[:visible.index(SECTION)]
-        if len(visible) > row.sent:
-          row.job.emit(Event("delta", row.index, visible[row.sent:]))
-          row.sent = len(visible)
-        if reason:
-          finish(row, reason)
-          ended.add(b)
-      return ended
+  def _compiled(self):
+    return _compiled(self.cfg, self.max_batch, self._S)
 
-    processor = None
-    if any(job.processor for job in jobs):
-      def processor(b, generated):
-        fn = rows[b].job.processor
-        return None if fn is None else fn(rows[b].index, generated)
+  @staticmethod
+  def _settings(row: _Row) -> dict:
+    job = row.job
+    greedy = job.temperature <= 0
+    return dict(seeds=row.seed, temperature=max(job.temperature, 0.0),
+                top_k=0 if greedy or not job.top_k else job.top_k,
+                top_p=1.0 if greedy or job.top_p is None else job.top_p)
 
-    generate(self.cfg, self.params, [job.prompt for job in jobs for _ in range(job.n)],
-             max_new_tokens=max(job.max_tokens for job in jobs),
-             temperature=first.temperature, top_p=first.top_p, top_k=first.top_k, seed=seeds,
-             stop_ids=self.stop_ids, logits_processor=processor, on_token=on_token)
-    for row in rows:     # a row that hit the batch's last step without ending on its own
-      if row.finish is None:
-        finish(row, "length")
-    self.stats["batches"] += 1
-    self.stats["rows"] += len(rows)
-    self.stats["tokens"] += sum(len(r.ids) for r in rows)
+  @staticmethod
+  def _top(rows) -> int:
+    """-1 when no row wants log probabilities, else the most alternatives one wants."""
+    return max((r.job.logprobs for r in rows if r is not None and r.job.logprobs is not None),
+               default=-1)
+
+  @staticmethod
+  def _filtered(rows) -> bool:
+    """Whether any row samples under top_k / top_p (the program that sorts the vocabulary)."""
+    return any(r is not None and r.job.temperature > 0 and (r.job.top_k or r.job.top_p)
+               for r in rows)
+
+  def _allowed(self, rows, b: int):
+    """The logits processors' masks [b, vocab] for these rows (None: no row has one)."""
+    if not any(r is not None and r.job.processor for r in rows):
+      return None
+    mask = np.ones((b, self.cfg.vocab_size), bool)
+    for i, r in enumerate(rows):
+      m = None if r is None or r.job.processor is None else r.job.processor(r.index, r.ids)
+      if m is not None:
+        mask[i, :len(m)] = m
+    return mask
+
+  def _on_token(self, row: _Row, i: int, scored: tuple | None = None) -> None:
+    """Hand a row its next token (and its log probabilities, `_entry`): stream its visible
+    text, end it (freeing its slot) at a stop token, a stop string, max_tokens, or a client
+    that went away."""
+    if row.job.cancelled:
+      return self._end(row, "cancelled")
+    row.ids.append(i)
+    if row.job.logprobs is not None:
+      lp, alts = scored
+      row.lps.append((i, lp, alts[:row.job.logprobs]))
+    self.stats["tokens"] += 1
+    text = self.tok.decode([t for t in row.ids if t not in self.stop_ids])
+    cut = min((text.find(s) for s in row.stops if s in text), default=-1)
+    reason = None
+    if cut >= 0:
+      text, reason = text[:cut], "stop"
+    elif i in self.stop_ids:
+      reason = "stop"
+    elif len(row.ids) >= row.job.max_tokens:
+      reason = "length"
+    row.text = text
+    visible = text if reason else text[:len(text) - _held(text, row.watch)]
+    if row.job.hold_tool_calls and SECTION in visible:
+      visible = visible[:visible.index(SECTION)]
+    if len(visible) > row.sent:
+      lps = row.lps[row.lp_sent:] if row.job.logprobs is not None else None
+      row.lp_sent = len(row.lps)
+      row.job.emit(Event("delta", row.index, visible[row.sent:], logprobs=lps,
+                         prompt_logprobs=None if row.sent else row.prompt_lps))
+      row.sent = len(visible)
+    if reason:
+      self._end(row, reason)
+
+  def _end(self, row: _Row, reason: str) -> None:
+    row.finish = reason
+    self._rows[row.slot] = None
+    if reason != "cancelled":
+      row.job.emit(Event("done", row.index, row.text, reason, len(row.ids),
+                         logprobs=row.lps if row.job.logprobs is not None else None,
+                         prompt_logprobs=row.prompt_lps))
+
+
+_PROGRAMS: dict[tuple, tuple] = {}
+
+
+def _compiled(cfg, rows: int, S: int):
+  """`_programs` once per (model config, slots, cache length)."""
+  key = (cfg.to_json(), rows, S)
+  if key not in _PROGRAMS:
+    kernels.prepare(cfg.attention_impl, cfg.moe_impl)   # before the first trace (its doc)
+    _PROGRAMS[key] = _programs(cfg, rows, S)
+  return _PROGRAMS[key]

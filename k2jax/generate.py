@@ -68,6 +68,40 @@ def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float |
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def sample_rows(logits, keys, *, temperature, top_k, top_p, allowed=None, filtered: bool = True):
+  """`sample` with every setting per row, so rows that sample differently share a batch
+  (k2jax.engine): next tokens [B] from logits [B, V], keys [B], temperature [B] (0 =
+  greedy), top_k [B] int (0 = every token), top_p [B] (1 = every token), allowed [B, V] bool
+  or None. A row's token is the one `sample` draws for it alone with the same key and
+  settings. filtered=False skips the top-k / top-p masks (no row uses them): the sort of
+  the vocabulary they need is then not in the program.
+
+  Per row: z = logits / T; with k > 0 only tokens with z >= the k-th largest z stay, then
+  of those only the smallest prefix (by z, descending) whose probability mass before each
+  token is < top_p; the token is drawn from softmax(z) over what stays, or argmax where T = 0.
+  """
+  logits = logits.astype(jnp.float32)
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, -jnp.inf)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  z = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  if filtered:
+    V = z.shape[-1]
+    order = jnp.argsort(-z, axis=-1)
+    zs = jnp.take_along_axis(z, order, axis=-1)                  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(zs, (k - 1)[:, None], axis=-1)
+    zs = jnp.where(zs >= kth, zs, -jnp.inf)
+    probs = jax.nn.softmax(zs, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = (zs > -jnp.inf) & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(
+        keep_sorted)
+    z = jnp.where(keep, z, -jnp.inf)
+  drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+  return jnp.where(temperature > 0, drawn, greedy)
+
+
 _PROGRAMS: dict[str, tuple] = {}
 
 

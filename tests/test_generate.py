@@ -132,6 +132,33 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
   assert draws == {0, 1}                   # 0.5 + 0.3 reaches 0.7: the rest never drawn
 
 
+def test_per_row_sampling_settings_draw_what_each_row_would_alone():
+  """sample_rows (a server's batch of rows with different settings) gives each row the
+  token `sample` draws for that row alone with its key and settings, over many keys; and
+  the greedy rows take the argmax of the allowed tokens."""
+  V, settings = 300, [(0.0, None, None), (1.0, None, None), (0.7, 5, None), (1.3, None, 0.5),
+                      (0.9, 20, 0.8), (1.0, 1, None), (2.0, 7, 0.3)]
+  B = len(settings)
+  logits = 3 * jax.random.normal(jax.random.key(1), (B, V))
+  allowed = jax.random.bernoulli(jax.random.key(2), 0.7, (B, V))
+  T = jnp.asarray([s[0] for s in settings])
+  K = jnp.asarray([s[1] or 0 for s in settings])
+  P = jnp.asarray([s[2] or 1.0 for s in settings])
+  draw = jax.jit(lambda lg, k, m: generate.sample_rows(lg, k, temperature=T, top_k=K, top_p=P,
+                                                       allowed=m))
+  seen = set()
+  for trial in range(25):
+    keys = jax.vmap(lambda s: jax.random.key(s))(jnp.arange(B, dtype=jnp.uint32) + 100 * trial)
+    mask = allowed if trial % 2 else None
+    got = np.asarray(draw(logits, keys, mask))
+    for b, (t, k, p) in enumerate(settings):
+      want = generate.sample(logits[b:b + 1], keys[b:b + 1], temperature=t, top_k=k, top_p=p,
+                             allowed=None if mask is None else mask[b:b + 1])
+      assert got[b] == int(want[0]), (trial, b)
+      seen.add((b, int(got[b])))
+  assert len(seen) > 2 * B        # sampled rows did draw different tokens across keys
+
+
 def test_constrained_decoding_gives_valid_calls_from_a_random_model():
   from tests.test_chat import TOOLS, _valid
   from k2jax.data import ByteTokenizer

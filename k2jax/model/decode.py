@@ -42,9 +42,11 @@ def cache_bytes_per_token(cfg, dtype=None) -> int:
   return cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dt.itemsize
 
 
-def prefill(cfg, params, tokens, lengths, cache: Cache):
+def prefill(cfg, params, tokens, lengths, cache: Cache, every: bool = False):
   """Run right-padded prompts tokens [B, T] (row b holds lengths[b] tokens) through the model
-  in the training form, fill the cache, -> (logits [B, vocab] at each row's last token, cache)."""
+  in the training form, fill the cache, -> (logits [B, vocab] at each row's last token, cache);
+  with `every`, (that, logits [B, T, vocab] at every position, cache): a prompt's own
+  log probabilities (a server's echo)."""
   B, T = tokens.shape
   seg = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32)   # padding: segment 0
   logits, _, lat = forward(cfg, params, tokens, segment_ids=seg, return_latents=True)
@@ -52,7 +54,8 @@ def prefill(cfg, params, tokens, lengths, cache: Cache):
                             for c, n in zip(cache.layers[name], lat[name])))
             for name in cache.layers}
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return last, Cache(layers, lengths.astype(jnp.int32))
+  cache = Cache(layers, lengths.astype(jnp.int32))
+  return (last, logits, cache) if every else (last, cache)
 
 
 def decode_step(cfg, params, cache: Cache, tokens):

@@ -1,0 +1,137 @@
+"""k2jax.engine's continuous batching on the tiny model: rows join a running batch and leave
+it when they end, slots are reused, rows with different sampling settings share steps, and
+none of it changes a row's tokens (each compared with the same request decoded alone)."""
+
+import threading
+
+import jax
+import pytest
+
+from k2jax import chat, configs, model
+from k2jax.data import ByteTokenizer
+from k2jax.engine import Engine, Job, row_seed
+from k2jax.generate import generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = configs.get_config("tiny").model
+  return cfg, model.init(cfg, jax.random.key(3)), ByteTokenizer()
+
+
+def _prompt(tok, i):
+  return chat.encode([{"role": "user", "content": f"request {i}: " + "ab" * i}], tokenizer=tok)
+
+
+class _Waiter:
+  """A job's events: its finished choices, and the order jobs finished in (shared list)."""
+
+  def __init__(self, order=None, name=None):
+    self.done, self.deltas, self.order, self.name = {}, 0, order, name
+    self.finished = threading.Event()
+
+  def job(self, **kw) -> Job:
+    self.n = kw.get("n", 1)
+    return Job(emit=self.emit, **kw)
+
+  def emit(self, e):
+    if e.kind == "delta":
+      self.deltas += 1
+    elif e.kind == "error":
+      self.error = e.error
+      self.finished.set()
+    elif e.kind == "done":
+      self.done[e.index] = e
+      if len(self.done) == self.n:
+        if self.order is not None:
+          self.order.append(self.name)
+        self.finished.set()
+
+  def result(self, timeout=300):
+    assert self.finished.wait(timeout)
+    return [(self.done[i].text, self.done[i].finish_reason, self.done[i].tokens)
+            for i in sorted(self.done)]
+
+
+def _alone(engine, **kw):
+  w = _Waiter()
+  engine.submit(w.job(**kw))
+  return w.result()
+
+
+def _rows_per_step(engine, before):
+  steps = engine.stats["steps"] - before["steps"]
+  return (engine.stats["row_steps"] - before["row_steps"]) / max(steps, 1)
+
+
+def test_a_short_request_joins_a_running_batch_and_leaves_before_it_ends(tiny):
+  cfg, params, tok = tiny
+  engine = Engine(cfg, params, tok, max_batch=4, window_s=0.0, chunk=4)
+  try:
+    long_kw = dict(prompt=_prompt(tok, 1), max_tokens=160, temperature=0.0)
+    short_kw = dict(prompt=_prompt(tok, 5), max_tokens=6, temperature=0.7, seed=11)
+    long_alone, short_alone = _alone(engine, **long_kw), _alone(engine, **short_kw)
+    assert long_alone[0][1] == "length"            # runs its full length: the test's premise
+    # the greedy row also equals k2jax.generate's (an independent decode loop)
+    ids = generate(cfg, params, [long_kw["prompt"]], max_new_tokens=160,
+                   stop_ids=engine.stop_ids)[0]
+    assert long_alone[0][0] == tok.decode([t for t in ids if t not in engine.stop_ids])
+    # ... and so does the seeded sampled row: the same per-row key, the same draws
+    ids = generate(cfg, params, [short_kw["prompt"]], max_new_tokens=6, temperature=0.7,
+                   seed=[row_seed(11, 0)], stop_ids=engine.stop_ids)[0]
+    assert short_alone[0][0] == tok.decode([t for t in ids if t not in engine.stop_ids])
+
+    order, before = [], dict(engine.stats)
+    lw, sw = _Waiter(order, "long"), _Waiter(order, "short")
+    engine.submit(lw.job(**long_kw))
+    while lw.deltas < 20:                          # the long row is decoding ...
+      assert not lw.finished.wait(0.01)
+    engine.submit(sw.job(**short_kw))              # ... when the short one arrives
+    assert sw.result() == short_alone and lw.result() == long_alone
+    assert order == ["short", "long"]              # it left first
+    assert engine.stats["prefills"] - before["prefills"] == 2
+    assert _rows_per_step(engine, before) > 1      # the two shared decode steps
+  finally:
+    engine.close()
+
+
+def test_slots_are_reused_and_mixed_settings_share_steps(tiny):
+  """Two slots, six requests with six different sampling settings (greedy, temperatures,
+  top_k, top_p, n = 2): every row equals its request decoded alone, and no step served more
+  rows than there are slots."""
+  cfg, params, tok = tiny
+  engine = Engine(cfg, params, tok, max_batch=2, window_s=0.0)
+  try:
+    settings = [dict(temperature=0.0), dict(temperature=1.0, seed=1),
+                dict(temperature=0.5, top_k=7, seed=2), dict(temperature=1.3, top_p=0.6, seed=3),
+                dict(temperature=0.9, top_k=20, top_p=0.9, seed=4),
+                dict(temperature=1.0, seed=5, n=2)]
+    kws = [dict(prompt=_prompt(tok, i), max_tokens=5 + 3 * i, **s) for i, s in enumerate(settings)]
+    alone = [_alone(engine, **kw) for kw in kws]
+    assert alone[-1][0] != alone[-1][1]            # n = 2: the rows draw differently
+    before = dict(engine.stats)
+    waiters = [_Waiter() for _ in kws]
+    for w, kw in zip(waiters, kws):
+      engine.submit(w.job(**kw))
+    assert [w.result() for w in waiters] == alone
+    assert engine.stats["most_rows"] == 2
+    assert _rows_per_step(engine, before) > 1.5
+  finally:
+    engine.close()
+
+
+def test_requests_that_cannot_fit_are_refused_and_the_engine_goes_on(tiny):
+  cfg, params, tok = tiny
+  engine = Engine(cfg, params, tok, max_batch=2, max_len=256, window_s=0.0)
+  prompt = _prompt(tok, 0)
+  try:
+    assert engine.max_len == 256 > len(prompt)
+    for kw in (dict(n=3, max_tokens=4), dict(n=1, max_tokens=256 - len(prompt) + 1)):
+      w = _Waiter()
+      engine.submit(w.job(prompt=prompt, temperature=0.0, **kw))
+      assert w.finished.wait(60) and "slots" in str(w.error)
+    text, reason, n = _alone(engine, prompt=prompt, max_tokens=256 - len(prompt),
+                             temperature=0.0)[0]
+    assert reason in ("length", "stop") and 1 <= n <= 256 - len(prompt)
+  finally:
+    engine.close()
