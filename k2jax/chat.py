@@ -276,45 +276,31 @@ def _lark_string(s: str) -> str:
   return json.dumps(s)
 
 
-class ToolCallConstraint:
-  """Token masks that force an assistant turn to be well-formed tool calls whose arguments
-  match each tool's JSON schema (llguidance compiles the grammar; we only wire it up).
-
-      c = ToolCallConstraint(tokenizer, tools)
-      generate(cfg, params, [prompt], ..., logits_processor=c)   # c(row, ids) -> bool [vocab]
-
-  The grammar: a tool-call section of `max_calls` calls at most (each
-  `functions.NAME:IDX` with arguments from NAME's schema), then <|im_end|>. Markers are the
-  tokenizer's special ids when it has them, else text. Per row a matcher consumes the tokens
-  sampled so far; after the grammar ends only the stop token is allowed.
+class GrammarConstraint:
+  """Token masks that keep each row's tokens inside a Lark grammar (llguidance compiles it and
+  tracks each row; we only wire it up): c(row, ids so far) -> bool [vocab], the
+  `logits_processor` of k2jax.generate / a Job. After the grammar ends (or if a row left it),
+  only the stop tokens are allowed.
   """
 
-  def __init__(self, tokenizer, tools: Sequence[dict], *, max_calls: int = 2,
-               first_index: int = 0):
+  def __init__(self, tokenizer, grammar: str, what: str = "grammar"):
     import llguidance  # pip install llguidance (no other dependencies)
-    self.tokenizer = tokenizer
-    specials = getattr(tokenizer, "special_ids", {}) or {}
-    mark = (lambda m: f"<[{specials[m]}]>") if specials else _lark_string
-    calls = []
-    for t in tools:
-      fn = t.get("function", t)
-      schema = json.dumps(fn.get("parameters") or {"type": "object"})
-      calls.append(f'{mark("<|tool_call_begin|>")} {_lark_string("functions." + fn["name"] + ":")} '
-                   f'/[0-9]/ {mark("<|tool_call_argument_begin|>")} %json{schema} '
-                   f'{mark("<|tool_call_end|>")}')
-    one = " | ".join(f"({c})" for c in calls)
-    repeat = " ".join(["call"] + ["call?"] * (max_calls - 1))
-    self.grammar = (f"start: {mark('<|tool_calls_section_begin|>')} {repeat} "
-                    f"{mark('<|tool_calls_section_end|>')} {mark('<|im_end|>')}\n"
-                    f"call: {one}\n")
+    self.tokenizer, self.grammar = tokenizer, grammar
     self._ll_tok = _lltokenizer(tokenizer)
-    err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(self.grammar),
+    err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar),
                                                 self._ll_tok)
     if err:
-      raise ValueError(f"tool-call grammar does not compile: {err}")
+      raise ValueError(f"{what} does not compile: {err}")
     self._matchers: dict[int, tuple] = {}
     self.vocab = tokenizer.vocab_size
     self.stop = [tokenizer.eos_id] + stop_ids(tokenizer)
+
+  @staticmethod
+  def marker(tokenizer):
+    """How a grammar names one of K2's chat markers: its special id where the tokenizer has
+    one, else its text."""
+    specials = getattr(tokenizer, "special_ids", {}) or {}
+    return (lambda m: f"<[{specials[m]}]>") if specials else _lark_string
 
   def _matcher(self, row):
     import llguidance
@@ -341,6 +327,46 @@ class ToolCallConstraint:
     if not allowed.any():
       allowed[self.stop] = True
     return allowed
+
+
+class ToolCallConstraint(GrammarConstraint):
+  """Token masks that force an assistant turn to be well-formed tool calls whose arguments
+  match each tool's JSON schema.
+
+      c = ToolCallConstraint(tokenizer, tools)
+      generate(cfg, params, [prompt], ..., logits_processor=c)   # c(row, ids) -> bool [vocab]
+
+  The grammar: a tool-call section of `max_calls` calls at most (each
+  `functions.NAME:IDX` with arguments from NAME's schema), then <|im_end|>. Markers are the
+  tokenizer's special ids when it has them, else text.
+  """
+
+  def __init__(self, tokenizer, tools: Sequence[dict], *, max_calls: int = 2,
+               first_index: int = 0):
+    mark = self.marker(tokenizer)
+    calls = []
+    for t in tools:
+      fn = t.get("function", t)
+      schema = json.dumps(fn.get("parameters") or {"type": "object"})
+      calls.append(f'{mark("<|tool_call_begin|>")} {_lark_string("functions." + fn["name"] + ":")} '
+                   f'/[0-9]/ {mark("<|tool_call_argument_begin|>")} %json{schema} '
+                   f'{mark("<|tool_call_end|>")}')
+    one = " | ".join(f"({c})" for c in calls)
+    repeat = " ".join(["call"] + ["call?"] * (max_calls - 1))
+    super().__init__(tokenizer, f"start: {mark('<|tool_calls_section_begin|>')} {repeat} "
+                     f"{mark('<|tool_calls_section_end|>')} {mark('<|im_end|>')}\n"
+                     f"call: {one}\n", "tool-call grammar")
+
+
+class JSONConstraint(GrammarConstraint):
+  """Token masks that force an assistant turn to be one JSON value matching `schema` (JSON
+  Schema; {"type": "object"} for any object), then <|im_end|>: OpenAI's `response_format`
+  json_schema and json_object."""
+
+  def __init__(self, tokenizer, schema: dict):
+    mark = self.marker(tokenizer)
+    super().__init__(tokenizer, f"start: %json{json.dumps(schema)} {mark('<|im_end|>')}\n",
+                     "response_format's JSON schema")
 
 
 def _lltokenizer(tokenizer):

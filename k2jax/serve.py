@@ -9,11 +9,16 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages, tools, tool_choice,
 temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, stream with
-server-sent events, stream_options.include_usage; `top_k` as an extension) and `GET /health`.
-Dialogs are rendered in K2's chat format (`k2jax.chat`); an assistant turn's tool calls come
-back parsed as `tool_calls` (`k2jax.chat.parse_tool_calls`), and with `tool_choice`
-"required" or a named function they are sampled under the tools' JSON schemas
-(`k2jax.chat.ToolCallConstraint`). Concurrent requests share decode steps (`k2jax.engine`).
+server-sent events, stream_options.include_usage, logprobs / top_logprobs, response_format
+json_object / json_schema; `top_k` as an extension), `POST /v1/completions` (text or token
+prompts, echo, logprobs), `GET /health` and `GET /metrics` (Prometheus). Dialogs are rendered in K2's chat format (`k2jax.chat`); an
+assistant turn's tool calls come back parsed as `tool_calls` (`k2jax.chat.parse_tool_calls`),
+and with `tool_choice` "required" or a named function they are sampled under the tools' JSON
+schemas (`k2jax.chat.ToolCallConstraint`); a JSON response_format is sampled under its schema
+the same way (`k2jax.chat.JSONConstraint`). Concurrent requests share decode steps, joining
+and leaving the running batch between dispatches (continuous batching over a slotted cache:
+`k2jax.engine`). `--api-key` makes /v1 need a bearer key; `--max_queue` bounds the rows
+waiting for a slot (429 past it).
 
 `max_tokens` is clamped to the context the prompt leaves (the reply ends with finish_reason
 "length" when it runs into it); only a prompt that fills the context is refused.
@@ -69,17 +74,21 @@ def _number(body, key, lo, hi, default, *, integer=False, lo_open=False):
   return v
 
 
-# Fields the server reads. A field of OpenAI's chat API it does not honour is refused (400
-# naming it) unless it has the value that changes nothing: a client must not believe a
+# Fields the server reads, per endpoint. A field of OpenAI's API it does not honour is refused
+# (400 naming it) unless it has the value that changes nothing: a client must not believe a
 # penalty or a bias was applied. Fields outside both lists are refused too; `user`,
 # `metadata` and `store` describe the request and are accepted as such.
-_HONOURED = ("model", "messages", "temperature", "top_p", "top_k", "n", "seed", "max_tokens",
-             "max_completion_tokens", "stop", "stream", "stream_options", "tools",
-             "tool_choice", "user", "metadata", "store")
+_SAMPLING = ("model", "temperature", "top_p", "top_k", "n", "seed", "max_tokens", "stop",
+             "stream", "stream_options", "logprobs", "user", "metadata", "store")
+_HONOURED = _SAMPLING + ("messages", "max_completion_tokens", "top_logprobs", "tools",
+                         "tool_choice", "response_format")
 _NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
            "logit_bias": {}, "parallel_tool_calls": True, "functions": [],
-           "function_call": "none", "min_tokens": 0, "logprobs": False, "top_logprobs": 0,
-           "response_format": {"type": "text"}}
+           "function_call": "none", "min_tokens": 0}
+_COMPLETION_HONOURED = _SAMPLING + ("prompt", "echo")
+_COMPLETION_NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+                      "logit_bias": {}, "min_tokens": 0, "best_of": 1, "suffix": ""}
+MAX_TOP_LOGPROBS = 20
 
 
 def _same(value, noop) -> bool:
@@ -91,16 +100,16 @@ def _same(value, noop) -> bool:
   return value == noop
 
 
-def _fields(body) -> None:
+def _fields(body, honoured=_HONOURED, no_ops=_NO_OPS) -> None:
   """Refuse a field the server would otherwise ignore (`_HONOURED`, `_NO_OPS`)."""
   for key, value in body.items():
-    if key in _HONOURED or value is None:
+    if key in honoured or value is None:
       continue
-    if key not in _NO_OPS:
+    if key not in no_ops:
       raise RequestError(f"{key} is not a field k2jax.serve reads: remove it", param=key)
-    if not _same(value, _NO_OPS[key]):
+    if not _same(value, no_ops[key]):
       raise RequestError(f"{key} {json.dumps(value)[:60]} is not supported by k2jax.serve "
-                         f"(only {json.dumps(_NO_OPS[key])}, which changes nothing)",
+                         f"(only {json.dumps(no_ops[key])}, which changes nothing)",
                          param=key)
 
 
@@ -157,14 +166,94 @@ def _tools(body) -> tuple[list | None, dict | str]:
   return tools or None, choice
 
 
-def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int) -> tuple[Job, dict]:
-  """A chat-completion request -> (Job without its emit, what the response needs).
-  Raises RequestError naming the field."""
+def _per_row(make, param: str):
+  """A Job processor with one constraint (`make()`) per row. The grammar is compiled now: a
+  schema that does not compile is the request's fault (400 naming `param`)."""
+  constraints: dict = {}
+
+  def processor(row, ids):
+    if row not in constraints:
+      constraints[row] = make()
+    return constraints[row](row, ids)
+  try:
+    processor(-1, [])
+  except ValueError as e:
+    raise RequestError(f"{param}: {e}", param=param) from None
+  return processor
+
+
+def _response_format(body) -> dict | None:
+  """The JSON schema response_format asks for (json_object: any object), or None (text)."""
+  fmt = body.get("response_format")
+  if fmt is None:
+    return None
+  kind = fmt.get("type") if isinstance(fmt, dict) else None
+  if kind == "text":
+    return None
+  if kind == "json_object":
+    return {"type": "object"}
+  spec = fmt.get("json_schema") if kind == "json_schema" else None
+  if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+    raise RequestError("response_format must be {type: text}, {type: json_object} or {type: "
+                       "json_schema, json_schema: {name, schema: {...}}}",
+                       param="response_format")
+  return spec["schema"]
+
+
+def _model(body, model: str) -> None:
   if not isinstance(body, dict):
     raise RequestError("the request body must be a JSON object")
   if body.get("model") not in (None, model):
     raise RequestError(f"model {body.get('model')!r} is not served here; GET /v1/models lists "
                        f"{model!r}", param="model", status=404, code="model_not_found")
+
+
+def _room(prompt, cfg, max_len: int | None, param: str) -> int:
+  """Tokens the prompt leaves of a request's room (the engine's slots, within the context);
+  RequestError when none."""
+  limit = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+  room = limit - len(prompt)
+  if room < 1:
+    raise RequestError(
+        f"the prompt is {len(prompt)} tokens; " + (
+            f"the model's context is {limit} tokens" if limit == cfg.max_position_embeddings
+            else f"the server holds {limit} tokens a request (--max_len)")
+        + f": shorten the {param}", param=param, code="context_length_exceeded")
+  return room
+
+
+def _sampling(body, cfg, max_n: int) -> dict:
+  """The settings chat and completions share, checked: Job fields and the response's."""
+  temperature = _number(body, "temperature", 0, 2, 1.0)
+  top_p = _number(body, "top_p", 0, 1, 1.0, lo_open=True)
+  stop = body.get("stop")
+  stop = [stop] if isinstance(stop, str) else stop or []
+  if (not isinstance(stop, list) or len(stop) > MAX_STOP
+      or not all(isinstance(s, str) and s for s in stop)):
+    raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP}",
+                       param="stop")
+  stream = body.get("stream", False)
+  if not isinstance(stream, bool):
+    raise RequestError("stream must be true or false", param="stream")
+  options = body.get("stream_options") or {}
+  if not isinstance(options, dict):
+    raise RequestError("stream_options must be an object such as {include_usage: true}",
+                       param="stream_options")
+  return dict(job=dict(
+      temperature=float(temperature), top_p=None if top_p >= 1 else float(top_p),
+      top_k=_number(body, "top_k", 1, cfg.vocab_size, None, integer=True),
+      n=_number(body, "n", 1, min(MAX_N, max_n), 1, integer=True),
+      seed=_number(body, "seed", -2**63, 2**63 - 1, None, integer=True), stop=stop),
+      stream=stream, include_usage=bool(options.get("include_usage")))
+
+
+def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len: int | None = None,
+          max_n: int = MAX_N) -> tuple[Job, dict]:
+  """A chat-completion request -> (Job without its emit, what the response needs).
+  max_len: the tokens a request may hold, prompt and completion (the engine's slots; default
+  the model's context); max_n: the most choices (the engine's slots). Raises RequestError
+  naming the field."""
+  _model(body, model)
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise RequestError("messages must be a non-empty list of {role, content}",
@@ -177,55 +266,115 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int) -> tuple
   except (chat.ChatFormatError, KeyError, TypeError) as e:
     raise RequestError(f"messages cannot be rendered in K2's chat format: {e}",
                        param="messages") from None
-  room = cfg.max_position_embeddings - len(prompt)
-  temperature = _number(body, "temperature", 0, 2, 1.0)
-  top_p = _number(body, "top_p", 0, 1, 1.0, lo_open=True)
-  top_k = _number(body, "top_k", 1, cfg.vocab_size, None, integer=True)
-  n = _number(body, "n", 1, MAX_N, 1, integer=True)
-  seed = _number(body, "seed", -2**63, 2**63 - 1, None, integer=True)
+  room = _room(prompt, cfg, max_len, "messages")
+  sampling = _sampling(body, cfg, max_n)
   key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
   max_tokens = _number(body, key, 1, 2**31, None, integer=True)
-  if room < 1:
-    raise RequestError(
-        f"the prompt is {len(prompt)} tokens; the model's context is "
-        f"{cfg.max_position_embeddings} tokens: shorten the messages",
-        param="messages", code="context_length_exceeded")
-  stop = body.get("stop")
-  stop = [stop] if isinstance(stop, str) else stop or []
-  if (not isinstance(stop, list) or len(stop) > MAX_STOP
-      or not all(isinstance(s, str) and s for s in stop)):
-    raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP}",
-                       param="stop")
-  stream = body.get("stream", False)
-  if not isinstance(stream, bool):
-    raise RequestError("stream must be true or false", param="stream")
+  logprobs = body.get("logprobs") or False
+  if not isinstance(logprobs, bool):
+    raise RequestError("logprobs must be true or false (top_logprobs: how many alternatives)",
+                       param="logprobs")
+  top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
+  if top and not logprobs:
+    raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
   processor = None
   if tools and choice not in ("none", "auto"):
     allowed = tools if choice == "required" else [
         t for t in tools if t["function"]["name"] == choice["function"]["name"]]
-    try:
-      constraints: dict = {}
-      def processor(row, ids, allowed=allowed):
-        if row not in constraints:
-          constraints[row] = chat.ToolCallConstraint(tokenizer, allowed)
-        return constraints[row](0, ids)
-      processor(-1, [])        # compile the grammar now: a bad schema is the request's fault
-    except ValueError as e:
-      raise RequestError(f"tools' JSON schemas do not compile: {e}", param="tools") from None
+    processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed), "tools")
+  schema = _response_format(body)
+  if schema is not None:
+    if tools and choice != "none":
+      raise RequestError("response_format json_object / json_schema with tools: drop one, or "
+                         "pass tool_choice none", param="response_format")
+    processor = _per_row(lambda: chat.JSONConstraint(tokenizer, schema), "response_format")
   # A max_tokens past the context is clamped to what is left (the reply then ends with
   # finish_reason "length") rather than refused: a client that sizes max_tokens for a 128k
   # model (the synth pipelines' defaults) still gets answers from the 1k-context tiny model.
   job = Job(prompt=prompt, max_tokens=min(room, max_tokens or default_max_tokens),
-            emit=lambda e: None, n=n, temperature=float(temperature),
-            top_p=None if top_p >= 1 else float(top_p), top_k=top_k, seed=seed, stop=stop,
-            hold_tool_calls=bool(tools) and choice != "none", processor=processor)
-  options = body.get("stream_options") or {}
-  if not isinstance(options, dict):
-    raise RequestError("stream_options must be an object such as {include_usage: true}",
-                       param="stream_options")
-  include_usage = bool(options.get("include_usage"))
-  return job, dict(tools=tools if choice != "none" else None, stream=stream,
-                   include_usage=include_usage)
+            emit=lambda e: None, hold_tool_calls=bool(tools) and choice != "none",
+            processor=processor, logprobs=(top or 0) if logprobs else None, **sampling["job"])
+  return job, dict(tools=tools if choice != "none" else None, stream=sampling["stream"],
+                   include_usage=sampling["include_usage"])
+
+
+def parse_completion(body, *, model: str, cfg, tokenizer, max_len: int | None = None,
+                     max_n: int = MAX_N) -> tuple[list[Job], dict]:
+  """A (legacy) completion request -> (one Job per prompt, without emit; the response's
+  needs). A prompt is a string (its tokens after BOS, as training documents start), a list
+  of token ids (as given), or a list of either (a batch: choice index = prompt i x n + row).
+  max_tokens may be 0 with echo: the prompt's log probabilities only (lm-evaluation-harness
+  scores a continuation so)."""
+  _model(body, model)
+  _fields(body, _COMPLETION_HONOURED, _COMPLETION_NO_OPS)
+  prompt = body.get("prompt")
+  ids = lambda p: isinstance(p, list) and p and all(
+      isinstance(t, int) and not isinstance(t, bool) for t in p)
+  if isinstance(prompt, str) or ids(prompt):
+    prompt = [prompt]
+  if (not isinstance(prompt, list) or not prompt
+      or not all((isinstance(p, str) and p) or ids(p) for p in prompt)):
+    raise RequestError("prompt must be a non-empty string, a list of token ids, or a list of "
+                       "either", param="prompt")
+  prompts, implicit = [], []
+  for p in prompt:
+    if isinstance(p, str):
+      prompts.append([tokenizer.bos_id] + [int(t) for t in tokenizer.encode(p)])
+    else:
+      if not all(0 <= t < cfg.vocab_size for t in p):
+        raise RequestError(f"prompt token ids must be in [0, {cfg.vocab_size})",
+                           param="prompt")
+      prompts.append(list(p))
+    implicit.append(isinstance(p, str))
+  echo = body.get("echo", False)
+  if not isinstance(echo, bool):
+    raise RequestError("echo must be true or false", param="echo")
+  logprobs = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
+  max_tokens = _number(body, "max_tokens", 0 if echo else 1, 2**31, 16, integer=True)
+  sampling = _sampling(body, cfg, max_n)
+  jobs = []
+  for p in prompts:
+    room = _room(p, cfg, max_len, "prompt")
+    jobs.append(Job(prompt=p, max_tokens=min(room, max_tokens), emit=lambda e: None,
+                    logprobs=logprobs, echo=echo and logprobs is not None, **sampling["job"]))
+  return jobs, dict(stream=sampling["stream"], include_usage=sampling["include_usage"],
+                    echo=echo, implicit=implicit, n=sampling["job"]["n"])
+
+
+def _token(tokenizer, i: int) -> tuple[str, list[int]]:
+  b = tokenizer.token_bytes(i)
+  return b.decode("utf-8", errors="replace"), list(b)
+
+
+def _chat_logprobs(tokenizer, entries) -> dict | None:
+  """Chat's `logprobs` of a choice from the engine's entries (Event.logprobs)."""
+  if entries is None:
+    return None
+  content = []
+  for i, lp, alts in entries:
+    token, raw = _token(tokenizer, i)
+    tops = []
+    for j, v in alts:
+      t, r = _token(tokenizer, j)
+      tops.append({"token": t, "logprob": v, "bytes": r})
+    content.append({"token": token, "logprob": lp, "bytes": raw, "top_logprobs": tops})
+  return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(tokenizer, entries, offset: int = 0) -> dict:
+  """Completions' `logprobs` (tokens, token_logprobs, top_logprobs, text_offset) of entries;
+  None entries (a prompt's first token) have no log probability."""
+  out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+  for e in entries:
+    i, lp, alts = e
+    token = _token(tokenizer, i)[0]
+    out["tokens"].append(token)
+    out["token_logprobs"].append(lp)
+    out["top_logprobs"].append(
+        None if lp is None else {_token(tokenizer, j)[0]: v for j, v in alts})
+    out["text_offset"].append(offset)
+    offset += len(token)
+  return out
 
 
 def _message(text: str, finish: str, tools) -> tuple[dict, str]:
@@ -249,79 +398,181 @@ def _message(text: str, finish: str, tools) -> tuple[dict, str]:
   return {"role": "assistant", "content": text}, finish
 
 
-def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512):
-  """The Starlette application serving `engine` under the name `model`."""
+class _Metrics:
+  """The server's Prometheus metrics at GET /metrics, in the text format vLLM and SGLang
+  export (prometheus_client writes it; a registry per app, so several apps can live in one
+  process): finished choices by finish reason, prompt and generated tokens, rows decoding
+  and waiting for a slot, refused requests by status, time to first token and end-to-end
+  latency."""
+
+  def __init__(self, engine: Engine):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    self.registry = r = CollectorRegistry()
+    self.finished = Counter("k2jax_request_success", "Choices finished, by finish reason",
+                            ["finish_reason"], registry=r)
+    self.prompt = Counter("k2jax_prompt_tokens", "Prompt tokens of accepted requests",
+                          registry=r)
+    self.generated = Counter("k2jax_generation_tokens", "Tokens generated", registry=r)
+    self.refused = Counter("k2jax_request_refused", "Requests refused, by HTTP status",
+                           ["status"], registry=r)
+    latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+    self.ttft = Histogram("k2jax_time_to_first_token_seconds", "Request to its first token",
+                          buckets=latency, registry=r)
+    self.e2e = Histogram("k2jax_e2e_request_latency_seconds", "Request to its last token",
+                         buckets=latency, registry=r)
+    Gauge("k2jax_num_requests_running", "Rows decoding in slots",
+          registry=r).set_function(engine.running_rows)
+    Gauge("k2jax_num_requests_waiting", "Rows waiting for a slot",
+          registry=r).set_function(engine.waiting_rows)
+    Gauge("k2jax_slots", "Rows the engine decodes together at most",
+          registry=r).set(engine.max_batch)
+
+  def watch(self, job: Job, emit):
+    """`emit` wrapped to observe a job's latencies and tokens as its events come."""
+    t0, left, first = time.perf_counter(), [job.n], []
+    self.prompt.inc(len(job.prompt))
+
+    def observe(e: Event):
+      if e.kind in ("delta", "done") and not first:
+        first.append(True)
+        self.ttft.observe(time.perf_counter() - t0)
+      if e.kind == "done":
+        self.finished.labels(e.finish_reason).inc()
+        self.generated.inc(e.tokens)
+        left[0] -= 1
+        if not left[0]:
+          self.e2e.observe(time.perf_counter() - t0)
+      emit(e)
+    return observe
+
+  def text(self) -> bytes:
+    from prometheus_client import generate_latest
+    return generate_latest(self.registry)
+
+
+def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
+             api_key: str | None = None, max_queue: int | None = None):
+  """The Starlette application serving `engine` under the name `model`.
+
+  api_key: when set, /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise).
+  max_queue: rows that may wait for a slot; a request past it gets 429 (OpenAI's
+  rate-limit error, which clients retry) instead of an unbounded wait."""
+  import hmac
+
   from starlette.applications import Starlette
   from starlette.exceptions import HTTPException
-  from starlette.responses import JSONResponse, StreamingResponse
+  from starlette.responses import JSONResponse, Response, StreamingResponse
   from starlette.routing import Route
 
   created = int(time.time())
+  metrics = _Metrics(engine)
+
+  def authorize(request):
+    if api_key is None:
+      return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+      raise RequestError("missing or wrong API key: send Authorization: Bearer <the server's "
+                         "--api-key>", status=401, code="invalid_api_key")
 
   async def models(request):
+    authorize(request)
     return JSONResponse({"object": "list", "data": [
         {"id": model, "object": "model", "created": created, "owned_by": "k2jax"}]})
 
   async def health(request):
     return JSONResponse({"status": "ok", **engine.stats})
 
-  async def completions(request):
+  async def prometheus(request):
+    return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+  async def read(request) -> dict:
+    authorize(request)
     try:
-      body = json.loads(await request.body())
+      return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise RequestError(f"the request body is not JSON ({e.msg if hasattr(e, 'msg') else e})")
-    job, info = parse(body, model=model, cfg=engine.cfg, tokenizer=engine.tok,
-                      default_max_tokens=default_max_tokens)
+
+  def start(jobs) -> asyncio.Queue:
+    """Submit jobs (after the queue bound); their events arrive tagged (job index, Event)."""
+    rows = sum(j.n for j in jobs)
+    if max_queue is not None and engine.waiting_rows() + rows > max_queue:
+      raise RequestError(f"the server is busy: {engine.waiting_rows()} rows wait for a slot "
+                         f"(--max_queue {max_queue}); retry later", status=429,
+                         kind="requests", code="rate_limit_exceeded")
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job.emit = lambda e: loop.call_soon_threadsafe(events.put_nowait, e)
+    for k, job in enumerate(jobs):
+      job.emit = metrics.watch(job, lambda e, k=k: loop.call_soon_threadsafe(
+          events.put_nowait, (k, e)))
+      engine.submit(job)
+    return events
+
+  async def finished(jobs, events) -> dict:
+    """Every row's "done" Event, by (job index, row); the jobs are cancelled if the client
+    goes away meanwhile."""
+    done: dict[tuple, Event] = {}
+    try:
+      while len(done) < sum(j.n for j in jobs):
+        k, e = await events.get()
+        if e.kind == "error":
+          raise e.error
+        if e.kind == "done":
+          done[k, e.index] = e
+    except asyncio.CancelledError:
+      for job in jobs:
+        job.cancelled = True
+      raise
+    return done
+
+  async def chat_completions(request):
+    body = await read(request)
+    job, info = parse(body, model=model, cfg=engine.cfg, tokenizer=engine.tok,
+                      default_max_tokens=default_max_tokens, max_len=engine.max_len,
+                      max_n=engine.max_batch)
+    events = start([job])
     rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": rid, "created": now, "model": model, "system_fingerprint": "k2jax"}
-    engine.submit(job)
-    if not info["stream"]:
-      done: dict[int, Event] = {}
-      try:
-        while len(done) < job.n:
-          e = await events.get()
-          if e.kind == "error":
-            raise e.error
-          if e.kind == "done":
-            done[e.index] = e
-      except asyncio.CancelledError:
-        job.cancelled = True
-        raise
-      choices = []
-      for i in range(job.n):
-        msg, finish = _message(done[i].text, done[i].finish_reason, info["tools"])
-        choices.append({"index": i, "message": msg, "finish_reason": finish, "logprobs": None})
-      used = sum(e.tokens for e in done.values())
-      return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                           "usage": _usage(len(job.prompt), used)})
-    return StreamingResponse(_stream(job, events, head, info), media_type="text/event-stream")
+    if info["stream"]:
+      return StreamingResponse(_chat_stream(job, events, head, info),
+                               media_type="text/event-stream")
+    done = await finished([job], events)
+    choices = []
+    for i in range(job.n):
+      e = done[0, i]
+      msg, finish = _message(e.text, e.finish_reason, info["tools"])
+      choices.append({"index": i, "message": msg, "finish_reason": finish,
+                      "logprobs": _chat_logprobs(engine.tok, e.logprobs)})
+    used = sum(e.tokens for e in done.values())
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                         "usage": _usage(len(job.prompt), used)})
 
-  async def _stream(job, events, head, info):
-    def chunk(delta, index=0, finish=None):
+  async def _chat_stream(job, events, head, info):
+    def chunk(delta, index=0, finish=None, logprobs=None):
       return _sse({**head, "object": "chat.completion.chunk", "choices": [
-          {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]})
-    finished, used = 0, 0
+          {"index": index, "delta": delta, "finish_reason": finish,
+           "logprobs": _chat_logprobs(engine.tok, logprobs)}]})
+    finished, used, sent = 0, 0, {}
     try:
       for i in range(job.n):
         yield chunk({"role": "assistant", "content": ""}, i)
       while finished < job.n:
-        e = await events.get()
+        _, e = await events.get()
         if e.kind == "error":
           yield _sse(RequestError(f"decoding failed: {e.error}", status=500,
                                   kind="server_error").body())
           break
         if e.kind == "delta":
-          yield chunk({"content": e.text}, e.index)
+          sent[e.index] = sent.get(e.index, 0) + len(e.logprobs or ())
+          yield chunk({"content": e.text}, e.index, logprobs=e.logprobs)
           continue
         finished, used = finished + 1, used + e.tokens
         msg, finish = _message(e.text, e.finish_reason, info["tools"])
         if msg.get("tool_calls"):
           yield chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(msg["tool_calls"])]},
                       e.index)
-        yield chunk({}, e.index, finish)
+        rest = None if e.logprobs is None else e.logprobs[sent.get(e.index, 0):]
+        yield chunk({}, e.index, finish, rest)
       if info["include_usage"]:
         yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
                     "usage": _usage(len(job.prompt), used)})
@@ -329,12 +580,84 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512):
     finally:       # the client went away (or we are done): its rows stop decoding
       job.cancelled = True
 
+  def _echoed(job, implicit: bool, e: Event) -> tuple[str, list | None]:
+    """The echoed prompt's text and logprob entries (without the BOS a string prompt got)."""
+    ids = job.prompt[1:] if implicit else job.prompt
+    entries = None
+    if e.prompt_logprobs is not None:
+      entries = [(job.prompt[0], None, [])] + e.prompt_logprobs[1:]
+      entries = entries[1:] if implicit else entries
+    return engine.tok.decode(ids), entries
+
+  async def text_completions(request):
+    body = await read(request)
+    jobs, info = parse_completion(body, model=model, cfg=engine.cfg, tokenizer=engine.tok,
+                                  max_len=engine.max_len, max_n=engine.max_batch)
+    events = start(jobs)
+    head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+            "created": int(time.time()), "model": model, "system_fingerprint": "k2jax"}
+    prompt_tokens = sum(len(j.prompt) for j in jobs)
+    if info["stream"]:
+      return StreamingResponse(_completion_stream(jobs, events, head, info, prompt_tokens),
+                               media_type="text/event-stream")
+    done = await finished(jobs, events)
+    choices = []
+    for (k, i), e in sorted(done.items()):
+      text, entries = e.text, e.logprobs
+      if info["echo"]:
+        prompt, echoed = _echoed(jobs[k], info["implicit"][k], e)
+        text = prompt + text
+        entries = None if entries is None else (echoed or []) + entries
+      choices.append({"index": k * info["n"] + i, "text": text, "finish_reason": e.finish_reason,
+                      "logprobs": None if entries is None else
+                      _completion_logprobs(engine.tok, entries)})
+    used = sum(e.tokens for e in done.values())
+    return JSONResponse({**head, "choices": choices, "usage": _usage(prompt_tokens, used)})
+
+  async def _completion_stream(jobs, events, head, info, prompt_tokens):
+    def chunk(index, text, finish=None, entries=None, offset=0):
+      return _sse({**head, "choices": [{"index": index, "text": text, "finish_reason": finish,
+                                        "logprobs": None if entries is None else
+                                        _completion_logprobs(engine.tok, entries, offset)}]})
+    rows = sum(j.n for j in jobs)
+    finished, used, sent, offset = 0, 0, {}, {}
+    try:
+      while finished < rows:
+        k, e = await events.get()
+        if e.kind == "error":
+          yield _sse(RequestError(f"decoding failed: {e.error}", status=500,
+                                  kind="server_error").body())
+          break
+        key, index = (k, e.index), k * info["n"] + e.index
+        if info["echo"] and key not in offset:    # the prompt first (its row's first event)
+          text, entries = _echoed(jobs[k], info["implicit"][k], e)
+          yield chunk(index, text, entries=entries)
+          offset[key] = len(text)
+        offset.setdefault(key, 0)
+        if e.kind == "delta":
+          yield chunk(index, e.text, entries=e.logprobs, offset=offset[key])
+          sent[key] = sent.get(key, 0) + len(e.logprobs or ())
+          offset[key] += len(e.text)
+          continue
+        finished, used = finished + 1, used + e.tokens
+        rest = None if e.logprobs is None else e.logprobs[sent.get(key, 0):]
+        yield chunk(index, "", e.finish_reason, rest, offset[key])
+      if info["include_usage"]:
+        yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, used)})
+      yield "data: [DONE]\n\n"
+    finally:
+      for job in jobs:
+        job.cancelled = True
+
   async def refused(request, e: RequestError):
+    metrics.refused.labels(str(e.status)).inc()
     return JSONResponse(e.body(), status_code=e.status)
 
   async def http_error(request, e: HTTPException):
-    msg = (f"no route {request.method} {request.url.path}; this server has GET /v1/models and "
-           "POST /v1/chat/completions") if e.status_code in (404, 405) else str(e.detail)
+    msg = str(e.detail)
+    if e.status_code in (404, 405):
+      msg = (f"no route {request.method} {request.url.path}; this server has GET /v1/models, "
+             "POST /v1/chat/completions, POST /v1/completions, GET /health and GET /metrics")
     return JSONResponse(RequestError(msg, status=e.status_code).body(), status_code=e.status_code)
 
   async def failed(request, e: Exception):
@@ -343,7 +666,9 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512):
     return JSONResponse(err.body(), status_code=500)
 
   return Starlette(routes=[Route("/v1/models", models), Route("/health", health),
-                           Route("/v1/chat/completions", completions, methods=["POST"])],
+                           Route("/metrics", prometheus),
+                           Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                           Route("/v1/completions", text_completions, methods=["POST"])],
                    exception_handlers={RequestError: refused, HTTPException: http_error,
                                        Exception: failed})
 
@@ -412,12 +737,22 @@ def main(argv=None):
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--model_name", default=None, help="the name clients pass as `model` "
                  "(default: the run's directory name)")
-  p.add_argument("--max_batch", type=int, default=16, help="rows decoded together at most")
+  p.add_argument("--max_batch", type=int, default=16,
+                 help="slots: rows decoded together at most")
+  p.add_argument("--max_len", type=int, default=None,
+                 help="tokens a slot holds, prompt and completion (default: the model's context; "
+                 "the cache is max_batch x max_len latents)")
   p.add_argument("--batch_window_ms", type=float, default=20.0,
-                 help="under concurrent load, how long a batch waits for more requests")
+                 help="under concurrent load, how long requests reaching an idle server wait "
+                 "for more to start with")
   p.add_argument("--max_tokens", type=int, default=512,
                  help="tokens generated when a request does not say (capped by the context)")
   p.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed")
+  p.add_argument("--api-key", "--api_key", dest="api_key", default=os.environ.get("K2JAX_API_KEY"),
+                 help="require Authorization: Bearer KEY on /v1 (default: $K2JAX_API_KEY; "
+                 "none: open)")
+  p.add_argument("--max_queue", type=int, default=256,
+                 help="rows that may wait for a slot; more get HTTP 429 (clients retry)")
   p.add_argument("--warmup", type=int, default=0, metavar="PROMPT_TOKENS",
                  help="before listening, compile every batch bucket for prompts of this length "
                  "(0: compile on first use)")
@@ -438,9 +773,11 @@ def _serve(args):
   try:
     if not 0 < args.port < 65536:
       raise UserError(f"--port {args.port}: must be in 1..65535")
-    for flag in ("max_batch", "max_tokens"):
+    for flag in ("max_batch", "max_tokens", "max_queue"):
       if getattr(args, flag) < 1:
         raise UserError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if args.max_len is not None and args.max_len < 2:
+      raise UserError(f"--max_len {args.max_len}: must be >= 2 (a prompt token and one more)")
     if not args.batch_window_ms >= 0:
       raise UserError(f"--batch_window_ms {args.batch_window_ms}: must be >= 0")
     if args.workdir:
@@ -452,13 +789,15 @@ def _serve(args):
     raise SystemExit(2)
   import uvicorn
   name = args.model_name or os.path.basename(os.path.normpath(args.workdir or args.hf))
-  engine = Engine(cfg, params, tok, max_batch=args.max_batch,
+  engine = Engine(cfg, params, tok, max_batch=args.max_batch, max_len=args.max_len,
                   window_s=args.batch_window_ms / 1e3, seed=args.seed)
   if args.warmup:
-    log.info("compiling batches of 1..%d rows for %d-token prompts", args.max_batch, args.warmup)
-    engine.warmup(min(args.warmup, cfg.max_position_embeddings - 1),
-                  min(args.max_tokens, max(1, cfg.max_position_embeddings - args.warmup)))
-  app = make_app(engine, name, default_max_tokens=args.max_tokens)
+    log.info("compiling prefills of 1..%d rows for %d-token prompts", args.max_batch,
+             args.warmup)
+    prompt = min(args.warmup, engine.max_len - 1)
+    engine.warmup(prompt, min(args.max_tokens, engine.max_len - prompt))
+  app = make_app(engine, name, default_max_tokens=args.max_tokens, api_key=args.api_key,
+                 max_queue=args.max_queue)
   log.info("serving %s at http://%s:%d/v1", name, args.host, args.port)
   uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -160,13 +160,19 @@ def test_concurrent_requests_share_batches_and_match_alone(served, client):
   alone = [tok.decode(generate(cfg, params, [chat.encode(p, tokenizer=tok)], max_new_tokens=10,
                                stop_ids=[tok.eos_id])[0]).split("<|im_end|>")[0]
            for p in prompts]
-  batches = engine.stats["batches"]
+  before = dict(engine.stats)
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
     got = list(pool.map(lambda p: client.chat.completions.create(
         model="tiny", messages=p, max_tokens=10, temperature=0).choices[0].message.content,
         prompts))
   assert got == alone
-  assert engine.stats["batches"] - batches < len(prompts)
+  assert _rows_per_step(engine, before) > 1.5      # decode steps were shared
+
+
+def _rows_per_step(engine, before) -> float:
+  """Rows a decode step served on average since the engine's stats were `before`."""
+  steps = engine.stats["steps"] - before["steps"]
+  return (engine.stats["row_steps"] - before["row_steps"]) / max(steps, 1)
 
 
 def _post(url, body, method="POST"):
@@ -206,7 +212,14 @@ BAD_REQUESTS = [  # (id, body or bytes, status, param, message fragment)
      "needs tools"),
     ("tool-without-name", {**OK, "tools": [{"type": "function", "function": {}}]}, 400,
      "tools[0]", "non-empty name"),
-    ("logprobs", {**OK, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("logprobs-type", {**OK, "logprobs": 1}, 400, "logprobs", "true or false"),
+    ("response-format-type", {**OK, "response_format": {"type": "xml"}}, 400,
+     "response_format", "must be {type: text}"),
+    ("response-format-with-tools", {**OK, "tools": TOOLS, "response_format": {
+        "type": "json_object"}}, 400, "response_format", "with tools"),
+    ("top-logprobs-alone", {**OK, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs"),
+    ("top-logprobs-range", {**OK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "[0, 20]"),
     ("stream-type", {**OK, "stream": "yes"}, 400, "stream", "true or false"),
     ("stream-options-type", {**OK, "stream": True, "stream_options": "x"}, 400,
      "stream_options", "must be an object"),
@@ -288,7 +301,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, case):
 
 
 def test_unknown_routes_and_methods_are_json_errors(served):
-  assert _post(served[0] + "/v1/completions", OK)[0] == 404
+  assert _post(served[0] + "/v1/embeddings", OK)[0] == 404
   code, got = _post(served[0] + "/v1/chat/completions", None, method="GET")
   assert code == 405 and "POST /v1/chat/completions" in got["error"]["message"]
   with pytest.raises(openai.NotFoundError, match="is not served here"):
@@ -328,7 +341,8 @@ def test_cli_serves_a_trained_run_and_refuses_bad_input(tmp_path):
     busy = held.getsockname()[1]
     for args, fragment in [(["--workdir", str(tmp_path / "nope")], "no such directory"),
                            (["--workdir", str(run), "--port", str(busy)], "cannot listen there"),
-                           (["--workdir", str(run), "--max_batch", "0"], "--max_batch 0")]:
+                           (["--workdir", str(run), "--max_batch", "0"], "--max_batch 0"),
+                           (["--workdir", str(run), "--max_queue", "0"], "--max_queue 0")]:
       p = subprocess.run([sys.executable, "-m", "k2jax.serve", *args], capture_output=True,
                          text=True, timeout=120)
       assert p.returncode == 2 and fragment in p.stderr.strip().splitlines()[-1], p.stderr
@@ -374,10 +388,156 @@ def test_seeded_requests_share_a_batch_and_still_repeat(served, client):
   prompts = [[{"role": "user", "content": f"tell me {i}"}] for i in range(6)]
   alone = [client.chat.completions.create(messages=p, seed=100 + i, **kw).choices[0].message.content
            for i, p in enumerate(prompts)]
-  batches = engine.stats["batches"]
+  before = dict(engine.stats)
   with concurrent.futures.ThreadPoolExecutor(6) as pool:
     together = list(pool.map(lambda i: client.chat.completions.create(
         messages=prompts[i], seed=100 + i, **kw).choices[0].message.content, range(6)))
   assert together == alone
-  assert engine.stats["batches"] - batches < 6
+  assert _rows_per_step(engine, before) > 1.5
   assert len(set(alone)) > 1
+
+
+def _metric(text: str, name: str) -> float:
+  """The value of one sample (`name` with its labels, as the text format writes it)."""
+  return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith(name + " ") or line.startswith(name + "{") and
+             line.split(" ")[0] == name)
+
+
+def test_an_api_key_metrics_and_a_bound_on_waiting_rows():
+  """--api-key refuses clients without it (401, openai.AuthenticationError); /metrics counts
+  what the responses say; past --max_queue waiting rows a request gets 429
+  (openai.RateLimitError) while the server goes on."""
+  cfg = configs.get_config("tiny").model
+  tok = ByteTokenizer()
+  engine = Engine(cfg, model.init(cfg, jax.random.key(1)), tok, max_batch=1, window_s=0.0)
+  try:
+    with Background(make_app(engine, "tiny", api_key="sekret", max_queue=1)) as server:
+      make = lambda key: openai.OpenAI(base_url=server.url, api_key=key, max_retries=0)
+      with pytest.raises(openai.AuthenticationError, match="API key"):
+        make("wrong").chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+      with pytest.raises(openai.AuthenticationError):
+        make("wrong").models.list()
+      client = make("sekret")
+      r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=5,
+                                         temperature=0)
+      text = urllib.request.urlopen(server.url.removesuffix("/v1") + "/metrics").read().decode()
+      reason = r.choices[0].finish_reason
+      assert _metric(text, f'k2jax_request_success_total{{finish_reason="{reason}"}}') == 1
+      assert _metric(text, "k2jax_generation_tokens_total") == r.usage.completion_tokens
+      assert _metric(text, "k2jax_prompt_tokens_total") == r.usage.prompt_tokens
+      assert _metric(text, 'k2jax_request_refused_total{status="401"}') == 2
+      assert _metric(text, "k2jax_time_to_first_token_seconds_count") == 1
+      assert _metric(text, "k2jax_num_requests_running") == 0
+      # one slot: a long stream holds it, a second request waits, a third is one too many
+      stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=900,
+                                              stream=True)
+      next(iter(stream))
+      with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.chat.completions.create, model="tiny", messages=USER,
+                              max_tokens=2)
+        deadline = time.time() + 60
+        while engine.waiting_rows() < 1 and time.time() < deadline:
+          time.sleep(0.01)
+        assert engine.running_rows() == 1 and engine.waiting_rows() == 1
+        with pytest.raises(openai.RateLimitError, match="--max_queue 1"):
+          client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+        stream.close()                           # frees the slot: the waiting one is served
+        assert waiting.result(timeout=120).usage.completion_tokens >= 1
+  finally:
+    engine.close()
+
+
+def _model_logprobs(cfg, params, ids):
+  """log softmax of the model's next-token logits at every position of one sequence, by a
+  plain forward in float64 on the host (the training form: not the server's prefill /
+  absorbed decode path)."""
+  import numpy as np
+  logits = np.asarray(model.forward(cfg, params, jax.numpy.asarray([ids]))[0][0], np.float64)
+  top = logits.max(-1, keepdims=True)
+  return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def test_chat_logprobs_are_the_models_and_stream_the_same(served, client):
+  import numpy as np
+  url, engine, cfg, params, tok = served
+  kw = dict(model="tiny", messages=USER, max_tokens=6, temperature=0, logprobs=True,
+            top_logprobs=3)
+  r = client.chat.completions.create(**kw)
+  content = r.choices[0].logprobs.content
+  assert len(content) == r.usage.completion_tokens
+  ids = [t.bytes[0] if len(t.bytes) == 1 else None for t in content]
+  assert all(len(t.top_logprobs) == 3 for t in content)
+  for t in content:     # greedy: the chosen token is the most likely; alternatives descend
+    assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+    assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs),
+                                                         reverse=True)
+  prompt = chat.encode(USER, tokenizer=tok)
+  gen = [i for i in ids if i is not None]
+  assert len(gen) == len(ids), "a generated token was not a byte: pick another prompt"
+  ref = _model_logprobs(cfg, params, prompt + gen)
+  want = [ref[len(prompt) - 1 + j, i] for j, i in enumerate(gen)]
+  np.testing.assert_allclose([t.logprob for t in content], want, atol=2e-3)
+  streamed = []
+  for chunk in client.chat.completions.create(stream=True, **kw):
+    if chunk.choices and chunk.choices[0].logprobs:
+      streamed += chunk.choices[0].logprobs.content
+  assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_completions_echo_scores_a_prompt_as_the_model_does(served):
+  """/v1/completions as lm-evaluation-harness's local-completions calls it: echo + logprobs
+  with max_tokens 0 scores the prompt; text prompts get BOS (not echoed), token prompts are
+  taken as given; a batch of prompts x n comes back in order; the stream says the same."""
+  import numpy as np
+  url, engine, cfg, params, tok = served
+  c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+  text = "The cat sat on the mat."
+  r = c.completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=2)
+  lp = r.choices[0].logprobs
+  assert r.choices[0].text == text and "".join(lp.tokens) == text
+  ids = [tok.bos_id] + [int(i) for i in tok.encode(text)]
+  ref = _model_logprobs(cfg, params, ids)
+  np.testing.assert_allclose(lp.token_logprobs, [ref[j, i] for j, i in enumerate(ids[1:])],
+                             atol=2e-3)
+  assert lp.text_offset == list(range(len(text)))
+  assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+  r = c.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=0)
+  assert r.choices[0].logprobs.token_logprobs[0] is None
+  np.testing.assert_allclose(r.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs,
+                             atol=1e-6)
+  # a batch: 2 prompts x n 2, sampled with a seed; each choice its own prompt's
+  r = c.completions.create(model="tiny", prompt=["abc", "xyz"], n=2, max_tokens=4, seed=3,
+                           temperature=1.0, echo=True)
+  assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+  assert [ch.text[:3] for ch in r.choices] == ["abc", "abc", "xyz", "xyz"]
+  assert 4 <= r.usage.completion_tokens <= 16
+  streamed = {}
+  for chunk in c.completions.create(model="tiny", prompt=["abc", "xyz"], n=2, max_tokens=4,
+                                    seed=3, temperature=1.0, echo=True, stream=True):
+    for ch in chunk.choices:
+      streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+  assert [streamed[i] for i in range(4)] == [ch.text for ch in r.choices]
+  for body, fragment in [({"prompt": []}, "prompt must be"), ({"prompt": "a", "echo": "y"},
+                                                              "echo must be"),
+                         ({"prompt": "a", "max_tokens": 0}, "max_tokens 0"),
+                         ({"prompt": [[1, 99999]]}, "token ids must be in"),
+                         ({"prompt": "a", "suffix": "b"}, "suffix")]:
+    code, got = _post(url + "/v1/completions", {"model": "tiny", **body})
+    assert code == 400 and fragment in got["error"]["message"], got
+
+
+def test_response_format_json_schema_gives_json_that_validates(client):
+  """response_format json_schema: every choice is JSON valid under the schema (sampled from
+  a random model under llguidance's grammar), ending the turn with finish_reason stop."""
+  import jsonschema
+  schema = {"type": "object", "properties": {
+      "answer": {"type": "integer", "minimum": 0, "maximum": 99},
+      "unit": {"type": "string", "enum": ["cm", "kg"]}},
+      "required": ["answer", "unit"], "additionalProperties": False}
+  r = client.chat.completions.create(
+      model="tiny", messages=USER, max_tokens=80, n=3, seed=2, temperature=1.0,
+      response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+  for ch in r.choices:
+    assert ch.finish_reason == "stop", ch
+    jsonschema.validate(json.loads(ch.message.content), schema)

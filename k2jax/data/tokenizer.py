@@ -1,7 +1,7 @@
 """Tokenizers: a byte-level one (the CPU default, no files needed) and tiktoken BPE files.
 
 Both share one small interface: `encode(str | bytes) -> int32 array`, `encode_batch(docs)`,
-`decode(ids) -> str`, and the ids `bos_id`, `eos_id`, `pad_id`, `vocab_size`. Special ids sit
+`decode(ids) -> str`, `token_bytes(id) -> bytes`, and the ids `bos_id`, `eos_id`, `pad_id`, `vocab_size`. Special ids sit
 after the ordinary ones and `encode` never emits them, so packing can find document starts
 by looking for `bos_id` in the token stream.
 """
@@ -54,6 +54,12 @@ class ByteTokenizer:
   def decode(self, ids: Iterable[int]) -> str:
     ids = np.asarray(ids, dtype=np.int64).ravel()
     return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def token_bytes(self, i: int) -> bytes:
+    """The bytes one id stands for (a special's name; b"" for a reserved id): what a
+    server's logprobs show per token."""
+    names = {self.eos_id: b"[EOS]", self.bos_id: b"[BOS]", self.pad_id: b"[PAD]"}
+    return bytes([i]) if 0 <= i < 256 else names.get(i, b"")
 
 
 # Kimi K2's 256 reserved special ids after the BPE ranks (tokenizer_config.json of the
@@ -120,6 +126,14 @@ class TiktokenTokenizer:
       if i in names:
         out.append(names[i])
     return "".join(out)
+
+
+  def token_bytes(self, i: int) -> bytes:
+    """The bytes one id stands for (a special's name; b"" for an unnamed reserved id)."""
+    if 0 <= i < self._n_ranks:
+      return self._enc.decode_single_token_bytes(i)
+    names = {v: k for k, v in self.special_ids.items()}
+    return names.get(i, "").encode()
 
 
 def get_tokenizer(name: str) -> ByteTokenizer | TiktokenTokenizer:

@@ -150,7 +150,8 @@ class LocalClient(Client):
     body = {k: v for k, v in dataclasses.asdict(request).items() if v is not None}
     try:      # the server's own checks and rendering: one behaviour for both backends
       job, info = parse(body, model="local", cfg=self.cfg, tokenizer=self.tok,
-                        default_max_tokens=request.max_tokens)
+                        default_max_tokens=request.max_tokens, max_len=self.engine.max_len,
+                        max_n=self.engine.max_batch)
     except RequestError as e:
       raise ModelError(str(e)) from None
     events: queue.Queue = queue.Queue()
