@@ -84,16 +84,83 @@ def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms, mix
     engine.close()
 
 
+def agent_loop(cfg, params, *, reuse: bool, turns: int, max_tokens: int):
+  """One client in an agent loop: every turn resends the dialog so far (a long system prompt,
+  the turns before, a new user message) and streams the reply. -> mean time to first token,
+  tokens the engine reused, seconds in all."""
+  import openai
+  engine = Engine(cfg, params, ByteTokenizer(), max_batch=4, window_s=0.0,
+                  reuse_min=32 if reuse else None)
+  server = Background(make_app(engine, "tiny"))
+  client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+  system = {"role": "system", "content": "You are an agent with tools. Be brief. " * 4}
+
+  def run():
+    dialog, ttft = [system], []
+    for turn in range(turns):
+      dialog.append({"role": "user", "content": f"step {turn}: what next?"})
+      t0, first, text = time.perf_counter(), None, ""
+      for chunk in client.chat.completions.create(model="tiny", messages=dialog, stream=True,
+                                                  max_tokens=max_tokens, temperature=0):
+        if chunk.choices and chunk.choices[0].delta.content:
+          first = first or time.perf_counter() - t0
+          text += chunk.choices[0].delta.content
+      ttft.append(first or time.perf_counter() - t0)
+      dialog.append({"role": "assistant", "content": text})
+    return ttft
+
+  try:
+    run()                                            # compiles
+    run()          # ... and the shapes of a run that starts from the last one's slots
+    before = engine.stats["reused_tokens"]
+    t0 = time.perf_counter()
+    ttft = run()
+    return dict(ttft_s=sum(ttft) / len(ttft), reused_tokens=engine.stats["reused_tokens"] -
+                before, seconds=time.perf_counter() - t0)
+  finally:
+    server.stop()
+    engine.close()
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--requests", type=int, default=64)
   p.add_argument("--max_tokens", type=int, default=32)
   p.add_argument("--window_ms", type=float, default=20.0, help="the server's batch window "
                  "(k2jax.serve --batch_window_ms)")
+  p.add_argument("--turns", type=int, default=6, help="turns of the agent loop")
+  p.add_argument("--only_loop", action="store_true", help="run the agent loop rows only")
   p.add_argument("--out", default=os.path.join(HERE, "results", "serve"))
   args = p.parse_args()
   cfg = configs.get_config("tiny").model
   params = model.init(cfg, jax.random.key(0))
+  gflops = matmul_gflops()
+  os.makedirs(args.out, exist_ok=True)
+  print(f"{jax.devices()[0].platform} f32 1024^3 matmul {gflops:.0f} GFLOP/s")
+  if not args.only_loop:
+    throughput(cfg, params, args, gflops)
+  loop = []
+  for reuse in (False, True):
+    r = agent_loop(cfg, params, reuse=reuse, turns=args.turns, max_tokens=16)
+    loop.append(dict(setting=f"agent loop, prefix reuse {'on' if reuse else 'off'}", **r))
+    print(f"{loop[-1]['setting']}: {r}", flush=True)
+  for r in loop:
+    r["ttft_vs_off"] = r["ttft_s"] / loop[0]["ttft_s"]
+  path = os.path.join(args.out, "agent_loop.csv")
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(loop[0]) + ["turns", "matmul_gflops"])
+    w.writeheader()
+    w.writerows([dict(r, turns=args.turns, matmul_gflops=round(gflops, 1)) for r in loop])
+  print(f"\nagent loop: {args.turns} turns, each resending the dialog (a system prompt of "
+        "~160 bytes) and the turns before, 16 tokens a reply, streamed")
+  print(f"{'setting':28s} {'TTFT s':>8s} {'vs off':>7s} {'reused':>7s} {'seconds':>8s}")
+  for r in loop:
+    print(f"{r['setting']:28s} {r['ttft_s']:8.3f} {r['ttft_vs_off']:6.2f}x "
+          f"{r['reused_tokens']:7d} {r['seconds']:8.2f}")
+  print(f"-> {path}")
+
+
+def throughput(cfg, params, args, gflops):
   settings = [("1 client", 1, 16, False), ("16 clients", 16, 16, False),
               ("16 clients, one at a time", 16, 1, False), ("1 client, mixed", 1, 16, True),
               ("16 clients, mixed", 16, 16, True)]
@@ -107,16 +174,13 @@ def main():
   for r in rows:
     r["requests_vs_1_client"] = r["requests_per_s"] / base["requests_per_s"]
     r["tokens_vs_1_client"] = r["tokens_per_s"] / base["tokens_per_s"]
-  gflops = matmul_gflops()
-  os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"throughput_window{args.window_ms:g}ms.csv")
   with open(path, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["window_ms", "matmul_gflops"])
     w.writeheader()
     w.writerows([dict(r, window_ms=args.window_ms, matmul_gflops=round(gflops, 1)) for r in rows])
   print(f"\ntiny model, {args.requests} requests of {args.max_tokens} tokens each, batch window "
-        f"{args.window_ms:g} ms; "
-        f"{jax.devices()[0].platform} f32 1024^3 matmul {gflops:.0f} GFLOP/s")
+        f"{args.window_ms:g} ms")
   print(f"{'setting':28s} {'req/s':>8s} {'tok/s':>8s} {'vs 1 client':>12s} {'rows/step':>9s} "
         f"{'short req s':>11s}")
   for r in rows:

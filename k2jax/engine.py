@@ -19,6 +19,14 @@ power-of-two prefix of the slots that holds every occupied one (a new row takes 
 free slot) and of the positions that holds every row's tokens: a cache sized for many long
 requests does not make one short request pay for its size.
 
+A slot that a row leaves keeps its cache, and the engine remembers the tokens it holds. A
+new row whose prompt starts with at least `reuse_min` of them takes that slot and runs only
+the rest of its prompt (`decode.extend`, the absorbed form, over the held entries): an agent
+loop resends its whole dialog every turn, and the turn before is what the slot holds
+(prefix reuse; vLLM / SGLang share prefixes across requests through paged / radix caches).
+The continued prompt's logits equal a full prefill's to float rounding, not bit for bit, so
+a near-tie can flip: `reuse_min=None` keeps a seeded request bit-for-bit repeatable.
+
 Rows sample with their own settings (temperature, top_p, top_k are per-row arrays, so
 requests whose settings differ share steps) and their own keys: the key of a row's t-th token
 is fold_in(key(row seed), t), as `k2jax.generate.generate` draws it, so a seeded request
@@ -182,13 +190,16 @@ def _programs(cfg, rows: int, S: int):
             span, rows, filtered, top):
     # The first `rows` slots (the engine fills the lowest free slot first) and `span`
     # positions: the work of a step follows the rows and lengths in use, not the cache's size.
+    # A free slot (active False) sits at length `span`, past the sub-cache's end: what it
+    # holds is not overwritten (a later request may continue its tokens: `reuse`).
     sub = decode.Cache({name: decode.Latents(*(a[:, :rows, :span] for a in lat))
-                        for name, lat in cache.layers.items()}, cache.lengths[:rows])
+                        for name, lat in cache.layers.items()},
+                       jnp.where(active, cache.lengths[:rows], span))
 
     def body(carry, i):
       sub, tok = carry
       logits, sub = decode.decode_step(cfg, params, sub, tok)
-      sub = sub._replace(lengths=jnp.where(active, sub.lengths, 0))
+      sub = sub._replace(lengths=jnp.where(active, sub.lengths, span))
       nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered)
       return (sub, nxt), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
     (sub, _), (toks, scores) = jax.lax.scan(body, (sub, tokens), jnp.arange(n))
@@ -198,9 +209,26 @@ def _programs(cfg, rows: int, S: int):
               for name in cache.layers}
     return toks, scores, decode.Cache(layers, cache.lengths.at[:rows].set(sub.lengths))
 
+  def reuse(params, cache, tokens, counts, starts, slots, seeds, temperature, top_k, top_p,
+            allowed, filtered, top, span):
+    # Rows whose slot holds their prompt's first starts[b] tokens: only the rest is run
+    # (decode.extend) over the slot's first `span` positions.
+    sub = decode.Cache({name: decode.Latents(*(a[:, slots, :span] for a in lat))
+                        for name, lat in cache.layers.items()}, starts)
+    logits, sub = decode.extend(cfg, params, sub, tokens, counts)
+    layers = {name: decode.Latents(*(
+        big.at[:, slots, :span].set(small.astype(big.dtype), mode="drop")
+        for big, small in zip(cache.layers[name], sub.layers[name])))
+        for name in cache.layers}
+    cache = decode.Cache(layers, cache.lengths.at[slots].set(sub.lengths, mode="drop"))
+    first = draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
+                 allowed, filtered)
+    return first, ({"first": _scores(logits, first, top)} if top >= 0 else {}), cache
+
   return (jax.jit(admit, static_argnames=("filtered", "top", "echo"), donate_argnums=1),
           jax.jit(steps, static_argnames=("n", "span", "rows", "filtered", "top"),
-                  donate_argnums=1))
+                  donate_argnums=1),
+          jax.jit(reuse, static_argnames=("filtered", "top", "span"), donate_argnums=1))
 
 
 def _entry(scores, *index) -> tuple:
@@ -225,12 +253,17 @@ class Engine:
       next dispatch without waiting.
     seed: draws the sampling key of requests that give none (reproducible server runs).
     chunk: decode steps per dispatch (module docstring).
+    reuse_min: a new row continues the tokens a free slot's cache holds when they start its
+      prompt for at least this many tokens (module docstring); None: every prompt is
+      prefilled whole.
   """
 
   def __init__(self, cfg, params, tokenizer, *, max_batch: int = 16, max_len: int | None = None,
-               window_s: float = 0.02, seed: int = 0, chunk: int = CHUNK):
+               window_s: float = 0.02, seed: int = 0, chunk: int = CHUNK,
+               reuse_min: int | None = 32):
     self.cfg, self.params, self.tok = cfg, params, tokenizer
     self.max_batch, self.window_s, self.chunk = max_batch, window_s, chunk
+    self.reuse_min = reuse_min
     self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     self.stop_ids = [tokenizer.eos_id] + chat.stop_ids(tokenizer)
     # With a byte tokenizer the chat markers are text: <|im_end|> ends a turn as a string.
@@ -247,8 +280,11 @@ class Engine:
                       t=np.zeros(B, np.int32), temperature=np.zeros(B, np.float32),
                       top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32))
     self._length = np.zeros(B, np.int64)   # tokens in each slot's cache
+    self._held: list[list[int]] = [[] for _ in range(B)]   # ... and which (`reuse`)
+    self._freed = [-1] * B                 # when each slot was left (a count of ends)
     self._cache = None
-    self.stats = dict(prefills=0, steps=0, row_steps=0, most_rows=0, rows=0, tokens=0)
+    self.stats = dict(prefills=0, steps=0, row_steps=0, most_rows=0, rows=0, tokens=0,
+                      reused_tokens=0)
     self._thread = threading.Thread(target=self._loop, name="k2jax-engine", daemon=True)
     self._thread.start()
 
@@ -329,10 +365,34 @@ class Engine:
         for job in jobs.values():
           job.emit(Event("error", error=e))
         self._rows = [None] * self.max_batch
+        self._held = [[] for _ in range(self.max_batch)]
         self._cache = None      # donated into the failed call: start over
 
+  def _slot_for(self, job: Job, free: list[int]) -> tuple[int, int]:
+    """(free slot, prompt tokens it already holds) for a row of `job`: the free slot whose
+    cache starts with the longest part of the prompt (at least `reuse_min` tokens, and one
+    token short of the prompt: its last one must run to give the first logits), else the
+    free slot that was left longest ago (never used first, then the lowest) and 0. An echo
+    needs the whole prompt's scores: no reuse."""
+    oldest = min(free, key=lambda slot: (self._freed[slot], slot))
+    best, held = oldest, 0
+    if self.reuse_min and not job.echo:
+      prompt = np.asarray(job.prompt)
+      for slot in free:
+        have = self._held[slot]
+        m = min(len(have), len(prompt) - 1)
+        if m <= held:
+          continue
+        same = np.asarray(have[:m]) == prompt[:m]
+        k = m if same.all() else int(np.argmin(same))
+        if k > held:
+          best, held = slot, k
+    return (best, held) if held >= (self.reuse_min or 1) else (oldest, 0)
+
   def _admit(self) -> None:
-    """Give waiting jobs free slots (in arrival order) and prefill them together."""
+    """Give waiting jobs free slots (in arrival order), then run their prompts: one prefill
+    for the rows whose slot holds nothing of theirs, one `decode.extend` of the rest of the
+    prompt for those whose slot holds its start."""
     new: list[_Row] = []
     free = [s for s, r in enumerate(self._rows) if r is None]
     while self._waiting and (self._waiting[0].cancelled or self._waiting[0].n <= len(free)):
@@ -347,7 +407,8 @@ class Engine:
       seed = job.seed if job.seed is not None else int(self._rng.integers(2**31))
       for i in range(job.n):
         row = _Row(job, i, self.stop_text, row_seed(seed, i))
-        row.slot = free.pop(0)
+        row.slot, row.held = self._slot_for(job, free)
+        free.remove(row.slot)
         self._rows[row.slot] = row
         new.append(row)
     if self._waiting and self._waiting[0].n > self.max_batch:
@@ -359,32 +420,68 @@ class Engine:
     if self._cache is None:
       self._cache = decode.init_cache(self.cfg, self.max_batch, self._S)
     self._last_rows = len(new)
-    b = bucket(len(new), minimum=1)
-    T = min(bucket(max(len(r.job.prompt) for r in new)), self._S)
-    tokens = np.zeros((b, T), np.int32)
-    lengths = np.ones(b, np.int32)
-    slots = np.full(b, self.max_batch, np.int32)      # padding rows: dropped
-    settings = {k: np.zeros(b, v.dtype) for k, v in self._host.items() if k not in ("tokens", "t")}
-    settings["top_p"][:] = 1
-    for i, row in enumerate(new):
-      tokens[i, :len(row.job.prompt)] = row.job.prompt
-      lengths[i], slots[i] = len(row.job.prompt), row.slot
+    for row in new:
       for k, v in self._settings(row).items():
-        settings[k][i] = v
         self._host[k][row.slot] = v
       self._host["t"][row.slot] = 1
       self._length[row.slot] = len(row.job.prompt)
-    allowed = self._allowed(new, b)
-    admit, _ = self._compiled()
-    top, echo = self._top(new), any(r.job.echo for r in new)
-    first, scores, self._cache = admit(
-        self.params, self._cache, tokens, lengths, slots, settings["seeds"],
-        settings["temperature"], settings["top_k"], settings["top_p"], allowed,
-        filtered=self._filtered(new), top=top, echo=echo)
-    first, scores = np.asarray(first), jax.tree.map(np.asarray, scores)
-    self.stats["prefills"] += 1
+      self._held[row.slot] = list(row.job.prompt)
+    fresh = [r for r in new if not r.held]
+    if fresh:
+      self._prefill(fresh)
+    if len(fresh) < len(new):
+      self._continue([r for r in new if r.held])
     self.stats["rows"] += len(new)
-    for i, row in enumerate(new):
+
+  def _group(self, rows: list[_Row], b: int) -> dict:
+    """The sampling settings of rows, padded to b (padding rows: greedy, never reported)."""
+    settings = {k: np.zeros(b, v.dtype) for k, v in self._host.items() if k not in ("tokens", "t")}
+    settings["top_p"][:] = 1
+    for i, row in enumerate(rows):
+      for k in settings:
+        settings[k][i] = self._host[k][row.slot]
+    return dict(seeds=settings["seeds"], temperature=settings["temperature"],
+                top_k=settings["top_k"], top_p=settings["top_p"],
+                allowed=self._allowed(rows, b), filtered=self._filtered(rows),
+                top=self._top(rows))
+
+  def _prefill(self, rows: list[_Row]) -> None:
+    b = bucket(len(rows), minimum=1)
+    T = min(bucket(max(len(r.job.prompt) for r in rows)), self._S)
+    tokens = np.zeros((b, T), np.int32)
+    lengths = np.ones(b, np.int32)
+    slots = np.full(b, self.max_batch, np.int32)      # padding rows: dropped
+    for i, row in enumerate(rows):
+      tokens[i, :len(row.job.prompt)] = row.job.prompt
+      lengths[i], slots[i] = len(row.job.prompt), row.slot
+    admit = self._compiled()[0]
+    g = self._group(rows, b)
+    first, scores, self._cache = admit(self.params, self._cache, tokens, lengths, slots,
+                                       echo=any(r.job.echo for r in rows), **g)
+    self.stats["prefills"] += 1
+    self._started(rows, np.asarray(first), jax.tree.map(np.asarray, scores), g["top"])
+
+  def _continue(self, rows: list[_Row]) -> None:
+    b = bucket(len(rows), minimum=1)
+    t = bucket(max(len(r.job.prompt) - r.held for r in rows), minimum=1)
+    span = min(bucket(max(len(r.job.prompt) for r in rows) + t), self._S)
+    tokens = np.zeros((b, t), np.int32)
+    counts, starts = np.ones(b, np.int32), np.zeros(b, np.int32)
+    slots = np.full(b, self.max_batch, np.int32)
+    for i, row in enumerate(rows):
+      rest = row.job.prompt[row.held:]
+      tokens[i, :len(rest)] = rest
+      counts[i], starts[i], slots[i] = len(rest), row.held, row.slot
+    reuse = self._compiled()[2]
+    g = self._group(rows, b)
+    first, scores, self._cache = reuse(self.params, self._cache, tokens, counts, starts, slots,
+                                       span=span, **g)
+    self.stats["reused_tokens"] += sum(r.held for r in rows)
+    self._started(rows, np.asarray(first), jax.tree.map(np.asarray, scores), g["top"])
+
+  def _started(self, rows, first, scores, top: int) -> None:
+    """Hand new rows their first tokens (and an echo its prompt's scores)."""
+    for i, row in enumerate(rows):
       self._host["tokens"][row.slot] = first[i]
       if row.job.echo:
         prompt = scores["prompt"]
@@ -405,7 +502,7 @@ class Engine:
     nb = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.max_batch)
     active = np.array([r is not None for r in self._rows[:nb]])
     h = {k: v[:nb] for k, v in self._host.items()}
-    _, steps = self._compiled()
+    steps = self._compiled()[1]
     top = self._top(rows)
     toks, scores, self._cache = steps(
         self.params, self._cache, h["tokens"], h["seeds"], h["t"], h["temperature"],
@@ -416,6 +513,8 @@ class Engine:
     self.stats["steps"] += n
     self.stats["row_steps"] += n * len(rows)
     self.stats["most_rows"] = max(self.stats["most_rows"], len(rows))
+    for row in rows:     # what the dispatch fed each row (a reused slot's cache holds them)
+      self._held[row.slot] += [int(h["tokens"][row.slot])] + toks[:-1, row.slot].tolist()
     self._host["tokens"][:nb] = toks[-1]
     self._host["t"][:nb][active] += n
     self._length[:nb][active] += n
@@ -495,6 +594,7 @@ class Engine:
   def _end(self, row: _Row, reason: str) -> None:
     row.finish = reason
     self._rows[row.slot] = None
+    self._freed[row.slot] = max(self._freed) + 1
     if reason != "cancelled":
       row.job.emit(Event("done", row.index, row.text, reason, len(row.ids),
                          logprobs=row.lps if row.job.logprobs is not None else None,

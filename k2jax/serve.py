@@ -742,6 +742,9 @@ def main(argv=None):
   p.add_argument("--max_len", type=int, default=None,
                  help="tokens a slot holds, prompt and completion (default: the model's context; "
                  "the cache is max_batch x max_len latents)")
+  p.add_argument("--reuse_min", type=int, default=32,
+                 help="a request continues a free slot's cached tokens when they start its "
+                 "prompt for at least this many tokens (prefix reuse; 0: off)")
   p.add_argument("--batch_window_ms", type=float, default=20.0,
                  help="under concurrent load, how long requests reaching an idle server wait "
                  "for more to start with")
@@ -776,6 +779,8 @@ def _serve(args):
     for flag in ("max_batch", "max_tokens", "max_queue"):
       if getattr(args, flag) < 1:
         raise UserError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if args.reuse_min < 0:
+      raise UserError(f"--reuse_min {args.reuse_min}: must be >= 0 (0: no prefix reuse)")
     if args.max_len is not None and args.max_len < 2:
       raise UserError(f"--max_len {args.max_len}: must be >= 2 (a prompt token and one more)")
     if not args.batch_window_ms >= 0:
@@ -790,7 +795,8 @@ def _serve(args):
   import uvicorn
   name = args.model_name or os.path.basename(os.path.normpath(args.workdir or args.hf))
   engine = Engine(cfg, params, tok, max_batch=args.max_batch, max_len=args.max_len,
-                  window_s=args.batch_window_ms / 1e3, seed=args.seed)
+                  window_s=args.batch_window_ms / 1e3, seed=args.seed,
+                  reuse_min=args.reuse_min or None)
   if args.warmup:
     log.info("compiling prefills of 1..%d rows for %d-token prompts", args.max_batch,
              args.warmup)

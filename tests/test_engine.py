@@ -89,7 +89,7 @@ def test_a_short_request_joins_a_running_batch_and_leaves_before_it_ends(tiny):
     engine.submit(sw.job(**short_kw))              # ... when the short one arrives
     assert sw.result() == short_alone and lw.result() == long_alone
     assert order == ["short", "long"]              # it left first
-    assert engine.stats["prefills"] - before["prefills"] == 2
+    assert engine.stats["rows"] - before["rows"] == 2
     assert _rows_per_step(engine, before) > 1      # the two shared decode steps
   finally:
     engine.close()
@@ -135,3 +135,47 @@ def test_requests_that_cannot_fit_are_refused_and_the_engine_goes_on(tiny):
     assert reason in ("length", "stop") and 1 <= n <= 256 - len(prompt)
   finally:
     engine.close()
+
+
+def test_a_prompt_that_continues_a_finished_one_runs_only_its_new_tokens(tiny):
+  """An agent loop's next turn resends the dialog so far: the engine continues the slot that
+  holds it (its prompt and the tokens it generated; decode.extend over the held cache)
+  instead of prefilling the whole prompt, and the reply is the one a full prefill gives
+  (tokens equal, log probabilities to float rounding)."""
+  import numpy as np
+  cfg, params, tok = tiny
+  reusing = Engine(cfg, params, tok, max_batch=2, window_s=0.0, reuse_min=16)
+  fresh = Engine(cfg, params, tok, max_batch=2, window_s=0.0, reuse_min=None)
+
+  def reply(engine, prompt):
+    w = _Waiter()
+    engine.submit(w.job(prompt=prompt, max_tokens=12, temperature=0.0, logprobs=2))
+    w.result()
+    return w.done[0]
+  try:
+    dialog = [{"role": "system", "content": "You are terse. " * 8},
+              {"role": "user", "content": "hello"}]
+    prompt = chat.encode(dialog, tokenizer=tok)
+    first = reply(reusing, prompt)
+    assert reusing.stats["reused_tokens"] == 0 and first.tokens == 12
+    # another request decodes meanwhile, beside the free slot that holds the first turn
+    reply(reusing, [tok.bos_id] + [int(i) for i in tok.encode("meanwhile, elsewhere")])
+    said = [i for i, _, _ in first.logprobs]               # the ids the reply generated
+    prompt = prompt + said + [int(i) for i in tok.encode("<|im_end|>and then?")]
+    second = reply(reusing, prompt)
+    # held: the first prompt and every token fed after it (the reply's, and a chunk's
+    # overrun past its end, which the new prompt does not repeat)
+    assert reusing.stats["reused_tokens"] == len(prompt) - len(tok.encode("<|im_end|>and then?"))
+    want = reply(fresh, prompt)
+    assert fresh.stats["reused_tokens"] == 0
+    assert second.text == want.text
+    np.testing.assert_allclose([lp for _, lp, _ in second.logprobs],
+                               [lp for _, lp, _ in want.logprobs], atol=1e-4)
+    # a prompt that shares fewer than reuse_min tokens with any slot is prefilled whole
+    prefills, reused = reusing.stats["prefills"], reusing.stats["reused_tokens"]
+    reply(reusing, [tok.bos_id] + [int(i) for i in tok.encode("an unrelated document")])
+    assert reusing.stats["prefills"] == prefills + 1 and reusing.stats["reused_tokens"] == reused
+    assert len(reusing._held[0]) == reusing._length[0]    # what a slot holds, counted right
+  finally:
+    reusing.close()
+    fresh.close()

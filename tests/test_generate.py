@@ -50,6 +50,16 @@ def test_teacher_forced_decoding_equals_the_full_forward(name):
     logits, cache = step(params, cache, nxt)
     errs += [np.abs(np.asarray(logits[b]) - full[b, int(cache.lengths[b]) - 1]).max()
              for b in range(B)]
+  # several tokens at once (a server continuing a prompt whose start its cache holds), a
+  # ragged number per row: the logits at each row's last new token
+  counts = jnp.asarray([3, 1, 4])
+  more = jnp.take_along_axis(toks, jnp.minimum(cache.lengths[:, None] + jnp.arange(4), T - 1),
+                             axis=1)
+  logits, cache = jax.jit(lambda p, c, t, n: decode.extend(cfg, p, c, t, n))(params, cache,
+                                                                             more, counts)
+  errs += [np.abs(np.asarray(logits[b]) - full[b, int(cache.lengths[b]) - 1]).max()
+           for b in range(B)]
+  assert cache.lengths.tolist() == [12, 14, 10]
   assert max(errs) < 1e-4, max(errs)
 
 

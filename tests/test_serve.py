@@ -482,7 +482,11 @@ def test_chat_logprobs_are_the_models_and_stream_the_same(served, client):
   for chunk in client.chat.completions.create(stream=True, **kw):
     if chunk.choices and chunk.choices[0].logprobs:
       streamed += chunk.choices[0].logprobs.content
-  assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+  # the same tokens; log probabilities to float rounding (the stream's prompt continues the
+  # slot the first request left: prefix reuse runs it in the absorbed form)
+  assert [t.token for t in streamed] == [t.token for t in content]
+  np.testing.assert_allclose([t.logprob for t in streamed], [t.logprob for t in content],
+                             atol=1e-4)
 
 
 def test_completions_echo_scores_a_prompt_as_the_model_does(served):

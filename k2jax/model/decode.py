@@ -4,6 +4,7 @@ in the absorbed form (k2jax.model.attention.mla_absorbed).
     cache = init_cache(cfg, batch=B, max_len=S)
     logits, cache = prefill(cfg, params, tokens, lengths, cache)   # logits at each row's last token
     logits, cache = decode_step(cfg, params, cache, next_tokens)   # [B] -> [B, vocab]
+    logits, cache = extend(cfg, params, cache, more, counts)        # [B, t]: several at once
 
 The cache holds, per layer and token, only the normalized KV latent and the roped shared key
 (kv_lora_rank + qk_rope_head_dim values: 576 for K2), stacked like the parameters so a
@@ -60,17 +61,27 @@ def prefill(cfg, params, tokens, lengths, cache: Cache, every: bool = False):
 
 def decode_step(cfg, params, cache: Cache, tokens):
   """tokens [B] (one new token per row) -> (logits [B, vocab] f32, cache with them added)."""
+  return extend(cfg, params, cache, tokens[:, None], jnp.ones_like(cache.lengths))
+
+
+def extend(cfg, params, cache: Cache, tokens, counts):
+  """Append tokens [B, t] to each row's cache (row b: its first counts[b] of them, the rest
+  padding) in the absorbed form, each attending to the row's cache and the new tokens before
+  it -> (logits [B, vocab] f32 at each row's last new token, cache with lengths + counts).
+  t = 1 is a decode step; more continues a prompt whose start a cache already holds (a
+  server's reused prefix). Padding tokens write entries past the row's new length, which
+  nothing attends to and later tokens overwrite; an entry past the cache's end is dropped."""
   dt = jnp.dtype(cfg.dtype)
-  B = tokens.shape[0]
-  if cfg.moe_impl == "auto" and B * cfg.num_experts_per_tok <= cfg.n_routed_experts:
+  B, t = tokens.shape
+  if cfg.moe_impl == "auto" and B * t * cfg.num_experts_per_tok <= cfg.n_routed_experts:
     # A few tokens: read just their experts' weights (no sort, no capacity buffers).
     cfg = cfg.copy_and_resolve_references()
     cfg.moe_impl = "gather"
   S = next(iter(cache.layers.values())).latent.shape[2]
-  pos = cache.lengths[:, None]                                           # [B, 1]
-  valid = (jnp.arange(S)[None, None, :] <= pos[..., None])               # [B, 1, S]
-  rows = jnp.arange(B)
-  x = jnp.take(params["embed"], tokens[:, None], axis=0).astype(dt)
+  pos = cache.lengths[:, None] + jnp.arange(t)[None, :]                 # [B, t]
+  valid = (jnp.arange(S)[None, None, :] <= pos[..., None])               # [B, t, S]
+  rows = jnp.arange(B)[:, None]
+  x = jnp.take(params["embed"], tokens, axis=0).astype(dt)
   eps = cfg.rms_norm_eps
   layers = {}
   for st in stacks(cfg):
@@ -78,14 +89,15 @@ def decode_step(cfg, params, cache: Cache, tokens):
       p, c = layer
       h = rms_norm(x, p["attn_norm"], eps)
       cos, sin = rope.cos_sin(cfg, pos)
-      new = latents(cfg, p["attn"], h, cos, sin)                        # this token's entries
-      c = Latents(*(a.at[rows, cache.lengths].set(n[:, 0].astype(a.dtype))
+      new = latents(cfg, p["attn"], h, cos, sin)                        # the new entries
+      c = Latents(*(a.at[rows, pos].set(n.astype(a.dtype), mode="drop")
                     for a, n in zip(c, new)))
       x = x + mla_absorbed(cfg, p["attn"], h, pos, c, valid)
       y, _ = feed_forward(cfg, st.ffn, p, rms_norm(x, p["mlp_norm"], eps))
       return x + y, c
     x, layers[st.name] = jax.lax.scan(body, x, (params[st.name], cache.layers[st.name]))
+  x = jnp.take_along_axis(x, (counts - 1)[:, None, None], axis=1)       # [B, 1, d]
   x = rms_norm(x, params["final_norm"], eps)
   logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt),
                       preferred_element_type=jnp.float32)[:, 0]
-  return logits, Cache(layers, cache.lengths + 1)
+  return logits, Cache(layers, cache.lengths + counts)
