@@ -358,6 +358,40 @@ class ToolCallConstraint(GrammarConstraint):
                      f"call: {one}\n", "tool-call grammar")
 
 
+class ToolSectionConstraint:
+  """tool_choice "auto": the turn is free text until the model opens a tool-call section;
+  from there the section is held to the tools' grammar (`ToolCallConstraint`) to its end.
+  Without it a section the model opens on its own is unconstrained, and its arguments may
+  not match their schemas (what K2 Vendor Verifier counts against a server).
+
+  c(row, ids) -> None (no mask) before the section, else the grammar's mask for the tokens
+  from the section's first marker on. The marker is the tokenizer's special id, or its
+  text's bytes (byte tokenizer)."""
+
+  def __init__(self, tokenizer, tools: Sequence[dict], *, max_calls: int = 2):
+    self.inner = ToolCallConstraint(tokenizer, tools, max_calls=max_calls)
+    specials = getattr(tokenizer, "special_ids", {}) or {}
+    name = "<|tool_calls_section_begin|>"
+    self.marker = [specials[name]] if name in specials else list(name.encode())
+    self._start: dict[int, int] = {}
+
+  def _find(self, ids) -> int | None:
+    m, n = self.marker, len(self.marker)
+    for i in range(len(ids) - n + 1):
+      if ids[i] == m[0] and list(ids[i:i + n]) == m:
+        return i
+    return None
+
+  def __call__(self, row: int, generated: list[int]) -> np.ndarray | None:
+    start = self._start.get(row)
+    if start is None:
+      start = self._find(generated)
+      if start is None:
+        return None
+      self._start[row] = start
+    return self.inner(row, generated[start:])
+
+
 class JSONConstraint(GrammarConstraint):
   """Token masks that force an assistant turn to be one JSON value matching `schema` (JSON
   Schema; {"type": "object"} for any object), then <|im_end|>: OpenAI's `response_format`

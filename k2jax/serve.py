@@ -14,7 +14,8 @@ json_object / json_schema; `top_k` as an extension), `POST /v1/completions` (tex
 prompts, echo, logprobs), `GET /health` and `GET /metrics` (Prometheus). Dialogs are rendered in K2's chat format (`k2jax.chat`); an
 assistant turn's tool calls come back parsed as `tool_calls` (`k2jax.chat.parse_tool_calls`),
 and with `tool_choice` "required" or a named function they are sampled under the tools' JSON
-schemas (`k2jax.chat.ToolCallConstraint`); a JSON response_format is sampled under its schema
+schemas (`k2jax.chat.ToolCallConstraint`), as is a section the model opens under "auto"
+(`k2jax.chat.ToolSectionConstraint`); a JSON response_format is sampled under its schema
 the same way (`k2jax.chat.JSONConstraint`). Concurrent requests share decode steps, joining
 and leaving the running batch between dispatches (continuous batching over a slotted cache:
 `k2jax.engine`). `--api-key` makes /v1 need a bearer key; `--max_queue` bounds the rows
@@ -278,7 +279,9 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
   if top and not logprobs:
     raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
   processor = None
-  if tools and choice not in ("none", "auto"):
+  if tools and choice == "auto":     # free text, but a section it opens follows the schemas
+    processor = _per_row(lambda: chat.ToolSectionConstraint(tokenizer, tools), "tools")
+  elif tools and choice != "none":
     allowed = tools if choice == "required" else [
         t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed), "tools")

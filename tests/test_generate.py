@@ -185,6 +185,36 @@ def test_constrained_decoding_gives_valid_calls_from_a_random_model():
   assert len(calls) == 1 and _valid(calls[0]["arguments"], schemas[calls[0]["name"]]), text
 
 
+def test_a_section_opened_under_auto_is_held_to_the_schemas():
+  """tool_choice auto (chat.ToolSectionConstraint): nothing is masked before the model opens
+  a tool-call section; from its marker on, a random model's call validates. The marker is
+  forced here (a random model would not write it); without the constraint the rest is noise."""
+  from tests.test_chat import TOOLS, _valid
+  from k2jax.data import ByteTokenizer
+  cfg = CONFIGS["plain"]
+  params = model.init(cfg, jax.random.key(9))
+  tok = ByteTokenizer()
+  prompt = chat.encode([{"role": "user", "content": "add 2 and 3"}], tools=TOOLS, tokenizer=tok)
+  opening = list(b"Sure. <|tool_calls_section_begin|>")
+  schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+  for seed in range(3):
+    auto = chat.ToolSectionConstraint(tok, TOOLS, max_calls=1)
+    assert auto(0, opening[:7]) is None                      # free text so far
+
+    def forced(b, ids):
+      if len(ids) < len(opening):
+        mask = np.zeros(cfg.vocab_size, bool)
+        mask[opening[len(ids)]] = True
+        return mask
+      return auto(b, ids)
+    out = generate.generate(cfg, params, [prompt], max_new_tokens=300, temperature=1.0,
+                            seed=seed, stop_ids=[tok.eos_id], logits_processor=forced)
+    text = tok.decode(out[0])
+    content, calls = chat.parse_tool_calls(text)
+    assert content.strip() == "Sure." and len(calls) == 1, text
+    assert _valid(calls[0]["arguments"], schemas[calls[0]["name"]]), text
+
+
 def test_cli_samples_from_a_trained_run(tmp_path):
   from tests.test_train import small_config
   from k2jax import train
