@@ -61,7 +61,9 @@ def _call_fields(call: dict) -> tuple[str | None, str, object]:
 def render_chunks(messages: Sequence[dict], tools: Sequence[dict] | None = None,
                   add_generation_prompt: bool = True) -> list[tuple[str, str, bool]]:
   """The rendered dialog as (header, body, produced by the assistant) pieces: the text is the
-  concatenation of header + body; SFT trains on assistant bodies only."""
+  concatenation of header + body; SFT trains on assistant bodies only. With
+  add_generation_prompt "continue", a final assistant message is left open (no <|im_end|>,
+  no new header): the model continues it (a prefilled reply)."""
   chunks: list[tuple[str, str, bool]] = []
   if tools:
     chunks.append(("<|im_system|>tool_declare<|im_middle|>",
@@ -101,6 +103,11 @@ def render_chunks(messages: Sequence[dict], tools: Sequence[dict] | None = None,
                                f"## Return of {m['tool_call_id']}\n{content}"), False))
     else:
       raise ChatFormatError(f"message {i}: role {role!r} must be system, user, assistant or tool")
+  if add_generation_prompt == "continue" and messages and messages[-1].get("role") == "assistant":
+    header, body, mine = chunks[-1]
+    if not messages[-1].get("tool_calls"):
+      chunks[-1] = (header, body.removesuffix("<|im_end|>"), mine)
+      return chunks
   if add_generation_prompt:
     chunks.append((GENERATION_PROMPT, "", False))
   return chunks

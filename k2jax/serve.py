@@ -54,9 +54,11 @@ class RequestError(ValueError):
   """A request the server refuses: HTTP status, OpenAI error type, the offending field."""
 
   def __init__(self, message: str, param: str | None = None, status: int = 400,
-               code: str | None = None, kind: str = "invalid_request_error"):
+               code: str | None = None, kind: str = "invalid_request_error",
+               retry_after: int | None = None):
     super().__init__(message)
     self.param, self.status, self.code, self.kind = param, status, code, kind
+    self.retry_after = retry_after       # seconds, sent as Retry-After (429)
 
   def body(self) -> dict:
     return {"error": {"message": str(self), "type": self.kind, "param": self.param,
@@ -263,7 +265,10 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
   _fields(body)
   tools, choice = _tools(body)
   try:
-    prompt = chat.encode(messages, tools, tokenizer=tokenizer)
+    # A final assistant message is continued, not closed (a prefilled reply); the reply is
+    # what comes after it.
+    prompt = chat.encode(messages, tools, add_generation_prompt="continue",
+                         tokenizer=tokenizer)
   except (chat.ChatFormatError, KeyError, TypeError) as e:
     raise RequestError(f"messages cannot be rendered in K2's chat format: {e}",
                        param="messages") from None
@@ -502,7 +507,7 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
     if max_queue is not None and engine.waiting_rows() + rows > max_queue:
       raise RequestError(f"the server is busy: {engine.waiting_rows()} rows wait for a slot "
                          f"(--max_queue {max_queue}); retry later", status=429,
-                         kind="requests", code="rate_limit_exceeded")
+                         kind="requests", code="rate_limit_exceeded", retry_after=1)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     for k, job in enumerate(jobs):
@@ -654,7 +659,8 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
 
   async def refused(request, e: RequestError):
     metrics.refused.labels(str(e.status)).inc()
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
   async def http_error(request, e: HTTPException):
     msg = str(e.detail)

@@ -440,8 +440,9 @@ def test_an_api_key_metrics_and_a_bound_on_waiting_rows():
         while engine.waiting_rows() < 1 and time.time() < deadline:
           time.sleep(0.01)
         assert engine.running_rows() == 1 and engine.waiting_rows() == 1
-        with pytest.raises(openai.RateLimitError, match="--max_queue 1"):
+        with pytest.raises(openai.RateLimitError, match="--max_queue 1") as busy:
           client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+        assert busy.value.response.headers["retry-after"] == "1"
         stream.close()                           # frees the slot: the waiting one is served
         assert waiting.result(timeout=120).usage.completion_tokens >= 1
   finally:
@@ -545,3 +546,18 @@ def test_response_format_json_schema_gives_json_that_validates(client):
   for ch in r.choices:
     assert ch.finish_reason == "stop", ch
     jsonschema.validate(json.loads(ch.message.content), schema)
+
+
+def test_a_final_assistant_message_is_continued_not_closed(served, client):
+  """A dialog ending in an assistant message (a prefilled reply) is rendered open, and the
+  reply is its continuation: what the model generates after that text."""
+  url, engine, cfg, params, tok = served
+  messages = USER + [{"role": "assistant", "content": "The answer is"}]
+  r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                     temperature=0)
+  prompt = chat.encode(messages, add_generation_prompt="continue", tokenizer=tok)
+  assert tok.decode(prompt).endswith("<|im_middle|>The answer is")
+  assert prompt == chat.encode(messages, add_generation_prompt=False, tokenizer=tok)[
+      :-len("<|im_end|>")]
+  ids = generate(cfg, params, [prompt], max_new_tokens=8, stop_ids=[tok.eos_id])[0]
+  assert r.choices[0].message.content == tok.decode(ids).split("<|im_end|>")[0]
