@@ -186,7 +186,8 @@ _SECTION_END = re.compile(r"<\|tool_calls?_section_end\|>")
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-  """(content, calls) of an assistant turn's text, calls as [{"id", "name", "arguments"}].
+  """(content, calls) of an assistant turn's text, calls as [{"id", "name", "arguments",
+  "raw"}] (arguments parsed; raw: the JSON text as the model wrote it).
 
   Robust to what deployed K2 output holds: several calls in a section, JSON arguments with
   braces, escaped newlines or marker lookalikes inside strings (arguments are read with a
@@ -250,7 +251,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     # the name is what the id holds between `functions.` and `:IDX`, dots included
     # (namespaced tools: functions.browser.open:0)
     name = cid.rsplit(":", 1)[0]
-    calls.append({"id": cid, "name": name.removeprefix("functions."), "arguments": args})
+    calls.append({"id": cid, "name": name.removeprefix("functions."), "arguments": args,
+                  "raw": body[:used]})
     pos = len(text) - len(tail) + len(end)
     n += 1
   # Text after the section is content too; if the section opened inside a <think> block,
@@ -264,6 +266,43 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     trailing = "" if close < 0 else trailing[close + len("</think>"):]
   content = "\n".join(t for t in (content, _strip_think(trailing).strip()) if t)
   return content, calls
+
+
+def streamed_calls(section: str) -> list[dict]:
+  """The calls of a tool-call section as far as it has been written (streaming):
+  [{"name", "arguments": the argument text so far, "done"}]. A finished call's arguments are
+  its raw JSON (as parse_tool_calls' "raw"); an unfinished one's stop short of trailing
+  whitespace and of anything that may be the start of <|tool_call_end|>, so what is shown
+  only ever grows into the finished text."""
+  begin, arg, end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+  decoder = json.JSONDecoder(strict=False)
+  m = _SECTION_BEGIN.search(section)
+  pos, out = (m.end() if m else 0), []
+  while True:
+    rest = section[pos:].lstrip()
+    if not rest.startswith(begin):
+      return out
+    head, sep, after = rest[len(begin):].partition(arg)
+    if not sep:
+      return out
+    name = head.strip().rsplit(":", 1)[0].removeprefix("functions.")
+    body = after.lstrip()
+    try:
+      _, used = decoder.raw_decode(body)
+      tail = body[used:].lstrip()
+      if tail.startswith(end):
+        out.append({"name": name, "arguments": body[:used], "done": True})
+        pos = len(section) - len(tail) + len(end)
+        continue
+    except json.JSONDecodeError:
+      pass
+    shown = body.rstrip()
+    for k in range(min(len(end) - 1, len(shown)), 0, -1):
+      if shown.endswith(end[:k]):
+        shown = shown[:-k].rstrip()
+        break
+    out.append({"name": name, "arguments": shown, "done": False})
+    return out
 
 
 def section_cut(text: str) -> bool:

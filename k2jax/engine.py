@@ -64,8 +64,9 @@ CHUNK = 8     # decode steps per dispatch: fewer dispatches vs a row's wait to j
 
 @dataclasses.dataclass
 class Event:
-  """What a job's `emit` receives: kind "delta" (text of choice `index`), "done" (choice
-  `index` finished: its whole text, finish reason, completion tokens) or "error"."""
+  """What a job's `emit` receives: kind "delta" (text of choice `index`), "section" (with
+  Job.hold_tool_calls: the held tool-call section so far, from its marker on), "done"
+  (choice `index` finished: its whole text, finish reason, completion tokens) or "error"."""
   kind: str
   index: int = 0
   text: str = ""
@@ -133,6 +134,7 @@ class _Row:
     self.text = ""
     self.lps: list = []
     self.lp_sent = 0
+    self.section_sent = 0
     self.prompt_lps: list | None = None
 
 
@@ -582,6 +584,11 @@ class Engine:
     visible = text if reason else text[:len(text) - _held(text, row.watch)]
     if row.job.hold_tool_calls and SECTION in visible:
       visible = visible[:visible.index(SECTION)]
+    if row.job.hold_tool_calls and SECTION in text and not reason:
+      section = text[text.index(SECTION):]      # the held section as it grows (streaming)
+      if len(section) > row.section_sent:
+        row.job.emit(Event("section", row.index, section))
+        row.section_sent = len(section)
     if len(visible) > row.sent:
       lps = row.lps[row.lp_sent:] if row.job.logprobs is not None else None
       row.lp_sent = len(row.lps)

@@ -389,7 +389,8 @@ def _message(text: str, finish: str, tools) -> tuple[dict, str]:
   """The assistant message of a finished choice (tool calls parsed when tools were given).
   Call ids are K2's `functions.NAME:IDX` with IDX counting the reply's calls, whatever index
   the model wrote (two calls must not share an id). A reply cut by max_tokens inside its
-  call section keeps finish_reason "length" and lists the complete calls before the cut."""
+  call section keeps finish_reason "length" and lists the complete calls before the cut.
+  Arguments are the JSON text the model wrote (what a stream sends piece by piece)."""
   if tools:
     try:
       content, calls = chat.parse_tool_calls(text)
@@ -398,8 +399,7 @@ def _message(text: str, finish: str, tools) -> tuple[dict, str]:
     if calls:
       return {"role": "assistant", "content": content or None, "tool_calls": [
           {"id": f"functions.{c['name']}:{k}", "type": "function",
-           "function": {"name": c["name"], "arguments": json.dumps(c["arguments"],
-                                                                   ensure_ascii=False)}}
+           "function": {"name": c["name"], "arguments": c["raw"]}}
           for k, c in enumerate(calls)]}, ("length" if finish == "length" and
                                             chat.section_cut(text) else "tool_calls")
     text = content
@@ -560,7 +560,22 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
       return _sse({**head, "object": "chat.completion.chunk", "choices": [
           {"index": index, "delta": delta, "finish_reason": finish,
            "logprobs": _chat_logprobs(engine.tok, logprobs)}]})
-    finished, used, sent = 0, 0, {}
+    finished, used, sent, shown = 0, 0, {}, {}
+
+    def calls(index, so_far):
+      """Chunks for what `so_far` ([{name, arguments}]) adds to the calls shown of choice
+      `index`: a call's id and name first, then its arguments as they grow (OpenAI's
+      streamed tool_calls; they assemble to the non-streamed call)."""
+      seen = shown.setdefault(index, [])
+      for k, c in enumerate(so_far):
+        if k == len(seen):
+          seen.append("")
+          yield chunk({"tool_calls": [{"index": k, "id": f"functions.{c['name']}:{k}",
+                                       "type": "function", "function": {
+                                           "name": c["name"], "arguments": ""}}]}, index)
+        if c["arguments"].startswith(seen[k]) and len(c["arguments"]) > len(seen[k]):
+          piece, seen[k] = c["arguments"][len(seen[k]):], c["arguments"]
+          yield chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]}, index)
     try:
       for i in range(job.n):
         yield chunk({"role": "assistant", "content": ""}, i)
@@ -574,11 +589,16 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
           sent[e.index] = sent.get(e.index, 0) + len(e.logprobs or ())
           yield chunk({"content": e.text}, e.index, logprobs=e.logprobs)
           continue
+        if e.kind == "section":
+          for c in calls(e.index, chat.streamed_calls(e.text)):
+            yield c
+          continue
         finished, used = finished + 1, used + e.tokens
         msg, finish = _message(e.text, e.finish_reason, info["tools"])
-        if msg.get("tool_calls"):
-          yield chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(msg["tool_calls"])]},
-                      e.index)
+        for c in calls(e.index, [{"name": c["function"]["name"],
+                                  "arguments": c["function"]["arguments"]}
+                                 for c in msg.get("tool_calls", ())]):
+          yield c
         rest = None if e.logprobs is None else e.logprobs[sent.get(e.index, 0):]
         yield chunk({}, e.index, finish, rest)
       if info["include_usage"]:

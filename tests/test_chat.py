@@ -185,3 +185,27 @@ def test_constraint_makes_a_random_sampler_emit_valid_calls(tmp_path, tokenizer)
     _, calls = chat.parse_tool_calls(text)
     assert 1 <= len(calls) <= 2
     assert all(_valid(c_["arguments"], schemas[c_["name"]]) for c_ in calls), calls
+
+
+def test_streamed_calls_only_grow_into_the_parsed_calls():
+  """Every prefix of a section (as a stream sees it) shows each call's arguments as a prefix
+  of the finished raw JSON, marker lookalikes and whitespace inside strings included; the
+  whole section shows exactly what parse_tool_calls returns."""
+  text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.web.search:0"
+          "<|tool_call_argument_begin|> {\"q\": \"a <|tool_call_end|> b\",\n \"n\": 3}  "
+          "<|tool_call_end|><|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>"
+          "{\"a\": 1, \"b\": [2, {\"c\": \"}\"}]}<|tool_call_end|><|tool_calls_section_end|>")
+  _, calls = chat.parse_tool_calls(text)
+  final = [(c["name"], c["raw"]) for c in calls]
+  assert [n for n, _ in final] == ["web.search", "add"]
+  shown_before = []
+  for cut in range(len(text) + 1):
+    shown = chat.streamed_calls(text[:cut])
+    assert len(shown) >= len(shown_before)
+    for k, c in enumerate(shown):
+      assert c["name"] == final[k][0] and final[k][1].startswith(c["arguments"])
+      if k < len(shown_before):
+        assert c["arguments"].startswith(shown_before[k]["arguments"])
+    shown_before = shown
+  assert [(c["name"], c["arguments"]) for c in shown_before] == final
+  assert all(c["done"] for c in shown_before)

@@ -117,9 +117,19 @@ def test_constrained_tool_calls_come_back_parsed(client, choice):
   chunks = list(client.chat.completions.create(
       model="tiny", messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=300,
       temperature=0.7, seed=3, stream=True))
-  calls = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
-  assert [(t.function.name, t.function.arguments) for t in calls] == [
-      (t.function.name, t.function.arguments) for t in c.message.tool_calls]
+  # streamed incrementally (OpenAI's way: each call's id and name, then its arguments in
+  # pieces), assembling to exactly the non-streamed calls
+  pieces = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+  assembled: dict[int, dict] = {}
+  for t in pieces:
+    call = assembled.setdefault(t.index, {"id": None, "name": None, "arguments": ""})
+    call["id"] = t.id or call["id"]
+    call["name"] = (t.function.name if t.function else None) or call["name"]
+    call["arguments"] += (t.function.arguments or "") if t.function else ""
+  assert [assembled[k] for k in sorted(assembled)] == [
+      {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+      for t in c.message.tool_calls]
+  assert len(pieces) > 2 * len(assembled)          # the arguments came in several pieces
   assert "<|tool" not in "".join(ch.choices[0].delta.content or "" for ch in chunks)
 
 

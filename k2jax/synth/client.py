@@ -157,7 +157,7 @@ class LocalClient(Client):
     events: queue.Queue = queue.Queue()
     job.emit = events.put
     self.engine.submit(job)
-    while (e := events.get()).kind == "delta":
+    while (e := events.get()).kind in ("delta", "section"):
       pass
     if e.kind == "error":
       raise ModelError(f"decoding failed: {e.error}")
