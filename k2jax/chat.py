@@ -305,6 +305,27 @@ def streamed_calls(section: str) -> list[dict]:
     return out
 
 
+def split_reasoning(text: str) -> tuple[str | None, str]:
+  """(reasoning, the rest) of an assistant turn's text: the first `<think>` block's text, or
+  None without one. A block left open (no `</think>`: a cut, or a model that went straight
+  to its calls) runs to a tool-call section if one begins inside it, else to the end; a
+  section never belongs to the reasoning, so an unclosed block does not swallow the calls.
+  The rest is the text around the block (its markers dropped)."""
+  start = text.find("<think>")
+  if start < 0:
+    return None, text
+  body = start + len("<think>")
+  close = text.find("</think>", body)
+  stop = close if close >= 0 else len(text)
+  section = _SECTION_BEGIN.search(text, body, stop)
+  if section:
+    after = text[section.start():]
+    if close >= 0:
+      after = after.replace("</think>", "", 1)
+    return text[body:section.start()], text[:start] + after
+  return text[body:stop], text[:start] + (text[close + len("</think>"):] if close >= 0 else "")
+
+
 def section_cut(text: str) -> bool:
   """Whether a tool-call section opened in `text` and never closed (the reply was cut)."""
   m = _SECTION_BEGIN.search(text)

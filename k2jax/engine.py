@@ -59,6 +59,7 @@ from k2jax.model import decode
 log = logging.getLogger("k2jax.engine")
 
 SECTION = "<|tool_calls_section_begin|>"
+THINK = ["<think>", "</think>"]
 CHUNK = 8     # decode steps per dispatch: fewer dispatches vs a row's wait to join / leave
 
 
@@ -129,7 +130,9 @@ class _Row:
   def __init__(self, job: Job, index: int, stops: Sequence[str], seed: int):
     self.job, self.index, self.ids, self.sent, self.seed = job, index, [], 0, seed
     self.stops = list(job.stop) + list(stops)
-    self.watch = self.stops + ([SECTION] if job.hold_tool_calls else [])
+    # held back while they could still be completing: stops, the tool-call section, and
+    # the reasoning markers (a stream splits a <think> block off: k2jax.serve)
+    self.watch = self.stops + ([SECTION] if job.hold_tool_calls else []) + THINK
     self.finish: str | None = None
     self.text = ""
     self.lps: list = []

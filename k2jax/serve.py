@@ -390,7 +390,16 @@ def _message(text: str, finish: str, tools) -> tuple[dict, str]:
   Call ids are K2's `functions.NAME:IDX` with IDX counting the reply's calls, whatever index
   the model wrote (two calls must not share an id). A reply cut by max_tokens inside its
   call section keeps finish_reason "length" and lists the complete calls before the cut.
-  Arguments are the JSON text the model wrote (what a stream sends piece by piece)."""
+  Arguments are the JSON text the model wrote (what a stream sends piece by piece). A
+  `<think>` block goes to reasoning_content (chat.split_reasoning)."""
+  reasoning, text = chat.split_reasoning(text)
+  msg, finish = _reply(text, finish, tools)
+  if reasoning is not None:
+    msg["reasoning_content"] = reasoning
+  return msg, finish
+
+
+def _reply(text: str, finish: str, tools) -> tuple[dict, str]:
   if tools:
     try:
       content, calls = chat.parse_tool_calls(text)
@@ -560,7 +569,7 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
       return _sse({**head, "object": "chat.completion.chunk", "choices": [
           {"index": index, "delta": delta, "finish_reason": finish,
            "logprobs": _chat_logprobs(engine.tok, logprobs)}]})
-    finished, used, sent, shown = 0, 0, {}, {}
+    finished, used, sent, shown, split = 0, 0, {}, {}, {}
 
     def calls(index, so_far):
       """Chunks for what `so_far` ([{name, arguments}]) adds to the calls shown of choice
@@ -587,7 +596,16 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
           break
         if e.kind == "delta":
           sent[e.index] = sent.get(e.index, 0) + len(e.logprobs or ())
-          yield chunk({"content": e.text}, e.index, logprobs=e.logprobs)
+          # a <think> block streams as reasoning_content (the engine holds back a marker's
+          # partial text, so both parts only grow)
+          had = split.get(e.index, ("", "", ""))
+          text = had[0] + e.text
+          reasoning, content = chat.split_reasoning(text)
+          reasoning = reasoning or ""
+          delta = {k: v for k, v in (("reasoning_content", reasoning[len(had[1]):]),
+                                     ("content", content[len(had[2]):])) if v}
+          split[e.index] = (text, reasoning, content)
+          yield chunk(delta or {"content": ""}, e.index, logprobs=e.logprobs)
           continue
         if e.kind == "section":
           for c in calls(e.index, chat.streamed_calls(e.text)):

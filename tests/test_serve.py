@@ -571,3 +571,48 @@ def test_a_final_assistant_message_is_continued_not_closed(served, client):
       :-len("<|im_end|>")]
   ids = generate(cfg, params, [prompt], max_new_tokens=8, stop_ids=[tok.eos_id])[0]
   assert r.choices[0].message.content == tok.decode(ids).split("<|im_end|>")[0]
+
+
+def test_a_think_block_is_reasoning_content_streamed_or_not(served, client, monkeypatch):
+  """A reply that opens with <think> (K2-Thinking) gives its block as reasoning_content, the
+  rest as content, the same streamed (deltas split as they come) or not; a block left open
+  before a tool-call section does not swallow the calls. The model's tokens are forced here
+  (a random model writes no <think>)."""
+  import numpy as np
+  from k2jax import serve
+  url, engine, cfg, params, tok = served
+
+  def forcing(script):
+    ids = [int(i) for i in tok.encode(script)]
+
+    def processor(row, done):
+      mask = np.zeros(cfg.vocab_size, bool)
+      mask[ids[len(done)] if len(done) < len(ids) else tok.eos_id] = True
+      return mask
+    def parse(*a, **kw):
+      job, info = real(*a, **kw)
+      job.processor = processor
+      return job, info
+    return parse
+  real = serve.parse
+  monkeypatch.setattr(serve, "parse", forcing("<think>add them: 2 + 3</think>It is 5."))
+  r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60)
+  msg = r.choices[0].message
+  assert msg.content == "It is 5." and msg.model_extra["reasoning_content"] == "add them: 2 + 3"
+  parts = {"reasoning_content": "", "content": ""}
+  for ch in client.chat.completions.create(model="tiny", messages=USER, max_tokens=60,
+                                           stream=True):
+    delta = ch.choices[0].delta.model_dump() if ch.choices else {}
+    for k in parts:
+      parts[k] += delta.get(k) or ""
+  assert parts == {"reasoning_content": "add them: 2 + 3", "content": "It is 5."}
+  call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0'
+          '<|tool_call_argument_begin|>{"a": 2, "b": 3}<|tool_call_end|>'
+          '<|tool_calls_section_end|>')
+  monkeypatch.setattr(serve, "parse", forcing("<think>I should add" + call))
+  r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, tools=TOOLS)
+  msg = r.choices[0].message
+  assert r.choices[0].finish_reason == "tool_calls" and msg.model_extra["reasoning_content"] \
+      == "I should add"
+  assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+      ("add", {"a": 2, "b": 3})]
