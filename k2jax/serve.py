@@ -500,6 +500,32 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
   async def health(request):
     return JSONResponse({"status": "ok", **engine.stats})
 
+  # vLLM's tokenizer endpoints: lm-evaluation-harness (tokenizer_backend=remote) tokenizes
+  # through them, so scoring with token ids needs no tokenizer of its own.
+  async def tokenize(request):
+    body = await read(request)
+    text = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+      raise RequestError("prompt must be a string", param="prompt")
+    ids = [int(i) for i in engine.tok.encode(text)]
+    if body.get("add_special_tokens", True):
+      ids = [engine.tok.bos_id] + ids
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_len})
+
+  async def detokenize(request):
+    body = await read(request)
+    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+      raise RequestError("tokens must be a list of token ids", param="tokens")
+    return JSONResponse({"prompt": engine.tok.decode(ids)})
+
+  async def tokenizer_info(request):
+    authorize(request)
+    # No special token as text: the byte tokenizer would encode its name as bytes.
+    return JSONResponse({"eos_token": None, "bos_token": None, "pad_token": None,
+                         "model_max_length": engine.max_len,
+                         "vocab_size": engine.cfg.vocab_size})
+
   async def prometheus(request):
     return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -714,6 +740,9 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
 
   return Starlette(routes=[Route("/v1/models", models), Route("/health", health),
                            Route("/metrics", prometheus),
+                           Route("/tokenize", tokenize, methods=["POST"]),
+                           Route("/detokenize", detokenize, methods=["POST"]),
+                           Route("/tokenizer_info", tokenizer_info),
                            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                            Route("/v1/completions", text_completions, methods=["POST"])],
                    exception_handlers={RequestError: refused, HTTPException: http_error,

@@ -616,3 +616,40 @@ def test_a_think_block_is_reasoning_content_streamed_or_not(served, client, monk
       == "I should add"
   assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
       ("add", {"a": 2, "b": 3})]
+
+
+def test_tokenizer_endpoints_round_trip(served):
+  """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-evaluation-harness's remote
+  tokenizer reads them)."""
+  url, engine, cfg, params, tok = served
+  text = "Ice is a solid form of water."
+  code, got = _post(url + "/tokenize", {"prompt": text, "add_special_tokens": False})
+  assert code == 200 and got["tokens"] == [int(i) for i in tok.encode(text)]
+  assert _post(url + "/tokenize", {"prompt": text})[1]["tokens"][0] == tok.bos_id
+  assert _post(url + "/detokenize", {"tokens": got["tokens"]})[1]["prompt"] == text
+  info = json.loads(urllib.request.urlopen(url + "/tokenizer_info").read())
+  assert info["model_max_length"] == engine.max_len
+  assert _post(url + "/detokenize", {"tokens": "abc"})[0] == 400
+
+
+def test_lm_eval_scores_a_local_task_through_the_server(served, tmp_path):
+  """Where lm-evaluation-harness is installed (the `eval` extra; not in CI, whose suite it
+  would slow by minutes): a real `lm_eval` run of experiments/lm_eval's task, local-completions
+  against this server, tokens through its /tokenize."""
+  import os
+  import shutil
+  url = served[0]
+  lm_eval = shutil.which("lm_eval")
+  if lm_eval is None:
+    pytest.skip("lm_eval is not installed (pip install -e '.[eval]'): the harness run is "
+                "experiments/lm_eval_serve.py")
+  here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", "lm_eval")
+  run = subprocess.run(
+      [lm_eval, "--model", "local-completions", "--model_args",
+       f"model=tiny,base_url={url}/v1/completions,tokenizer_backend=remote,"
+       "tokenized_requests=True,num_concurrent=2,max_retries=1", "--tasks", "k2jax_tiny_facts",
+       "--include_path", here, "--output_path", str(tmp_path), "--limit", "3"],
+      cwd=here, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "k2jax_tiny_facts" in run.stdout and "acc" in run.stdout
