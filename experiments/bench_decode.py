@@ -6,8 +6,9 @@
 CPU: the issue-8 bench config (hidden 256, 4 layers, 16 experts top-2) with the same random
 weights in both (written in the published layout, read by k2jax.interop.hf); greedy decoding
 of new tokens after a 32-token prompt, steady state (compiled programs reused; transformers
-with its own KV cache, 2 threads), plus cache bytes per token: ours (latent + rope key) vs a
-naive per-head K/V cache.
+with its own KV cache, 2 threads), by k2jax.generate and by k2jax.engine (the server's
+continuous batcher, the rows submitted together), plus cache bytes per token: ours (latent +
+rope key) vs a naive per-head K/V cache.
 GPU: a random bf16 model with K2's attention shapes scaled to ~1B activated parameters;
 decode tokens/s at batch 1 and 32, and the fraction of the memory-bandwidth roofline:
 (activated weights read per step + cache read) / step time vs a measured device copy.
@@ -47,6 +48,38 @@ def ours_tokens_per_s(cfg, params, prompts, new):
   return sum(len(o) for o in out) / (time.perf_counter() - t0)
 
 
+class _Ids:
+  """A tokenizer for k2jax.engine over random ids: no stop token, no text."""
+  eos_id, bos_id, pad_id, special_ids = -1, 0, 0, {}
+
+  def decode(self, ids):
+    return ""
+
+
+def engine_tokens_per_s(cfg, params, prompts, new):
+  """The same prompts through k2jax.engine (what k2jax.serve runs: continuous batching over
+  a slotted cache), submitted together, greedy, steady state."""
+  import threading
+  from k2jax.engine import Engine, Job
+  engine = Engine(cfg, params, _Ids(), max_batch=len(prompts), max_len=len(prompts[0]) + new,
+                  window_s=0.05, reuse_min=None)
+
+  def run():
+    done = threading.Semaphore(0)
+    t0 = time.perf_counter()
+    for p in prompts:
+      engine.submit(Job(prompt=[int(t) for t in p], max_tokens=new, temperature=0.0,
+                        emit=lambda e: e.kind in ("done", "error") and done.release()))
+    for _ in prompts:
+      done.acquire()
+    return len(prompts) * new / (time.perf_counter() - t0)
+  try:
+    run()                                                                # compile
+    return run()
+  finally:
+    engine.close()
+
+
 def naive_cache_bytes(cfg, itemsize):
   return cfg.num_hidden_layers * cfg.num_attention_heads * (
       cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * itemsize
@@ -75,14 +108,16 @@ def cpu(args):
   for batch in (1, 8):
     prompts = [list(rng.integers(2, arch["vocab_size"], 32)) for _ in range(batch)]
     ours = ours_tokens_per_s(cfg, params, prompts, args.new_tokens)
+    served = engine_tokens_per_s(cfg, params, prompts, args.new_tokens)
     inp = torch.as_tensor(prompts)
     with torch.no_grad():
       tmodel.generate(inp, max_new_tokens=4, do_sample=False)
       t0 = time.perf_counter()
       out = tmodel.generate(inp, max_new_tokens=args.new_tokens, do_sample=False)
       theirs = (out.shape[1] - 32) * batch / (time.perf_counter() - t0)
-    rows.append(dict(batch=batch, k2jax_tokens_per_s=ours, transformers_tokens_per_s=theirs,
-                     speedup=ours / theirs))
+    rows.append(dict(batch=batch, k2jax_tokens_per_s=ours, engine_tokens_per_s=served,
+                     transformers_tokens_per_s=theirs, speedup=ours / theirs,
+                     engine_speedup=served / theirs))
     print(rows[-1], flush=True)
   cache = dict(ours_bytes_per_token=decode.cache_bytes_per_token(cfg, "float32"),
                naive_bytes_per_token=naive_cache_bytes(cfg, 4))
@@ -93,10 +128,12 @@ def cpu(args):
   out = args.out or os.path.join(HERE, "results", "decode")
   write(os.path.join(out, "cpu_decode.csv"), [dict(r, **cache) for r in rows])
   print(f"\ngreedy decoding, bench config, {args.new_tokens} new tokens after 32, f32, this CPU")
-  print(f"{'batch':>6}{'k2jax tok/s':>13}{'transformers':>14}{'speedup':>9}")
+  print(f"{'batch':>6}{'k2jax tok/s':>13}{'engine tok/s':>14}{'transformers':>14}{'speedup':>9}"
+        f"{'engine':>8}")
   for r in rows:
-    print(f"{r['batch']:>6}{r['k2jax_tokens_per_s']:>13.1f}{r['transformers_tokens_per_s']:>14.1f}"
-          f"{r['speedup']:>8.2f}x")
+    print(f"{r['batch']:>6}{r['k2jax_tokens_per_s']:>13.1f}{r['engine_tokens_per_s']:>14.1f}"
+          f"{r['transformers_tokens_per_s']:>14.1f}{r['speedup']:>8.2f}x"
+          f"{r['engine_speedup']:>7.2f}x")
   print(f"cache per token: ours {cache['ours_bytes_per_token']} B vs naive "
         f"{cache['naive_bytes_per_token']} B (f32, bench config); K2 bf16: {k2_cache['ours']} B "
         f"({k2_cache['ours'] // 2 // 61} values per layer) vs {k2_cache['naive']} B")

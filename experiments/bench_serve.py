@@ -11,7 +11,7 @@ and their ratio to the one-client baseline measured in the same run. "one at a t
 same 16 clients against a server with --max_batch 1. "mixed": every other request asks for
 max_tokens / 4 tokens, the others 2 max_tokens; "short req s" is the short ones' mean
 latency (with static batching they wait for the long rows of their batch). Every batch-size
-bucket is compiled first (Engine.warmup), then a warm-up round runs. The machine's ceiling
+bucket is compiled first (Engine.warmup), then the same requests run once as a warm-up. The machine's ceiling
 (a measured f32 matmul rate) is printed beside it.
 CSV: experiments/results/serve/throughput_window20ms.csv (the name carries --window_ms;
 --out picks the folder).
@@ -67,7 +67,9 @@ def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms, mix
 
   try:
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-      list(pool.map(one, range(clients)))                     # warm-up: compiles
+      # warm-up: the same requests compile every program they need (prefills, continued
+      # prompts, dispatches: one per shape bucket)
+      list(pool.map(one, range(requests)))
       before = dict(engine.stats)
       t0 = time.perf_counter()
       out = list(pool.map(one, range(requests)))

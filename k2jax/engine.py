@@ -14,10 +14,10 @@ batching, as vLLM / SGLang / JetStream serve). Every decode step serves every oc
 
 A dispatch runs `chunk` decode steps on the device (one when a row samples under a logits
 processor, which needs the host every step); a row that ends inside a chunk leaves at its
-end, and what it generated past its end is dropped. A dispatch works on the smallest
-power-of-two prefix of the slots that holds every occupied one (a new row takes the lowest
-free slot) and of the positions that holds every row's tokens: a cache sized for many long
-requests does not make one short request pay for its size.
+end, and what it generated past its end is dropped. A dispatch gathers the occupied slots'
+rows into a power-of-two batch over the shortest power-of-two prefix of positions that holds
+every row's tokens: a cache sized for many long requests does not make one short request
+pay for its size, wherever its slot is.
 
 A slot that a row leaves keeps its cache, and the engine remembers the tokens it holds. A
 new row whose prompt starts with at least `reuse_min` of them takes that slot and runs only
@@ -158,10 +158,9 @@ def _programs(cfg, rows: int, S: int):
     allowed [b, V] | None, filtered, top, echo) -> (first tokens [b], scores, cache): prefill
     of new rows (right-padded prompts) in a cache of their own, written into rows `slots` of
     the engine's (a slot index of `rows` or more is dropped: the batch's padding rows).
-  steps(params, cache, tokens [r], settings of the first r slots, active [r], allowed | None,
-    n, span, rows=r, filtered, top) -> (tokens [n, r], scores, cache): n decode steps of the
-    first r slots over the first `span` positions of the cache; free slots (active False) are
-    kept at length 0.
+  steps(params, cache, slots [r], tokens [r], settings of those slots, active [r] (False:
+    padding), allowed | None, n, span, filtered, top) -> (tokens [n, r], scores, cache): n
+    decode steps of the rows in `slots` over the first `span` positions of the cache.
   Settings: seeds [.] uint32 and the index t [.] of the row's next token (its key is
   fold_in(key(seed), t)), temperature [.] (0 greedy), top_k [.] (0 all), top_p [.] (1 all).
   filtered: some row uses top_k / top_p. top: -1, or the sampled tokens' `_scores` with that
@@ -191,28 +190,30 @@ def _programs(cfg, rows: int, S: int):
       scores["prompt"] = _scores(every[0][:, :-1], tokens[:, 1:], top)
     return first, scores, cache
 
-  def steps(params, cache, tokens, seeds, t, temperature, top_k, top_p, active, allowed, n,
-            span, rows, filtered, top):
-    # The first `rows` slots (the engine fills the lowest free slot first) and `span`
-    # positions: the work of a step follows the rows and lengths in use, not the cache's size.
-    # A free slot (active False) sits at length `span`, past the sub-cache's end: what it
-    # holds is not overwritten (a later request may continue its tokens: `reuse`).
-    sub = decode.Cache({name: decode.Latents(*(a[:, :rows, :span] for a in lat))
+  def steps(params, cache, slots, tokens, seeds, t, temperature, top_k, top_p, active, allowed,
+            n, span, filtered, top):
+    # The occupied slots' rows (slots [r], gathered: a padding index past the cache is
+    # dropped on the way back) over the first `span` positions: the work of a step follows
+    # the rows and lengths in use, not the cache's size or where the rows sit in it.
+    sub = decode.Cache({name: decode.Latents(*(jnp.take(a[:, :, :span], slots, axis=1,
+                                                        mode="clip") for a in lat))
                         for name, lat in cache.layers.items()},
-                       jnp.where(active, cache.lengths[:rows], span))
+                       jnp.where(active, jnp.take(cache.lengths, slots, mode="clip"), span))
 
     def body(carry, i):
       sub, tok = carry
       logits, sub = decode.decode_step(cfg, params, sub, tok)
+      # a padding row sits past the sub-cache's end: its writes are dropped
       sub = sub._replace(lengths=jnp.where(active, sub.lengths, span))
       nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered)
       return (sub, nxt), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
     (sub, _), (toks, scores) = jax.lax.scan(body, (sub, tokens), jnp.arange(n))
-    layers = {name: decode.Latents(*(jax.lax.dynamic_update_slice(a, s.astype(a.dtype),
-                                                                  (0, 0, 0, 0))
-                                     for a, s in zip(cache.layers[name], sub.layers[name])))
-              for name in cache.layers}
-    return toks, scores, decode.Cache(layers, cache.lengths.at[:rows].set(sub.lengths))
+    layers = {name: decode.Latents(*(
+        big.at[:, slots, :span].set(small.astype(big.dtype), mode="drop")
+        for big, small in zip(cache.layers[name], sub.layers[name])))
+        for name in cache.layers}
+    return toks, scores, decode.Cache(layers, cache.lengths.at[slots].set(sub.lengths,
+                                                                         mode="drop"))
 
   def reuse(params, cache, tokens, counts, starts, slots, seeds, temperature, top_k, top_p,
             allowed, filtered, top, span):
@@ -231,7 +232,7 @@ def _programs(cfg, rows: int, S: int):
     return first, ({"first": _scores(logits, first, top)} if top >= 0 else {}), cache
 
   return (jax.jit(admit, static_argnames=("filtered", "top", "echo"), donate_argnums=1),
-          jax.jit(steps, static_argnames=("n", "span", "rows", "filtered", "top"),
+          jax.jit(steps, static_argnames=("n", "span", "filtered", "top"),
                   donate_argnums=1),
           jax.jit(reuse, static_argnames=("filtered", "top", "span"), donate_argnums=1))
 
@@ -259,13 +260,15 @@ class Engine:
     seed: draws the sampling key of requests that give none (reproducible server runs).
     chunk: decode steps per dispatch (module docstring).
     reuse_min: a new row continues the tokens a free slot's cache holds when they start its
-      prompt for at least this many tokens (module docstring); None: every prompt is
-      prefilled whole.
+      prompt for at least this many tokens (module docstring); None (default): every prompt
+      is prefilled whole. Off by default: each (rows, new tokens, positions) bucket of a
+      continued prompt is a program of its own, and under concurrent load on this CPU
+      their first compiles cost more than the reuse saved (experiments/bench_serve.py).
   """
 
   def __init__(self, cfg, params, tokenizer, *, max_batch: int = 16, max_len: int | None = None,
                window_s: float = 0.02, seed: int = 0, chunk: int = CHUNK,
-               reuse_min: int | None = 32):
+               reuse_min: int | None = None):
     self.cfg, self.params, self.tok = cfg, params, tokenizer
     self.max_batch, self.window_s, self.chunk = max_batch, window_s, chunk
     self.reuse_min = reuse_min
@@ -468,7 +471,8 @@ class Engine:
 
   def _continue(self, rows: list[_Row]) -> None:
     b = bucket(len(rows), minimum=1)
-    t = bucket(max(len(r.job.prompt) - r.held for r in rows), minimum=1)
+    # (at least 16 new tokens a row: fewer shapes, so fewer programs to compile)
+    t = bucket(max(len(r.job.prompt) - r.held for r in rows), minimum=16)
     span = min(bucket(max(len(r.job.prompt) for r in rows) + t), self._S)
     tokens = np.zeros((b, t), np.int32)
     counts, starts = np.ones(b, np.int32), np.zeros(b, np.int32)
@@ -498,36 +502,37 @@ class Engine:
       self._on_token(row, int(first[i]), _entry(scores["first"], i) if top >= 0 else None)
 
   def _advance(self) -> None:
-    """One dispatch of decode steps over the occupied slots (the lowest `rows`, a power of
-    two); rows that end free their slots."""
+    """One dispatch of decode steps over the occupied slots (gathered into a power-of-two
+    batch); rows that end free their slots."""
     rows = [r for r in self._rows if r is not None]
     constrained = any(r.job.processor for r in rows)
     n = 1 if constrained else self.chunk
     span = min(bucket(int(max(self._length[r.slot] for r in rows)) + n), self._S)
-    nb = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.max_batch)
-    active = np.array([r is not None for r in self._rows[:nb]])
-    h = {k: v[:nb] for k, v in self._host.items()}
+    nb = bucket(len(rows), minimum=1)
+    slots = np.full(nb, self.max_batch, np.int32)       # padding rows: past the cache
+    slots[:len(rows)] = [r.slot for r in rows]
+    active = np.arange(nb) < len(rows)
+    h = {k: v[np.minimum(slots, self.max_batch - 1)] for k, v in self._host.items()}
     steps = self._compiled()[1]
     top = self._top(rows)
     toks, scores, self._cache = steps(
-        self.params, self._cache, h["tokens"], h["seeds"], h["t"], h["temperature"],
+        self.params, self._cache, slots, h["tokens"], h["seeds"], h["t"], h["temperature"],
         h["top_k"], h["top_p"], active,
-        self._allowed(self._rows[:nb], nb) if constrained else None,
-        n=n, span=span, rows=nb, filtered=self._filtered(rows), top=top)
+        self._allowed(rows + [None] * (nb - len(rows)), nb) if constrained else None,
+        n=n, span=span, filtered=self._filtered(rows), top=top)
     toks, scores = np.asarray(toks), jax.tree.map(np.asarray, scores)
     self.stats["steps"] += n
     self.stats["row_steps"] += n * len(rows)
     self.stats["most_rows"] = max(self.stats["most_rows"], len(rows))
-    for row in rows:     # what the dispatch fed each row (a reused slot's cache holds them)
-      self._held[row.slot] += [int(h["tokens"][row.slot])] + toks[:-1, row.slot].tolist()
-    self._host["tokens"][:nb] = toks[-1]
-    self._host["t"][:nb][active] += n
-    self._length[:nb][active] += n
+    for j, row in enumerate(rows):   # what the dispatch fed each row (its cache holds them)
+      self._held[row.slot] += [int(h["tokens"][j])] + toks[:-1, j].tolist()
+      self._host["tokens"][row.slot] = toks[-1, j]
+      self._host["t"][row.slot] += n
+      self._length[row.slot] += n
     for i in range(n):
-      for row in rows:
+      for j, row in enumerate(rows):
         if row.finish is None:
-          self._on_token(row, int(toks[i, row.slot]),
-                         _entry(scores, i, row.slot) if top >= 0 else None)
+          self._on_token(row, int(toks[i, j]), _entry(scores, i, j) if top >= 0 else None)
 
   def _compiled(self):
     return _compiled(self.cfg, self.max_batch, self._S)

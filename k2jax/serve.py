@@ -818,9 +818,9 @@ def main(argv=None):
   p.add_argument("--max_len", type=int, default=None,
                  help="tokens a slot holds, prompt and completion (default: the model's context; "
                  "the cache is max_batch x max_len latents)")
-  p.add_argument("--reuse_min", type=int, default=32,
+  p.add_argument("--reuse_min", type=int, default=0,
                  help="a request continues a free slot's cached tokens when they start its "
-                 "prompt for at least this many tokens (prefix reuse; 0: off)")
+                 "prompt for at least this many tokens (prefix reuse, e.g. 32; 0: off)")
   p.add_argument("--batch_window_ms", type=float, default=20.0,
                  help="under concurrent load, how long requests reaching an idle server wait "
                  "for more to start with")
