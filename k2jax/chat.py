@@ -182,6 +182,7 @@ def stop_ids(tokenizer) -> list[int]:
 # ------------------------------------------------------------------------- parsing calls
 
 _SECTION_BEGIN = re.compile(r"<\|tool_calls?_section_begin\|>")
+_CALL = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 _SECTION_END = re.compile(r"<\|tool_calls?_section_end\|>")
 
 
@@ -209,7 +210,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
   # strict=False: a model writes code arguments with raw newlines / tabs inside JSON strings;
   # rejecting them would drop every call of the turn.
   decoder = json.JSONDecoder(strict=False)
-  begin, arg, end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+  begin, arg, end = _CALL
   # Scan call by call: the arguments are read by a JSON decoder, so braces or marker text
   # inside JSON strings cannot end a call early.
   while True:
@@ -274,7 +275,7 @@ def streamed_calls(section: str) -> list[dict]:
   its raw JSON (as parse_tool_calls' "raw"); an unfinished one's stop short of trailing
   whitespace and of anything that may be the start of <|tool_call_end|>, so what is shown
   only ever grows into the finished text."""
-  begin, arg, end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+  begin, arg, end = _CALL
   decoder = json.JSONDecoder(strict=False)
   m = _SECTION_BEGIN.search(section)
   pos, out = (m.end() if m else 0), []
@@ -441,18 +442,22 @@ class ToolSectionConstraint:
     name = "<|tool_calls_section_begin|>"
     self.marker = [specials[name]] if name in specials else list(name.encode())
     self._start: dict[int, int] = {}
+    self._seen: dict[int, int] = {}        # tokens of a row already searched
 
-  def _find(self, ids) -> int | None:
+  def _find(self, row: int, ids) -> int | None:
+    """Where the marker starts in ids, searching only what the last call had not seen (a
+    decode step adds a token: the search stays constant per step)."""
     m, n = self.marker, len(self.marker)
-    for i in range(len(ids) - n + 1):
+    for i in range(max(self._seen.get(row, 0) - n + 1, 0), len(ids) - n + 1):
       if ids[i] == m[0] and list(ids[i:i + n]) == m:
         return i
+    self._seen[row] = len(ids)
     return None
 
   def __call__(self, row: int, generated: list[int]) -> np.ndarray | None:
     start = self._start.get(row)
     if start is None:
-      start = self._find(generated)
+      start = self._find(row, generated)
       if start is None:
         return None
       self._start[row] = start

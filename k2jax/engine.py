@@ -171,34 +171,43 @@ def _programs(cfg, rows: int, S: int):
     return sample_rows(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p,
                        allowed=allowed, filtered=filtered)
 
+  def first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top):
+    """A new row's first token (its key's index 0) and its scores."""
+    tok = draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
+               allowed, filtered)
+    return tok, ({"first": _scores(logits, tok, top)} if top >= 0 else {})
+
+  def gather(cache, slots, span, lengths):
+    """Rows `slots` of the cache over its first `span` positions, at `lengths` (a padding
+    index past the cache reads a clipped row and is dropped by `put`)."""
+    return decode.Cache({name: decode.Latents(*(jnp.take(a[:, :, :span], slots, axis=1,
+                                                         mode="clip") for a in lat))
+                         for name, lat in cache.layers.items()}, lengths)
+
+  def put(cache, sub, slots):
+    """`sub` (rows `slots`, its own positions from 0) written back into the cache."""
+    layers = {name: decode.Latents(*(
+        big.at[:, slots, :small.shape[2]].set(small.astype(big.dtype), mode="drop")
+        for big, small in zip(cache.layers[name], sub.layers[name])))
+        for name in cache.layers}
+    return decode.Cache(layers, cache.lengths.at[slots].set(sub.lengths, mode="drop"))
+
   def admit(params, cache, tokens, lengths, slots, seeds, temperature, top_k, top_p, allowed,
             filtered, top, echo):
     b, T = tokens.shape
     logits, *every, new = decode.prefill(cfg, params, tokens, lengths,
                                          decode.init_cache(cfg, b, T), every=echo)
-    layers = {name: decode.Latents(*(
-        big.at[:, slots, :T].set(small.astype(big.dtype), mode="drop")
-        for big, small in zip(cache.layers[name], new.layers[name])))
-        for name in cache.layers}
-    cache = decode.Cache(layers, cache.lengths.at[slots].set(lengths, mode="drop"))
-    first = draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
-                 allowed, filtered)
-    scores = {}
-    if top >= 0:
-      scores["first"] = _scores(logits, first, top)
+    tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top)
     if echo:
       scores["prompt"] = _scores(every[0][:, :-1], tokens[:, 1:], top)
-    return first, scores, cache
+    return tok, scores, put(cache, new, slots)
 
   def steps(params, cache, slots, tokens, seeds, t, temperature, top_k, top_p, active, allowed,
             n, span, filtered, top):
-    # The occupied slots' rows (slots [r], gathered: a padding index past the cache is
-    # dropped on the way back) over the first `span` positions: the work of a step follows
+    # The occupied slots' rows over the first `span` positions: the work of a step follows
     # the rows and lengths in use, not the cache's size or where the rows sit in it.
-    sub = decode.Cache({name: decode.Latents(*(jnp.take(a[:, :, :span], slots, axis=1,
-                                                        mode="clip") for a in lat))
-                        for name, lat in cache.layers.items()},
-                       jnp.where(active, jnp.take(cache.lengths, slots, mode="clip"), span))
+    sub = gather(cache, slots, span,
+                 jnp.where(active, jnp.take(cache.lengths, slots, mode="clip"), span))
 
     def body(carry, i):
       sub, tok = carry
@@ -208,28 +217,16 @@ def _programs(cfg, rows: int, S: int):
       nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered)
       return (sub, nxt), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
     (sub, _), (toks, scores) = jax.lax.scan(body, (sub, tokens), jnp.arange(n))
-    layers = {name: decode.Latents(*(
-        big.at[:, slots, :span].set(small.astype(big.dtype), mode="drop")
-        for big, small in zip(cache.layers[name], sub.layers[name])))
-        for name in cache.layers}
-    return toks, scores, decode.Cache(layers, cache.lengths.at[slots].set(sub.lengths,
-                                                                         mode="drop"))
+    return toks, scores, put(cache, sub, slots)
 
   def reuse(params, cache, tokens, counts, starts, slots, seeds, temperature, top_k, top_p,
             allowed, filtered, top, span):
     # Rows whose slot holds their prompt's first starts[b] tokens: only the rest is run
     # (decode.extend) over the slot's first `span` positions.
-    sub = decode.Cache({name: decode.Latents(*(a[:, slots, :span] for a in lat))
-                        for name, lat in cache.layers.items()}, starts)
-    logits, sub = decode.extend(cfg, params, sub, tokens, counts)
-    layers = {name: decode.Latents(*(
-        big.at[:, slots, :span].set(small.astype(big.dtype), mode="drop")
-        for big, small in zip(cache.layers[name], sub.layers[name])))
-        for name in cache.layers}
-    cache = decode.Cache(layers, cache.lengths.at[slots].set(sub.lengths, mode="drop"))
-    first = draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
-                 allowed, filtered)
-    return first, ({"first": _scores(logits, first, top)} if top >= 0 else {}), cache
+    logits, sub = decode.extend(cfg, params, gather(cache, slots, span, starts), tokens,
+                                counts)
+    tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top)
+    return tok, scores, put(cache, sub, slots)
 
   return (jax.jit(admit, static_argnames=("filtered", "top", "echo"), donate_argnums=1),
           jax.jit(steps, static_argnames=("n", "span", "filtered", "top"),
@@ -441,48 +438,49 @@ class Engine:
       self._continue([r for r in new if r.held])
     self.stats["rows"] += len(new)
 
-  def _group(self, rows: list[_Row], b: int) -> dict:
-    """The sampling settings of rows, padded to b (padding rows: greedy, never reported)."""
-    settings = {k: np.zeros(b, v.dtype) for k, v in self._host.items() if k not in ("tokens", "t")}
-    settings["top_p"][:] = 1
-    for i, row in enumerate(rows):
-      for k in settings:
-        settings[k][i] = self._host[k][row.slot]
-    return dict(seeds=settings["seeds"], temperature=settings["temperature"],
-                top_k=settings["top_k"], top_p=settings["top_p"],
-                allowed=self._allowed(rows, b), filtered=self._filtered(rows),
-                top=self._top(rows))
+  def _group(self, rows: list[_Row], slots) -> dict:
+    """The host settings of `rows` at their slots (padded: `slots` past the cache read the
+    last slot's, which nothing reports), and what shapes their program."""
+    h = {k: v[np.minimum(slots, self.max_batch - 1)] for k, v in self._host.items()}
+    return dict(seeds=h["seeds"], temperature=h["temperature"], top_k=h["top_k"],
+                top_p=h["top_p"], allowed=self._allowed(rows + [None] * (len(slots) - len(rows)),
+                                                        len(slots)),
+                filtered=self._filtered(rows), top=self._top(rows)), h
+
+  def _slots(self, rows: list[_Row]) -> np.ndarray:
+    """The rows' slots, padded to a power of two with an index past the cache."""
+    slots = np.full(bucket(len(rows), minimum=1), self.max_batch, np.int32)
+    slots[:len(rows)] = [r.slot for r in rows]
+    return slots
 
   def _prefill(self, rows: list[_Row]) -> None:
-    b = bucket(len(rows), minimum=1)
+    slots = self._slots(rows)
     T = min(bucket(max(len(r.job.prompt) for r in rows)), self._S)
-    tokens = np.zeros((b, T), np.int32)
-    lengths = np.ones(b, np.int32)
-    slots = np.full(b, self.max_batch, np.int32)      # padding rows: dropped
+    tokens = np.zeros((len(slots), T), np.int32)
+    lengths = np.ones(len(slots), np.int32)
     for i, row in enumerate(rows):
       tokens[i, :len(row.job.prompt)] = row.job.prompt
-      lengths[i], slots[i] = len(row.job.prompt), row.slot
+      lengths[i] = len(row.job.prompt)
     admit = self._compiled()[0]
-    g = self._group(rows, b)
+    g, _ = self._group(rows, slots)
     first, scores, self._cache = admit(self.params, self._cache, tokens, lengths, slots,
                                        echo=any(r.job.echo for r in rows), **g)
     self.stats["prefills"] += 1
     self._started(rows, np.asarray(first), jax.tree.map(np.asarray, scores), g["top"])
 
   def _continue(self, rows: list[_Row]) -> None:
-    b = bucket(len(rows), minimum=1)
+    slots = self._slots(rows)
     # (at least 16 new tokens a row: fewer shapes, so fewer programs to compile)
     t = bucket(max(len(r.job.prompt) - r.held for r in rows), minimum=16)
     span = min(bucket(max(len(r.job.prompt) for r in rows) + t), self._S)
-    tokens = np.zeros((b, t), np.int32)
-    counts, starts = np.ones(b, np.int32), np.zeros(b, np.int32)
-    slots = np.full(b, self.max_batch, np.int32)
+    tokens = np.zeros((len(slots), t), np.int32)
+    counts, starts = np.ones(len(slots), np.int32), np.zeros(len(slots), np.int32)
     for i, row in enumerate(rows):
       rest = row.job.prompt[row.held:]
       tokens[i, :len(rest)] = rest
-      counts[i], starts[i], slots[i] = len(rest), row.held, row.slot
+      counts[i], starts[i] = len(rest), row.held
     reuse = self._compiled()[2]
-    g = self._group(rows, b)
+    g, _ = self._group(rows, slots)
     first, scores, self._cache = reuse(self.params, self._cache, tokens, counts, starts, slots,
                                        span=span, **g)
     self.stats["reused_tokens"] += sum(r.held for r in rows)
@@ -508,18 +506,13 @@ class Engine:
     constrained = any(r.job.processor for r in rows)
     n = 1 if constrained else self.chunk
     span = min(bucket(int(max(self._length[r.slot] for r in rows)) + n), self._S)
-    nb = bucket(len(rows), minimum=1)
-    slots = np.full(nb, self.max_batch, np.int32)       # padding rows: past the cache
-    slots[:len(rows)] = [r.slot for r in rows]
-    active = np.arange(nb) < len(rows)
-    h = {k: v[np.minimum(slots, self.max_batch - 1)] for k, v in self._host.items()}
+    slots = self._slots(rows)
+    active = np.arange(len(slots)) < len(rows)
+    g, h = self._group(rows, slots)
+    top = g["top"]
     steps = self._compiled()[1]
-    top = self._top(rows)
-    toks, scores, self._cache = steps(
-        self.params, self._cache, slots, h["tokens"], h["seeds"], h["t"], h["temperature"],
-        h["top_k"], h["top_p"], active,
-        self._allowed(rows + [None] * (nb - len(rows)), nb) if constrained else None,
-        n=n, span=span, filtered=self._filtered(rows), top=top)
+    toks, scores, self._cache = steps(self.params, self._cache, slots, h["tokens"], t=h["t"],
+                                      active=active, n=n, span=span, **g)
     toks, scores = np.asarray(toks), jax.tree.map(np.asarray, scores)
     self.stats["steps"] += n
     self.stats["row_steps"] += n * len(rows)

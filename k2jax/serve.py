@@ -617,8 +617,7 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
       while finished < job.n:
         _, e = await events.get()
         if e.kind == "error":
-          yield _sse(RequestError(f"decoding failed: {e.error}", status=500,
-                                  kind="server_error").body())
+          yield _failed(e)
           break
         if e.kind == "delta":
           sent[e.index] = sent.get(e.index, 0) + len(e.logprobs or ())
@@ -697,8 +696,7 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
       while finished < rows:
         k, e = await events.get()
         if e.kind == "error":
-          yield _sse(RequestError(f"decoding failed: {e.error}", status=500,
-                                  kind="server_error").body())
+          yield _failed(e)
           break
         key, index = (k, e.index), k * info["n"] + e.index
         if info["echo"] and key not in offset:    # the prompt first (its row's first event)
@@ -780,6 +778,12 @@ class Background:
 
   def __exit__(self, *exc):
     self.stop()
+
+
+def _failed(e: Event) -> str:
+  """A stream's last event when decoding failed: OpenAI's error object (a 500's)."""
+  return _sse(RequestError(f"decoding failed: {e.error}", status=500,
+                           kind="server_error").body())
 
 
 def _sse(obj) -> str:
