@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from k2jax import closing
+
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 MARKERS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
            "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
@@ -349,11 +351,21 @@ class GrammarConstraint:
   tracks each row; we only wire it up): c(row, ids so far) -> bool [vocab], the
   `logits_processor` of k2jax.generate / a Job. After the grammar ends (or if a row left it),
   only the stop tokens are allowed.
+
+  With `max_tokens` (the row's budget) a row ends inside it whenever the budget leaves room
+  for the grammar's shortest ending: once `left` tokens are at most the tokens of `closing`
+  (the shortest text from here to the end; subclasses know it) plus `margin`, the row is held
+  to that closing token by token. The closing is checked against llguidance before it is
+  used; a grammar without one (or a closing llguidance refuses) keeps the plain mask.
   """
 
-  def __init__(self, tokenizer, grammar: str, what: str = "grammar"):
+  margin = 0     # `slack` where it does not depend on the text
+
+  def __init__(self, tokenizer, grammar: str, what: str = "grammar", *,
+               max_tokens: int | None = None):
     import llguidance  # pip install llguidance (no other dependencies)
-    self.tokenizer, self.grammar = tokenizer, grammar
+    self.tokenizer, self.grammar, self.max_tokens = tokenizer, grammar, max_tokens
+    self._plans: dict[int, tuple] = {}     # row -> (tokens when planned, the closing's tokens)
     self._ll_tok = _lltokenizer(tokenizer)
     err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar),
                                                 self._ll_tok)
@@ -377,8 +389,43 @@ class GrammarConstraint:
           self._ll_tok, llguidance.LLMatcher.grammar_from_lark(self.grammar)), 0)
     return self._matchers[row]
 
-  def __call__(self, row: int, generated: list[int]) -> np.ndarray:
-    """The allowed next tokens of `row` given its tokens so far (bool [vocab])."""
+  def closing(self, text: str) -> str | None:
+    """The shortest text that takes the grammar from `text` (this row's so far) to its end;
+    None: unknown (no budget guarantee)."""
+    return None
+
+  def slack(self, text: str) -> int:
+    """Tokens of slack: the row starts its closing once its budget is within this many tokens
+    of it, so that no token sampled freely before can grow the closing past the budget."""
+    return self.margin
+
+  def _plan(self, row: int, matcher, generated: list[int], left: int) -> list[int] | None:
+    """The tokens left of this row's closing when its budget calls for it (else None)."""
+    if row in self._plans:
+      at, plan = self._plans[row]
+      done = len(generated) - at
+      if plan is not None and generated[at:] == plan[:done]:
+        return plan[done:]
+      if plan is None and at == len(generated):
+        return None
+    read = _text(self.tokenizer, generated)
+    tail = None if read is None else self.closing(read[0])
+    if tail is None:
+      return None
+    text, fill = read
+    plan = self.tokenizer.byte_ids(fill) + _encode_text(tail, self.tokenizer)
+    if len(plan) + self.slack(text) < left:
+      return None
+    check = matcher.deep_copy()
+    if not (all(check.consume_token(int(t)) for t in plan) and check.is_accepting()):
+      self._plans[row] = (len(generated), None)    # llguidance refused it: the plain mask
+      return None
+    self._plans[row] = (len(generated), plan)
+    return plan
+
+  def __call__(self, row: int, generated: list[int], left: int | None = None) -> np.ndarray:
+    """The allowed next tokens of `row` given its tokens so far (bool [vocab]); `left`: the
+    tokens it may still write (default: max_tokens less those generated)."""
     matcher, seen = self._matcher(row)
     for t in generated[seen:]:
       matcher.consume_token(int(t))
@@ -386,6 +433,13 @@ class GrammarConstraint:
     if matcher.is_stopped() or matcher.is_error():
       allowed = np.zeros(self.vocab, bool)
       allowed[self.stop] = True
+      return allowed
+    if left is None and self.max_tokens is not None:
+      left = self.max_tokens - len(generated)
+    plan = None if left is None else self._plan(row, matcher, list(generated), left)
+    if plan:
+      allowed = np.zeros(self.vocab, bool)
+      allowed[plan[0]] = True
       return allowed
     words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
     bits = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
@@ -410,20 +464,104 @@ class ToolCallConstraint(GrammarConstraint):
   """
 
   def __init__(self, tokenizer, tools: Sequence[dict], *, max_calls: int = 2,
-               first_index: int = 0):
+               first_index: int = 0, max_tokens: int | None = None):
     mark = self.marker(tokenizer)
     calls = []
+    self.schemas = {}
     for t in tools:
       fn = t.get("function", t)
-      schema = json.dumps(fn.get("parameters") or {"type": "object"})
+      self.schemas[fn["name"]] = fn.get("parameters") or {"type": "object"}
+      schema = json.dumps(self.schemas[fn["name"]])
       calls.append(f'{mark("<|tool_call_begin|>")} {_lark_string("functions." + fn["name"] + ":")} '
                    f'/[0-9]/ {mark("<|tool_call_argument_begin|>")} %json{schema} '
                    f'{mark("<|tool_call_end|>")}')
     one = " | ".join(f"({c})" for c in calls)
     repeat = " ".join(["call"] + ["call?"] * (max_calls - 1))
+    self.max_calls = max_calls
     super().__init__(tokenizer, f"start: {mark('<|tool_calls_section_begin|>')} {repeat} "
                      f"{mark('<|tool_calls_section_end|>')} {mark('<|im_end|>')}\n"
-                     f"call: {one}\n", "tool-call grammar")
+                     f"call: {one}\n", "tool-call grammar", max_tokens=max_tokens)
+    shortest = self._call(0)
+    # inside a call a free token can open one key or item (closing.slack); between calls it
+    # can open another call
+    self.margin = max(closing.slack(s) for s in self.schemas.values())
+    self._another = 0 if shortest is None else len(_encode_text(shortest, tokenizer))
+    self.shortest = None if shortest is None else len(_encode_text(
+        "<|tool_calls_section_begin|>" + shortest + _END, tokenizer))
+
+  def slack(self, text: str) -> int:
+    between = text.rfind("<|tool_call_end|>") > text.rfind("<|tool_call_begin|>")
+    return self.margin + (self._another if between else 0)
+
+  def _call(self, index: int, name: str | None = None) -> str | None:
+    """The shortest whole call (of `name`, else of any tool) numbered `index`."""
+    found = []
+    for n, schema in self.schemas.items():
+      args = closing.minimal(schema)
+      if args is not None and name in (None, n):
+        found.append(f"<|tool_call_begin|>functions.{n}:{index % 10}"
+                     f"<|tool_call_argument_begin|>{args}<|tool_call_end|>")
+    return min(found, key=len, default=None)
+
+  def closing(self, text: str) -> str | None:
+    """The shortest way from `text` (the section so far, from its first marker) to the end of
+    the turn: finish the open marker, name or arguments, close the call, close the section."""
+    pos, calls = _expect(text, 0, "<|tool_calls_section_begin|>")
+    if pos is None:
+      return None
+    if calls is not None:                          # the section's marker is still open
+      call = self._call(0)
+      return None if call is None else calls + call + _END
+    n = 0
+    while True:
+      rest = text[pos:]
+      if rest.startswith("<|tool_call_begin|>"):
+        tail, pos = self._close_call(text, pos + len("<|tool_call_begin|>"), n)
+        if tail is not None or pos is None:
+          return tail
+        n += 1
+        continue
+      options = []                                 # end the section, or open a call
+      if n and _END.startswith(rest):
+        options.append(_END[len(rest):])
+      if n < self.max_calls and "<|tool_call_begin|>".startswith(rest):
+        call = self._call(n)
+        if call is not None:
+          options.append(call[len(rest):] + _END)
+      return min(options, key=len, default=None)
+
+  def _close_call(self, text: str, pos: int, n: int) -> tuple[str | None, int | None]:
+    """Read call n from pos (after its begin marker): (the rest of the turn's closing, None)
+    when the text ends inside it, or (None, where it ends) when it is whole."""
+    rest = text[pos:]
+    heads = {name: f"functions.{name}:" for name in self.schemas}
+    name = next((k for k, h in heads.items() if rest.startswith(h)), None)
+    if name is None:                               # inside the name
+      options = [c[len("<|tool_call_begin|>") + len(rest):] for k, h in heads.items()
+                 if h.startswith(rest) for c in [self._call(n, k)] if c is not None]
+      return (min(options, key=len) + _END if options else None), None
+    pos += len(heads[name])
+    args = closing.minimal(self.schemas[name])
+    if pos == len(text):
+      return (None if args is None else
+              f"{n % 10}<|tool_call_argument_begin|>{args}<|tool_call_end|>{_END}"), None
+    pos += 1                                        # the call's index digit
+    pos, missing = _expect(text, pos, "<|tool_call_argument_begin|>")
+    if pos is None:
+      return None, None
+    if missing is not None:
+      return (None if args is None else f"{missing}{args}<|tool_call_end|>{_END}"), None
+    done = closing.complete(text[pos:], self.schemas[name])
+    if done is None:
+      return None, None
+    suffix, end = done
+    pos += end
+    if pos == len(text):
+      return suffix + "<|tool_call_end|>" + _END, None
+    pos, missing = _expect(text, pos, "<|tool_call_end|>")
+    if pos is None:
+      return None, None
+    return (missing + _END, None) if missing is not None else (None, pos)
 
 
 class ToolSectionConstraint:
@@ -436,8 +574,10 @@ class ToolSectionConstraint:
   from the section's first marker on. The marker is the tokenizer's special id, or its
   text's bytes (byte tokenizer)."""
 
-  def __init__(self, tokenizer, tools: Sequence[dict], *, max_calls: int = 2):
+  def __init__(self, tokenizer, tools: Sequence[dict], *, max_calls: int = 2,
+               max_tokens: int | None = None):
     self.inner = ToolCallConstraint(tokenizer, tools, max_calls=max_calls)
+    self.max_tokens, self.vocab = max_tokens, tokenizer.vocab_size
     specials = getattr(tokenizer, "special_ids", {}) or {}
     name = "<|tool_calls_section_begin|>"
     self.marker = [specials[name]] if name in specials else list(name.encode())
@@ -455,13 +595,21 @@ class ToolSectionConstraint:
     return None
 
   def __call__(self, row: int, generated: list[int]) -> np.ndarray | None:
+    left = None if self.max_tokens is None else self.max_tokens - len(generated)
     start = self._start.get(row)
     if start is None:
       start = self._find(row, generated)
       if start is None:
+        # a section opened now could not end inside the budget: do not open one (a marker
+        # that is one special token can be masked; text markers cannot)
+        if (left is not None and len(self.marker) == 1 and self.inner.shortest is not None
+                and left < self.inner.shortest):
+          allowed = np.ones(self.vocab, bool)
+          allowed[self.marker[0]] = False
+          return allowed
         return None
       self._start[row] = start
-    return self.inner(row, generated[start:])
+    return self.inner(row, generated[start:], left=left)
 
 
 class JSONConstraint(GrammarConstraint):
@@ -469,10 +617,57 @@ class JSONConstraint(GrammarConstraint):
   Schema; {"type": "object"} for any object), then <|im_end|>: OpenAI's `response_format`
   json_schema and json_object."""
 
-  def __init__(self, tokenizer, schema: dict):
+  def __init__(self, tokenizer, schema: dict, *, max_tokens: int | None = None):
     mark = self.marker(tokenizer)
+    self.schema = schema
     super().__init__(tokenizer, f"start: %json{json.dumps(schema)} {mark('<|im_end|>')}\n",
-                     "response_format's JSON schema")
+                     "response_format's JSON schema", max_tokens=max_tokens)
+    self.margin = closing.slack(schema)
+
+  def closing(self, text: str) -> str | None:
+    done = closing.complete(text, self.schema)
+    if done is None:
+      return None
+    suffix, end = done
+    if end < len(text):                 # the value is whole: what follows is <|im_end|>'s start
+      pos, missing = _expect(text, end, "<|im_end|>")
+      return missing if pos is not None and missing is not None else None
+    return suffix + "<|im_end|>"
+
+
+_END = "<|tool_calls_section_end|><|im_end|>"
+
+
+def _expect(text: str, pos: int, marker: str) -> tuple[int | None, str | None]:
+  """Read `marker` at pos: (after it, None) when whole, (end of text, what is missing of it)
+  when the text ends inside it, (None, None) when the text says something else."""
+  rest = text[pos:]
+  if rest.startswith(marker):
+    return pos + len(marker), None
+  if marker.startswith(rest):
+    return len(text), marker[len(rest):]
+  return None, None
+
+
+def _text(tokenizer, ids) -> tuple[str, bytes] | None:
+  """The text of ids with chat markers written out (what `closing` reads), and the bytes that
+  finish a character the last token left open (the smallest such character: a closing
+  cannot start inside one); None: no character starts that way."""
+  raw = b"".join(tokenizer.token_bytes(int(i)) for i in ids)
+  fill = b""
+  for back in range(1, min(4, len(raw)) + 1):
+    lead = raw[-back]
+    if lead & 0xC0 == 0x80:                 # a continuation byte: look further back
+      continue
+    need = 2 if 0xC0 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4 if lead >= 0xF0 else 1
+    if back < need:
+      second = {0xE0: 0xA0, 0xF0: 0x90}.get(lead, 0x80)
+      fill = bytes([second] if back == 1 else []) + b"\x80" * (need - back - (back == 1))
+    break
+  try:
+    return (raw + fill).decode("utf-8"), fill
+  except UnicodeDecodeError:
+    return None
 
 
 def _lltokenizer(tokenizer):

@@ -16,7 +16,8 @@ assistant turn's tool calls come back parsed as `tool_calls` (`k2jax.chat.parse_
 and with `tool_choice` "required" or a named function they are sampled under the tools' JSON
 schemas (`k2jax.chat.ToolCallConstraint`), as is a section the model opens under "auto"
 (`k2jax.chat.ToolSectionConstraint`); a JSON response_format is sampled under its schema
-the same way (`k2jax.chat.JSONConstraint`). Concurrent requests share decode steps, joining
+the same way (`k2jax.chat.JSONConstraint`). Each constraint knows the request's budget: a
+call or JSON reply closes inside max_tokens whenever that holds its shortest ending. Concurrent requests share decode steps, joining
 and leaving the running batch between dispatches (continuous batching over a slotted cache:
 `k2jax.engine`). `--api-key` makes /v1 need a bearer key; `--max_queue` bounds the rows
 waiting for a slot (429 past it).
@@ -283,23 +284,29 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
   top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
   if top and not logprobs:
     raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+  # A max_tokens past the context is clamped to what is left (the reply then ends with
+  # finish_reason "length") rather than refused: a client that sizes max_tokens for a 128k
+  # model (the synth pipelines' defaults) still gets answers from the 1k-context tiny model.
+  max_tokens = min(room, max_tokens or default_max_tokens)
+  # Constraints know the budget: a call or JSON reply closes in time whenever the budget
+  # holds its shortest ending (chat.GrammarConstraint)
   processor = None
   if tools and choice == "auto":     # free text, but a section it opens follows the schemas
-    processor = _per_row(lambda: chat.ToolSectionConstraint(tokenizer, tools), "tools")
+    processor = _per_row(lambda: chat.ToolSectionConstraint(tokenizer, tools,
+                                                            max_tokens=max_tokens), "tools")
   elif tools and choice != "none":
     allowed = tools if choice == "required" else [
         t for t in tools if t["function"]["name"] == choice["function"]["name"]]
-    processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed), "tools")
+    processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed,
+                                                         max_tokens=max_tokens), "tools")
   schema = _response_format(body)
   if schema is not None:
     if tools and choice != "none":
       raise RequestError("response_format json_object / json_schema with tools: drop one, or "
                          "pass tool_choice none", param="response_format")
-    processor = _per_row(lambda: chat.JSONConstraint(tokenizer, schema), "response_format")
-  # A max_tokens past the context is clamped to what is left (the reply then ends with
-  # finish_reason "length") rather than refused: a client that sizes max_tokens for a 128k
-  # model (the synth pipelines' defaults) still gets answers from the 1k-context tiny model.
-  job = Job(prompt=prompt, max_tokens=min(room, max_tokens or default_max_tokens),
+    processor = _per_row(lambda: chat.JSONConstraint(tokenizer, schema, max_tokens=max_tokens),
+                         "response_format")
+  job = Job(prompt=prompt, max_tokens=max_tokens,
             emit=lambda e: None, hold_tool_calls=bool(tools) and choice != "none",
             processor=processor, logprobs=(top or 0) if logprobs else None, **sampling["job"])
   return job, dict(tools=tools if choice != "none" else None, stream=sampling["stream"],

@@ -542,6 +542,33 @@ def test_completions_echo_scores_a_prompt_as_the_model_does(served):
     assert code == 400 and fragment in got["error"]["message"], got
 
 
+def test_a_forced_call_closes_inside_max_tokens_whenever_the_shortest_call_fits(client):
+  """The issue's report: a forced call on the random model ran to max_tokens inside its
+  arguments' string (finish_reason length, no call). With unbounded strings and numbers, and
+  budgets from the shortest call up, every choice (streamed too) is a call that validates;
+  half the shortest call is cut, never repaired into a call."""
+  import jsonschema
+  tools = [{"type": "function", "function": {"name": "search", "parameters": {
+      "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"},
+                                       "tags": {"type": "array", "items": {"type": "string"}}},
+      "required": ["query", "tags"]}}}]
+  shortest = chat.ToolCallConstraint(ByteTokenizer(), tools).shortest
+  for budget in (shortest, shortest + 9, 200):
+    kw = dict(model="tiny", messages=USER, tools=tools, tool_choice="required",
+              max_tokens=budget, temperature=1.0, seed=budget)
+    r = client.chat.completions.create(n=2, **kw)
+    streamed = list(client.chat.completions.create(stream=True, **kw))
+    assert [c.choices[0].finish_reason for c in streamed
+            if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    for c in r.choices:
+      assert c.finish_reason == "tool_calls" and c.message.tool_calls, (budget, c)
+      for call in c.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+  r = client.chat.completions.create(model="tiny", messages=USER, tools=tools,
+                                     tool_choice="required", max_tokens=shortest // 2, seed=0)
+  assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+
+
 def test_response_format_json_schema_gives_json_that_validates(client):
   """response_format json_schema: every choice is JSON valid under the schema (sampled from
   a random model under llguidance's grammar), ending the turn with finish_reason stop."""

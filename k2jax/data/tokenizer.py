@@ -61,6 +61,10 @@ class ByteTokenizer:
     names = {self.eos_id: b"[EOS]", self.bos_id: b"[BOS]", self.pad_id: b"[PAD]"}
     return bytes([i]) if 0 <= i < 256 else names.get(i, b"")
 
+  def byte_ids(self, data: bytes) -> list[int]:
+    """One id per byte (what finishes a character a token left open)."""
+    return list(data)
+
 
 # Kimi K2's 256 reserved special ids after the BPE ranks (tokenizer_config.json of the
 # published checkpoint), as offsets from the rank count: [BOS] 163584 = n_ranks + 0, ...
@@ -134,6 +138,11 @@ class TiktokenTokenizer:
       return self._enc.decode_single_token_bytes(i)
     names = {v: k for k, v in self.special_ids.items()}
     return names.get(i, "").encode()
+
+  def byte_ids(self, data: bytes) -> list[int]:
+    """One id per byte (byte-level BPE has a rank for every byte): what finishes a character
+    a token left open."""
+    return [self._enc.encode_single_token(bytes([b])) for b in data]
 
 
 def get_tokenizer(name: str) -> ByteTokenizer | TiktokenTokenizer:
