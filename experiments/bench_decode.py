@@ -87,6 +87,7 @@ def naive_cache_bytes(cfg, itemsize):
 
 def cpu(args):
   import torch
+  import transformers
   sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
   import hf_reference as ref
   from bench_moe import BENCH
@@ -117,7 +118,10 @@ def cpu(args):
       theirs = (out.shape[1] - 32) * batch / (time.perf_counter() - t0)
     rows.append(dict(batch=batch, k2jax_tokens_per_s=ours, engine_tokens_per_s=served,
                      transformers_tokens_per_s=theirs, speedup=ours / theirs,
-                     engine_speedup=served / theirs))
+                     engine_speedup=served / theirs,
+                     # the reference's speed moves with its release (5.x sped up CPU decoding)
+                     transformers_version=transformers.__version__,
+                     torch_version=torch.__version__))
     print(rows[-1], flush=True)
   cache = dict(ours_bytes_per_token=decode.cache_bytes_per_token(cfg, "float32"),
                naive_bytes_per_token=naive_cache_bytes(cfg, 4))
@@ -127,7 +131,8 @@ def cpu(args):
                   naive=naive_cache_bytes(k2, 2))
   out = args.out or os.path.join(HERE, "results", "decode")
   write(os.path.join(out, "cpu_decode.csv"), [dict(r, **cache) for r in rows])
-  print(f"\ngreedy decoding, bench config, {args.new_tokens} new tokens after 32, f32, this CPU")
+  print(f"\ngreedy decoding, bench config, {args.new_tokens} new tokens after 32, f32, this CPU; "
+        f"transformers {transformers.__version__}, torch {torch.__version__}")
   print(f"{'batch':>6}{'k2jax tok/s':>13}{'engine tok/s':>14}{'transformers':>14}{'speedup':>9}"
         f"{'engine':>8}")
   for r in rows:

@@ -1,20 +1,26 @@
-"""k2jax.serve throughput and latency: 1 client vs 16 concurrent clients, batched vs one request
-at a time, and short requests among long ones.
+"""k2jax.serve throughput and latency: 1 / 8 / 32 concurrent clients with mixed lengths, against
+static batching and against transformers' generate at the same batch; short requests among
+long ones; an agent loop with prefix reuse.
 
-    python experiments/bench_serve.py                 # tiny model (random weights), this CPU
-    python experiments/bench_serve.py --requests 64 --max_tokens 64
+    python experiments/bench_serve.py                 # the bench model (random weights), this CPU
+    python experiments/bench_serve.py --requests 128 --max_tokens 32
 
-Each setting starts the real server (Starlette + uvicorn, in this process) and drives it with
-the official `openai` client from N threads; every request asks for exactly --max_tokens
-tokens (greedy, no stop: the batch's work is fixed). Rows: requests/s and generated tokens/s,
-and their ratio to the one-client baseline measured in the same run. "one at a time" is the
-same 16 clients against a server with --max_batch 1. "mixed": every other request asks for
-max_tokens / 4 tokens, the others 2 max_tokens; "short req s" is the short ones' mean
-latency (with static batching they wait for the long rows of their batch). Every batch-size
-bucket is compiled first (Engine.warmup), then the same requests run once as a warm-up. The machine's ceiling
-(a measured f32 matmul rate) is printed beside it.
-CSV: experiments/results/serve/throughput_window20ms.csv (the name carries --window_ms;
---out picks the folder).
+The model is bench_decode's (hidden 256, 4 layers, 16 experts top-2; vocab 264 for the byte
+tokenizer), random weights written in the published layout and read by k2jax.interop.hf, so
+transformers' DeepseekV3 runs the same weights. Each setting starts the real server
+(Starlette + uvicorn, in this process) and drives it with the official `openai` client from N
+threads, greedy and without stops, so every request gets exactly the tokens it asks for:
+"mixed" requests ask, by turns, max_tokens / 4 and 2 max_tokens tokens (short requests among
+long ones). Rows, each a ratio to the one-client baseline measured in the same run:
+- continuous: `k2jax.engine` as served (rows join and leave between dispatches);
+- static: the same engine admitting a batch only when the last one has ended (what the
+  server did before continuous batching, `StaticEngine` below);
+- transformers: `generate` on the same prompts in batches of N (left-padded), each batch
+  running to its longest request; only the requested tokens count (no server: its ceiling).
+"short req s" is the short requests' mean latency. Every batch bucket is compiled first
+(Engine.warmup), then the requests run once as a warm-up. The machine's ceiling (a measured
+f32 matmul rate) is printed beside it. CSV: experiments/results/serve/throughput.csv and
+agent_loop.csv (--out picks the folder).
 """
 
 import argparse
@@ -30,10 +36,81 @@ import jax.numpy as jnp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from k2jax import configs, model  # noqa: E402
+from k2jax import chat  # noqa: E402
 from k2jax.data import ByteTokenizer  # noqa: E402
 from k2jax.engine import Engine  # noqa: E402
 from k2jax.serve import Background, make_app  # noqa: E402
+
+
+class StaticEngine(Engine):
+  """Static batching, the baseline: waiting requests are admitted only when every row of the
+  running batch has ended (a short request waits for its batch's longest)."""
+
+  def _admit(self) -> None:
+    if not any(self._rows):
+      super()._admit()
+
+
+def bench_model():
+  """bench_decode's model with the byte tokenizer's vocabulary, random weights: (k2jax cfg,
+  params, the transformers model with the same weights)."""
+  import tempfile
+  import torch
+  sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+  import hf_reference as ref
+  from bench_moe import BENCH
+  from k2jax.interop import hf
+  torch.set_num_threads(2)
+  arch = dict(BENCH, vocab_size=ByteTokenizer.vocab_size, n_group=1, topk_group=1,
+              norm_topk_prob=True, rms_norm_eps=1e-6, initializer_range=0.02,
+              aux_loss_alpha=0.0, max_position_embeddings=4096, bos_token_id=257,
+              eos_token_id=256)
+  cj = ref.hf_config_dict(arch, None, 10000.0)
+  tmodel = ref.make_model(cj, seed=0)
+  with tempfile.TemporaryDirectory() as tmp:
+    ref.write_dir(tmp, cj, ref.published_tensors(tmodel))
+    cfg, params = hf.load_checkpoint(tmp)
+  tmodel.config._attn_implementation = "sdpa"
+  tmodel.generation_config.eos_token_id = None
+  tmodel.generation_config.pad_token_id = ByteTokenizer.pad_id
+  return cfg, params, tmodel
+
+
+def prompt_text(i: int) -> str:
+  return f"request {i}: " + "ab" * (i % 7)
+
+
+def wanted(i: int, max_tokens: int, mixed: bool) -> int:
+  return (max(1, max_tokens // 4) if i % 2 == 0 else 2 * max_tokens) if mixed else max_tokens
+
+
+def transformers_tokens_per_s(tmodel, *, batch, requests, max_tokens, mixed):
+  """transformers' generate over the same prompts in batches of `batch` (left-padded), each
+  batch to its longest request; the requested tokens per second."""
+  import torch
+  tok = ByteTokenizer()
+  prompts = [chat.encode([{"role": "user", "content": prompt_text(i)}], tokenizer=tok)
+             for i in range(requests)]
+
+  def run(n):
+    total = 0
+    for s in range(0, n, batch):
+      group = prompts[s:s + batch]
+      width = max(len(p) for p in group)
+      ids = torch.full((len(group), width), tok.pad_id, dtype=torch.long)
+      mask = torch.zeros((len(group), width), dtype=torch.long)
+      for j, p in enumerate(group):
+        ids[j, width - len(p):] = torch.as_tensor(p)
+        mask[j, width - len(p):] = 1
+      want = [wanted(s + j, max_tokens, mixed) for j in range(len(group))]
+      with torch.no_grad():
+        tmodel.generate(ids, attention_mask=mask, max_new_tokens=max(want), do_sample=False)
+      total += sum(want)
+    return total
+  run(min(batch, requests))                                         # warm-up
+  t0 = time.perf_counter()
+  total = run(requests)
+  return total / (time.perf_counter() - t0)
 
 
 def matmul_gflops(n=1024, reps=5):
@@ -46,22 +123,24 @@ def matmul_gflops(n=1024, reps=5):
   return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms, mixed=False):
+def run(cfg, params, *, clients, max_batch, requests, max_tokens, window_ms, mixed=False,
+        static=False):
   """Drive a server with `clients` threads; mixed: every other request asks max_tokens / 4
   tokens and the others 2 max_tokens (short requests among long ones: what continuous
-  batching lets leave early). -> throughput, and the mean latency of the shortest requests."""
+  batching lets leave early); static: `StaticEngine`. -> throughput, and the mean latency of
+  the shortest requests."""
   import openai
-  engine = Engine(cfg, params, ByteTokenizer(), max_batch=max_batch, window_s=window_ms / 1e3)
+  engine = (StaticEngine if static else Engine)(cfg, params, ByteTokenizer(),
+                                                max_batch=max_batch, window_s=window_ms / 1e3)
   engine.warmup(prompt_tokens=180, max_tokens=max_tokens, sampled=False)   # every batch bucket
   server = Background(make_app(engine, "tiny"))
   client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
-  want = lambda i: (max(1, max_tokens // 4) if i % 2 == 0 else 2 * max_tokens) if mixed \
-      else max_tokens
+  want = lambda i: wanted(i, max_tokens, mixed)
 
   def one(i):
     t0 = time.perf_counter()
     r = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": f"request {i}: " + "ab" * (i % 7)}],
+        model="tiny", messages=[{"role": "user", "content": prompt_text(i)}],
         max_tokens=want(i), temperature=0, stop=None)
     return r.usage.completion_tokens, time.perf_counter() - t0
 
@@ -95,7 +174,8 @@ def agent_loop(cfg, params, *, reuse: bool, turns: int, max_tokens: int):
                   reuse_min=32 if reuse else None)
   server = Background(make_app(engine, "tiny"))
   client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
-  system = {"role": "system", "content": "You are an agent with tools. Be brief. " * 4}
+  # a long shared prefix, as agents send (the issue's 2k-token system prompt + tools)
+  system = {"role": "system", "content": "You are an agent with tools. Be brief. " * 52}
 
   def run():
     dialog, ttft = [system], []
@@ -126,7 +206,8 @@ def agent_loop(cfg, params, *, reuse: bool, turns: int, max_tokens: int):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--requests", type=int, default=64)
+  p.add_argument("--requests", type=int, default=128)
+  p.add_argument("--clients", type=int, nargs="+", default=[8, 32])
   p.add_argument("--max_tokens", type=int, default=32)
   p.add_argument("--window_ms", type=float, default=20.0, help="the server's batch window "
                  "(k2jax.serve --batch_window_ms)")
@@ -134,13 +215,12 @@ def main():
   p.add_argument("--only_loop", action="store_true", help="run the agent loop rows only")
   p.add_argument("--out", default=os.path.join(HERE, "results", "serve"))
   args = p.parse_args()
-  cfg = configs.get_config("tiny").model
-  params = model.init(cfg, jax.random.key(0))
+  cfg, params, tmodel = bench_model()
   gflops = matmul_gflops()
   os.makedirs(args.out, exist_ok=True)
   print(f"{jax.devices()[0].platform} f32 1024^3 matmul {gflops:.0f} GFLOP/s")
   if not args.only_loop:
-    throughput(cfg, params, args, gflops)
+    throughput(cfg, params, tmodel, args, gflops)
   loop = []
   for reuse in (False, True):
     r = agent_loop(cfg, params, reuse=reuse, turns=args.turns, max_tokens=16)
@@ -154,7 +234,7 @@ def main():
     w.writeheader()
     w.writerows([dict(r, turns=args.turns, matmul_gflops=round(gflops, 1)) for r in loop])
   print(f"\nagent loop: {args.turns} turns, each resending the dialog (a system prompt of "
-        "~160 bytes) and the turns before, 16 tokens a reply, streamed")
+        "~2k tokens) and the turns before, 16 tokens a reply, streamed")
   print(f"{'setting':28s} {'TTFT s':>8s} {'vs off':>7s} {'reused':>7s} {'seconds':>8s}")
   for r in loop:
     print(f"{r['setting']:28s} {r['ttft_s']:8.3f} {r['ttft_vs_off']:6.2f}x "
@@ -162,33 +242,49 @@ def main():
   print(f"-> {path}")
 
 
-def throughput(cfg, params, args, gflops):
-  settings = [("1 client", 1, 16, False), ("16 clients", 16, 16, False),
-              ("16 clients, one at a time", 16, 1, False), ("1 client, mixed", 1, 16, True),
-              ("16 clients, mixed", 16, 16, True)]
+def throughput(cfg, params, tmodel, args, gflops):
+  settings = [("1 client", 1, False, "continuous"), ("1 client, mixed", 1, True, "continuous")]
+  for n in args.clients:
+    settings += [(f"{n} clients, mixed", n, True, kind)
+                 for kind in ("continuous", "static", "transformers")]
   rows = []
-  for name, clients, max_batch, mixed in settings:
-    r = run(cfg, params, clients=clients, max_batch=max_batch, requests=args.requests,
-            max_tokens=args.max_tokens, window_ms=args.window_ms, mixed=mixed)
-    rows.append(dict(setting=name, clients=clients, max_batch=max_batch, **r))
-    print(f"{name}: {r}", flush=True)
+  for name, clients, mixed, kind in settings:
+    if kind == "transformers":
+      tps = transformers_tokens_per_s(tmodel, batch=clients, requests=args.requests,
+                                      max_tokens=args.max_tokens, mixed=mixed)
+      r = dict(requests_per_s=float("nan"), tokens_per_s=tps, rows_per_step=float(clients),
+               short_tokens=wanted(0, args.max_tokens, mixed), short_latency_s=float("nan"),
+               seconds=float("nan"))
+    else:
+      r = run(cfg, params, clients=clients, max_batch=max(clients, 8), requests=args.requests,
+              max_tokens=args.max_tokens, window_ms=args.window_ms, mixed=mixed,
+              static=kind == "static")
+    rows.append(dict(setting=name, batching=kind, clients=clients, **r))
+    print(f"{name} ({kind}): {r}", flush=True)
   base = rows[0]
   for r in rows:
-    r["requests_vs_1_client"] = r["requests_per_s"] / base["requests_per_s"]
     r["tokens_vs_1_client"] = r["tokens_per_s"] / base["tokens_per_s"]
-  path = os.path.join(args.out, f"throughput_window{args.window_ms:g}ms.csv")
+    same = [x for x in rows if x["setting"] == r["setting"]]
+    r["vs_static"] = r["tokens_per_s"] / next((x["tokens_per_s"] for x in same
+                                               if x["batching"] == "static"), float("nan"))
+    r["vs_transformers"] = r["tokens_per_s"] / next(
+        (x["tokens_per_s"] for x in same if x["batching"] == "transformers"), float("nan"))
+  path = os.path.join(args.out, "throughput.csv")
   with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["window_ms", "matmul_gflops"])
+    w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["max_tokens", "window_ms",
+                                                      "matmul_gflops"])
     w.writeheader()
-    w.writerows([dict(r, window_ms=args.window_ms, matmul_gflops=round(gflops, 1)) for r in rows])
-  print(f"\ntiny model, {args.requests} requests of {args.max_tokens} tokens each, batch window "
-        f"{args.window_ms:g} ms")
-  print(f"{'setting':28s} {'req/s':>8s} {'tok/s':>8s} {'vs 1 client':>12s} {'rows/step':>9s} "
-        f"{'short req s':>11s}")
+    w.writerows([dict(r, max_tokens=args.max_tokens, window_ms=args.window_ms,
+                      matmul_gflops=round(gflops, 1)) for r in rows])
+  print(f"\nbench model, {args.requests} requests (mixed: {args.max_tokens // 4} and "
+        f"{2 * args.max_tokens} tokens by turns; else {args.max_tokens}), greedy, batch window "
+        f"{args.window_ms:g} ms; {gflops:.0f} GFLOP/s f32 matmul")
+  print(f"{'setting':18s} {'batching':>12s} {'tok/s':>8s} {'vs 1 client':>11s} {'vs static':>9s} "
+        f"{'vs transf.':>10s} {'rows/step':>9s} {'short req s':>11s}")
   for r in rows:
-    print(f"{r['setting']:28s} {r['requests_per_s']:8.2f} {r['tokens_per_s']:8.1f} "
-          f"{r['tokens_vs_1_client']:11.2f}x {r['rows_per_step']:9.2f} "
-          f"{r['short_latency_s']:11.3f}")
+    print(f"{r['setting']:18s} {r['batching']:>12s} {r['tokens_per_s']:8.1f} "
+          f"{r['tokens_vs_1_client']:10.2f}x {r['vs_static']:8.2f}x {r['vs_transformers']:9.2f}x "
+          f"{r['rows_per_step']:9.2f} {r['short_latency_s']:11.3f}")
   print(f"-> {path}")
 
 

@@ -558,13 +558,21 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
       engine.submit(job)
     return events
 
-  async def finished(jobs, events) -> dict:
-    """Every row's "done" Event, by (job index, row); the jobs are cancelled if the client
-    goes away meanwhile."""
+  async def finished(jobs, events, request) -> dict | None:
+    """Every row's "done" Event, by (job index, row); None when the client went away (its
+    jobs cancelled: checked twice a second, since a non-streaming client that leaves is not
+    otherwise noticed until the answer is written)."""
     done: dict[tuple, Event] = {}
     try:
       while len(done) < sum(j.n for j in jobs):
-        k, e = await events.get()
+        try:
+          k, e = await asyncio.wait_for(events.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+          if await request.is_disconnected():
+            for job in jobs:
+              job.cancelled = True
+            return None
+          continue
         if e.kind == "error":
           raise e.error
         if e.kind == "done":
@@ -586,7 +594,9 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
     if info["stream"]:
       return StreamingResponse(_chat_stream(job, events, head, info),
                                media_type="text/event-stream")
-    done = await finished([job], events)
+    done = await finished([job], events, request)
+    if done is None:
+      return Response(status_code=499)       # nobody to answer (nginx's "client closed")
     choices = []
     for i in range(job.n):
       e = done[0, i]
@@ -678,7 +688,9 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
     if info["stream"]:
       return StreamingResponse(_completion_stream(jobs, events, head, info, prompt_tokens),
                                media_type="text/event-stream")
-    done = await finished(jobs, events)
+    done = await finished(jobs, events, request)
+    if done is None:
+      return Response(status_code=499)
     choices = []
     for (k, i), e in sorted(done.items()):
       text, entries = e.text, e.logprobs

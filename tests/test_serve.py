@@ -334,6 +334,26 @@ def test_a_client_that_leaves_a_stream_frees_its_rows(served, client):
   assert engine.stats["tokens"] - before < 600      # the abandoned rows did not run to 800
 
 
+def test_a_non_streaming_client_that_leaves_frees_its_rows(served):
+  """The issue's report: a non-streaming client that went away left its rows decoding to
+  max_tokens. Two rows of 800 tokens under a JSON schema (a host mask every step: several
+  seconds of decoding here, where a free random row often stops early), a client that gives
+  up after half a second: the rows leave within about a second, far short of 800 tokens."""
+  engine = served[1]
+  before = engine.stats["tokens"]
+  quick = openai.OpenAI(base_url=served[0] + "/v1", api_key="x", max_retries=0, timeout=0.5)
+  schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+  with pytest.raises(openai.APITimeoutError):
+    quick.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=800, n=2, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+  deadline = time.time() + 30
+  while engine.running_rows() and time.time() < deadline:
+    time.sleep(0.05)
+  assert engine.running_rows() == 0
+  assert engine.stats["tokens"] - before < 400, engine.stats["tokens"] - before
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
