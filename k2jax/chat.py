@@ -369,8 +369,8 @@ class GrammarConstraint:
     self._ll_tok = _lltokenizer(tokenizer)
     err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar),
                                                 self._ll_tok)
-    if err:
-      raise ValueError(f"{what} does not compile: {err}")
+    if err:       # llguidance's first line says why; the rest quotes the grammar
+      raise ValueError(f"{what} does not compile: {err.strip().splitlines()[0]}")
     self._matchers: dict[int, tuple] = {}
     self.vocab = tokenizer.vocab_size
     self.stop = [tokenizer.eos_id] + stop_ids(tokenizer)

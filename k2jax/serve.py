@@ -8,7 +8,7 @@
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages, tools, tool_choice,
-temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, stream with
+parallel_tool_calls, temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, stream with
 server-sent events, stream_options.include_usage, logprobs / top_logprobs, response_format
 json_object / json_schema; `top_k` as an extension), `POST /v1/completions` (text or token
 prompts, echo, logprobs), `GET /health` and `GET /metrics` (Prometheus). Dialogs are rendered in K2's chat format (`k2jax.chat`); an
@@ -85,10 +85,9 @@ def _number(body, key, lo, hi, default, *, integer=False, lo_open=False):
 _SAMPLING = ("model", "temperature", "top_p", "top_k", "n", "seed", "max_tokens", "stop",
              "stream", "stream_options", "logprobs", "user", "metadata", "store")
 _HONOURED = _SAMPLING + ("messages", "max_completion_tokens", "top_logprobs", "tools",
-                         "tool_choice", "response_format")
+                         "tool_choice", "response_format", "parallel_tool_calls")
 _NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-           "logit_bias": {}, "parallel_tool_calls": True, "functions": [],
-           "function_call": "none", "min_tokens": 0}
+           "logit_bias": {}, "functions": [], "function_call": "none", "min_tokens": 0}
 _COMPLETION_HONOURED = _SAMPLING + ("prompt", "echo")
 _COMPLETION_NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
                       "logit_bias": {}, "min_tokens": 0, "best_of": 1, "suffix": ""}
@@ -290,15 +289,17 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
   max_tokens = min(room, max_tokens or default_max_tokens)
   # Constraints know the budget: a call or JSON reply closes in time whenever the budget
   # holds its shortest ending (chat.GrammarConstraint)
+  parallel = body.get("parallel_tool_calls", True)
+  if not isinstance(parallel, bool):
+    raise RequestError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+  calls = dict(max_calls=2 if parallel else 1, max_tokens=max_tokens)  # false: one call a turn
   processor = None
   if tools and choice == "auto":     # free text, but a section it opens follows the schemas
-    processor = _per_row(lambda: chat.ToolSectionConstraint(tokenizer, tools,
-                                                            max_tokens=max_tokens), "tools")
+    processor = _per_row(lambda: chat.ToolSectionConstraint(tokenizer, tools, **calls), "tools")
   elif tools and choice != "none":
     allowed = tools if choice == "required" else [
         t for t in tools if t["function"]["name"] == choice["function"]["name"]]
-    processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed,
-                                                         max_tokens=max_tokens), "tools")
+    processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed, **calls), "tools")
   schema = _response_format(body)
   if schema is not None:
     if tools and choice != "none":
@@ -563,15 +564,20 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
     jobs cancelled: checked twice a second, since a non-streaming client that leaves is not
     otherwise noticed until the answer is written)."""
     done: dict[tuple, Event] = {}
+    checked = time.monotonic()
     try:
       while len(done) < sum(j.n for j in jobs):
         try:
           k, e = await asyncio.wait_for(events.get(), timeout=0.5)
         except asyncio.TimeoutError:
+          k, e = None, None
+        if time.monotonic() - checked > 0.5:     # (deltas may arrive every few ms)
+          checked = time.monotonic()
           if await request.is_disconnected():
             for job in jobs:
               job.cancelled = True
             return None
+        if e is None:
           continue
         if e.kind == "error":
           raise e.error

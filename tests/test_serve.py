@@ -242,8 +242,12 @@ BAD_REQUESTS = [  # (id, body or bytes, status, param, message fragment)
     ("logit-bias", {**OK, "logit_bias": {"50": 10}}, 400, "logit_bias", "not supported"),
     ("repetition-penalty", {**OK, "repetition_penalty": 1.2}, 400, "repetition_penalty",
      "not supported"),
-    ("parallel-tool-calls", {**OK, "tools": TOOLS, "parallel_tool_calls": False}, 400,
-     "parallel_tool_calls", "not supported"),
+    ("parallel-tool-calls-type", {**OK, "tools": TOOLS, "parallel_tool_calls": "no"}, 400,
+     "parallel_tool_calls", "true or false"),
+    ("json-schema-that-does-not-compile", {**OK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, 400,
+     "response_format", "does not compile"),
     ("functions", {**OK, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
     ("unknown-field", {**OK, "temprature": 0.5}, 400, "temprature", "not a field"),
 ]
@@ -560,6 +564,19 @@ def test_completions_echo_scores_a_prompt_as_the_model_does(served):
                          ({"prompt": "a", "suffix": "b"}, "suffix")]:
     code, got = _post(url + "/v1/completions", {"model": "tiny", **body})
     assert code == 400 and fragment in got["error"]["message"], got
+
+
+def test_parallel_tool_calls_false_allows_one_call_a_turn(client):
+  """The grammar allows two calls a turn; parallel_tool_calls false makes it one. The same
+  seeded rows with it true write a second call somewhere (so the test can fail)."""
+  counts = {}
+  for parallel in (True, False):
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=parallel,
+                                       max_tokens=300, n=8, seed=5, temperature=1.0)
+    counts[parallel] = [len(c.message.tool_calls or ()) for c in r.choices]
+    assert all(c.finish_reason == "tool_calls" for c in r.choices)
+  assert counts[False] == [1] * 8 and max(counts[True]) == 2, counts
 
 
 def test_a_forced_call_closes_inside_max_tokens_whenever_the_shortest_call_fits(client):
