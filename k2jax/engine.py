@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k2jax import chat, kernels
-from k2jax.generate import bucket, sample_rows
+from k2jax.generate import Penalties, bucket, penalize, sample_rows
 from k2jax.model import decode
 
 log = logging.getLogger("k2jax.engine")
@@ -102,7 +102,19 @@ class Job:
   # each generated token and of this many alternatives; None: none.
   logprobs: int | None = None
   echo: bool = False        # ... and of the prompt's tokens (needs logprobs)
+  # OpenAI's presence / frequency penalties and logit_bias {id: bias}, vLLM's
+  # repetition_penalty and min_tokens (k2jax.generate.penalize); the defaults change nothing.
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: dict | None = None
+  min_tokens: int = 0
   cancelled: bool = False
+
+  @property
+  def penalized(self) -> bool:
+    return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                or self.min_tokens or self.repetition_penalty != 1.0)
 
 
 def _held(text: str, watch: Sequence[str]) -> int:
@@ -166,16 +178,25 @@ def _programs(cfg, rows: int, S: int):
   filtered: some row uses top_k / top_p. top: -1, or the sampled tokens' `_scores` with that
   many alternatives (admit: "first"; with echo also "prompt", of tokens[:, 1:]).
   """
-  def draw(logits, seeds, t, temperature, top_k, top_p, allowed, filtered):
+  def draw(logits, seeds, t, temperature, top_k, top_p, allowed, filtered, pen=None, ps=None):
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, t)
+    if pen is not None:       # the request's penalties, bias and min_tokens (generate.penalize)
+      logits = penalize(logits, pen, t=t, **ps)
     return sample_rows(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p,
                        allowed=allowed, filtered=filtered)
 
-  def first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top):
+  def first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top, pen=None,
+            ps=None):
     """A new row's first token (its key's index 0) and its scores."""
     tok = draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
-               allowed, filtered)
+               allowed, filtered, pen, ps)
     return tok, ({"first": _scores(logits, tok, top)} if top >= 0 else {})
+
+  def take(pen, slots):
+    return jax.tree.map(lambda a: jnp.take(a, slots, axis=0, mode="clip"), pen)
+
+  def give(pen, sub, slots):
+    return jax.tree.map(lambda a, b: a.at[slots].set(b, mode="drop"), pen, sub)
 
   def gather(cache, slots, span, lengths):
     """Rows `slots` of the cache over its first `span` positions, at `lengths` (a padding
@@ -193,31 +214,40 @@ def _programs(cfg, rows: int, S: int):
     return decode.Cache(layers, cache.lengths.at[slots].set(sub.lengths, mode="drop"))
 
   def admit(params, cache, tokens, lengths, slots, seeds, temperature, top_k, top_p, allowed,
-            filtered, top, echo):
+            filtered, top, echo, pen=None, ps=None, bias_ids=None, bias_values=None):
     b, T = tokens.shape
     logits, *every, new = decode.prefill(cfg, params, tokens, lengths,
                                          decode.init_cache(cfg, b, T), every=echo)
-    tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top)
+    sub = None
+    if pen is not None:       # the new rows' penalty rows start afresh
+      prompts = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], tokens, -1)
+      sub = take(pen, slots).start(prompts, bias_ids, bias_values)
+    tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top, sub,
+                        ps)
     if echo:
       scores["prompt"] = _scores(every[0][:, :-1], tokens[:, 1:], top)
-    return tok, scores, put(cache, new, slots)
+    if pen is not None:
+      pen = give(pen, sub.seen(tok), slots)
+    return tok, scores, put(cache, new, slots), pen
 
   def steps(params, cache, slots, tokens, seeds, t, temperature, top_k, top_p, active, allowed,
-            n, span, filtered, top):
+            n, span, filtered, top, pen=None, ps=None):
     # The occupied slots' rows over the first `span` positions: the work of a step follows
     # the rows and lengths in use, not the cache's size or where the rows sit in it.
     sub = gather(cache, slots, span,
                  jnp.where(active, jnp.take(cache.lengths, slots, mode="clip"), span))
+    rows = None if pen is None else take(pen, slots)
 
     def body(carry, i):
-      sub, tok = carry
+      sub, tok, rows = carry
       logits, sub = decode.decode_step(cfg, params, sub, tok)
       # a padding row sits past the sub-cache's end: its writes are dropped
       sub = sub._replace(lengths=jnp.where(active, sub.lengths, span))
-      nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered)
-      return (sub, nxt), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
-    (sub, _), (toks, scores) = jax.lax.scan(body, (sub, tokens), jnp.arange(n))
-    return toks, scores, put(cache, sub, slots)
+      nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered, rows, ps)
+      rows = None if rows is None else rows.seen(nxt)
+      return (sub, nxt, rows), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
+    (sub, _, rows), (toks, scores) = jax.lax.scan(body, (sub, tokens, rows), jnp.arange(n))
+    return toks, scores, put(cache, sub, slots), None if pen is None else give(pen, rows, slots)
 
   def reuse(params, cache, tokens, counts, starts, slots, seeds, temperature, top_k, top_p,
             allowed, filtered, top, span):
@@ -226,11 +256,12 @@ def _programs(cfg, rows: int, S: int):
     logits, sub = decode.extend(cfg, params, gather(cache, slots, span, starts), tokens,
                                 counts)
     tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top)
-    return tok, scores, put(cache, sub, slots)
+    return tok, scores, put(cache, sub, slots)     # (rows with penalties are never reused)
 
-  return (jax.jit(admit, static_argnames=("filtered", "top", "echo"), donate_argnums=1),
+  return (jax.jit(admit, static_argnames=("filtered", "top", "echo"),
+                  donate_argnames=("cache", "pen")),
           jax.jit(steps, static_argnames=("n", "span", "filtered", "top"),
-                  donate_argnums=1),
+                  donate_argnames=("cache", "pen")),
           jax.jit(reuse, static_argnames=("filtered", "top", "span"), donate_argnums=1))
 
 
@@ -283,7 +314,12 @@ class Engine:
     B = max_batch
     self._host = dict(tokens=np.zeros(B, np.int32), seeds=np.zeros(B, np.uint32),
                       t=np.zeros(B, np.int32), temperature=np.zeros(B, np.float32),
-                      top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32))
+                      top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
+                      presence=np.zeros(B, np.float32), frequency=np.zeros(B, np.float32),
+                      repetition=np.ones(B, np.float32), biased=np.zeros(B, bool),
+                      min_tokens=np.zeros(B, np.int32))
+    self._pen = None       # generate.Penalties of every slot, once a row has asked for them
+    self._stops = np.asarray([i for i in self.stop_ids if i >= 0], np.int32)
     self._length = np.zeros(B, np.int64)   # tokens in each slot's cache
     self._held: list[list[int]] = [[] for _ in range(B)]   # ... and which (`reuse`)
     self._freed = [-1] * B                 # when each slot was left (a count of ends)
@@ -371,17 +407,17 @@ class Engine:
           job.emit(Event("error", error=e))
         self._rows = [None] * self.max_batch
         self._held = [[] for _ in range(self.max_batch)]
-        self._cache = None      # donated into the failed call: start over
+        self._cache = self._pen = None      # donated into the failed call: start over
 
   def _slot_for(self, job: Job, free: list[int]) -> tuple[int, int]:
     """(free slot, prompt tokens it already holds) for a row of `job`: the free slot whose
     cache starts with the longest part of the prompt (at least `reuse_min` tokens, and one
     token short of the prompt: its last one must run to give the first logits), else the
     free slot that was left longest ago (never used first, then the lowest) and 0. An echo
-    needs the whole prompt's scores: no reuse."""
+    needs the whole prompt's scores, a row with penalties its prompt's tokens: no reuse."""
     oldest = min(free, key=lambda slot: (self._freed[slot], slot))
     best, held = oldest, 0
-    if self.reuse_min and not job.echo:
+    if self.reuse_min and not job.echo and not job.penalized:
       prompt = np.asarray(job.prompt)
       for slot in free:
         have = self._held[slot]
@@ -447,6 +483,17 @@ class Engine:
                                                         len(slots)),
                 filtered=self._filtered(rows), top=self._top(rows)), h
 
+  def _penalties(self, rows: list[_Row], h: dict) -> dict:
+    """The programs' penalty arguments when a row of `rows` asked for any (else none: the
+    program without them), the slots' state allocated on first use."""
+    if not any(r.job.penalized for r in rows):
+      return {}
+    if self._pen is None:
+      self._pen = Penalties.zeros(self.max_batch, self.cfg.vocab_size)
+    return dict(pen=self._pen, ps=dict(
+        presence=h["presence"], frequency=h["frequency"], repetition=h["repetition"],
+        biased=h["biased"], min_tokens=h["min_tokens"], stop_ids=self._stops))
+
   def _slots(self, rows: list[_Row]) -> np.ndarray:
     """The rows' slots, padded to a power of two with an index past the cache."""
     slots = np.full(bucket(len(rows), minimum=1), self.max_batch, np.int32)
@@ -462,9 +509,20 @@ class Engine:
       tokens[i, :len(row.job.prompt)] = row.job.prompt
       lengths[i] = len(row.job.prompt)
     admit = self._compiled()[0]
-    g, _ = self._group(rows, slots)
-    first, scores, self._cache = admit(self.params, self._cache, tokens, lengths, slots,
-                                       echo=any(r.job.echo for r in rows), **g)
+    g, h = self._group(rows, slots)
+    p = self._penalties(rows, h)
+    if p:
+      k = bucket(max(len(r.job.logit_bias or ()) for r in rows), minimum=1)
+      p["bias_ids"] = np.full((len(slots), k), -1, np.int32)
+      p["bias_values"] = np.zeros((len(slots), k), np.float32)
+      for i, row in enumerate(rows):
+        for j, (tid, v) in enumerate((row.job.logit_bias or {}).items()):
+          p["bias_ids"][i, j], p["bias_values"][i, j] = tid, v
+      self._pen = None                                 # donated into the call
+    first, scores, self._cache, pen = admit(self.params, self._cache, tokens, lengths, slots,
+                                            echo=any(r.job.echo for r in rows), **g, **p)
+    if p:
+      self._pen = pen
     self.stats["prefills"] += 1
     self._started(rows, np.asarray(first), jax.tree.map(np.asarray, scores), g["top"])
 
@@ -511,8 +569,13 @@ class Engine:
     g, h = self._group(rows, slots)
     top = g["top"]
     steps = self._compiled()[1]
-    toks, scores, self._cache = steps(self.params, self._cache, slots, h["tokens"], t=h["t"],
-                                      active=active, n=n, span=span, **g)
+    p = self._penalties(rows, h)
+    if p:
+      self._pen = None                                 # donated into the call
+    toks, scores, self._cache, pen = steps(self.params, self._cache, slots, h["tokens"],
+                                           t=h["t"], active=active, n=n, span=span, **g, **p)
+    if p:
+      self._pen = pen
     toks, scores = np.asarray(toks), jax.tree.map(np.asarray, scores)
     self.stats["steps"] += n
     self.stats["row_steps"] += n * len(rows)
@@ -536,7 +599,10 @@ class Engine:
     greedy = job.temperature <= 0
     return dict(seeds=row.seed, temperature=max(job.temperature, 0.0),
                 top_k=0 if greedy or not job.top_k else job.top_k,
-                top_p=1.0 if greedy or job.top_p is None else job.top_p)
+                top_p=1.0 if greedy or job.top_p is None else job.top_p,
+                presence=job.presence_penalty, frequency=job.frequency_penalty,
+                repetition=job.repetition_penalty, biased=bool(job.logit_bias),
+                min_tokens=job.min_tokens)
 
   @staticmethod
   def _top(rows) -> int:
@@ -573,7 +639,8 @@ class Engine:
       row.lps.append((i, lp, alts[:row.job.logprobs]))
     self.stats["tokens"] += 1
     text = self.tok.decode([t for t in row.ids if t not in self.stop_ids])
-    cut = min((text.find(s) for s in row.stops if s in text), default=-1)
+    early = len(row.ids) < row.job.min_tokens      # vLLM: nothing stops a row before it
+    cut = -1 if early else min((text.find(s) for s in row.stops if s in text), default=-1)
     reason = None
     if cut >= 0:
       text, reason = text[:cut], "stop"

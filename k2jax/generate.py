@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,60 @@ def sample_rows(logits, keys, *, temperature, top_k, top_p, allowed=None, filter
     z = jnp.where(keep, z, -jnp.inf)
   drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
   return jnp.where(temperature > 0, drawn, greedy)
+
+
+class Penalties(NamedTuple):
+  """What OpenAI's / vLLM's logit adjustments read, per row: counts [R, V] int32 of each
+  token generated so far, prompt [R, V] bool (the token is in the row's prompt), bias [R, V]
+  f32 (logit_bias)."""
+  counts: jax.Array
+  prompt: jax.Array
+  bias: jax.Array
+
+  @staticmethod
+  def zeros(rows: int, vocab: int) -> "Penalties":
+    return Penalties(jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows, vocab), bool),
+                     jnp.zeros((rows, vocab), jnp.float32))
+
+  def start(self, prompts, bias_ids, bias_values) -> "Penalties":
+    """Rows starting afresh: no counts, their prompts [R, T] (ids; negative: padding) and
+    their logit biases (bias_ids [R, K], negative: none; bias_values [R, K])."""
+    R, V = self.counts.shape
+    rows = jnp.arange(R)[:, None]
+    prompt = jnp.zeros((R, V), bool).at[rows, jnp.where(prompts < 0, V, prompts)].set(
+        True, mode="drop")
+    bias = jnp.zeros((R, V), jnp.float32).at[rows, jnp.where(bias_ids < 0, V, bias_ids)].set(
+        bias_values, mode="drop")
+    return Penalties(jnp.zeros_like(self.counts), prompt, bias)
+
+  def seen(self, tokens) -> "Penalties":
+    """The rows' sampled tokens [R] counted."""
+    return self._replace(counts=self.counts.at[jnp.arange(tokens.shape[0]), tokens].add(1))
+
+
+def penalize(logits, pen: Penalties, *, presence, frequency, repetition, biased, t,
+             min_tokens, stop_ids):
+  """The logits [R, V] a row samples from after its request's adjustments, each per row
+  ([R] arrays; the neutral values change nothing):
+
+      l = l + bias                                        logit_bias (OpenAI; where biased)
+      l = l / r where l > 0, l * r where l <= 0,          repetition_penalty r (vLLM / HF;
+          for tokens in the prompt or generated           1: none)
+      l = l - frequency * count - presence * [count > 0]  OpenAI's penalties, over the
+                                                          tokens generated (0: none)
+      l[stop_ids] = -inf while t < min_tokens             min_tokens (vLLM: no stop token
+                                                          before it)
+
+  t [R]: the index of the token about to be drawn (tokens generated so far)."""
+  l = logits.astype(jnp.float32) + jnp.where(biased[:, None], pen.bias, 0.0)
+  counts = pen.counts.astype(jnp.float32)
+  seen = pen.prompt | (pen.counts > 0)
+  r = repetition[:, None]
+  l = jnp.where(seen, jnp.where(l > 0, l / r, l * r), l)
+  l = l - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+  early = (t < min_tokens)[:, None]
+  stop = jnp.zeros(l.shape[-1], bool).at[stop_ids].set(True, mode="drop")
+  return jnp.where(early & stop[None, :], -jnp.inf, l)
 
 
 _PROGRAMS: dict[str, tuple] = {}

@@ -8,11 +8,13 @@
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (messages, tools, tool_choice,
-parallel_tool_calls, temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n, stream with
-server-sent events, stream_options.include_usage, logprobs / top_logprobs, response_format
-json_object / json_schema; `top_k` as an extension), `POST /v1/completions` (text or token
-prompts, echo, logprobs), `GET /health` and `GET /metrics` (Prometheus). Dialogs are rendered in K2's chat format (`k2jax.chat`); an
-assistant turn's tool calls come back parsed as `tool_calls` (`k2jax.chat.parse_tool_calls`),
+parallel_tool_calls, temperature, top_p, max_tokens / max_completion_tokens, stop, seed, n,
+presence / frequency penalties, logit_bias, stream with server-sent events,
+stream_options.include_usage, logprobs / top_logprobs, response_format json_object /
+json_schema; `top_k`, `repetition_penalty` and `min_tokens` as vLLM has them),
+`POST /v1/completions` (text or token prompts, echo, logprobs, the same sampling fields),
+`GET /health` and `GET /metrics` (Prometheus). Dialogs are rendered in K2's chat format
+(`k2jax.chat`); an assistant turn's tool calls come back parsed as `tool_calls` (`k2jax.chat.parse_tool_calls`),
 and with `tool_choice` "required" or a named function they are sampled under the tools' JSON
 schemas (`k2jax.chat.ToolCallConstraint`), as is a section the model opens under "auto"
 (`k2jax.chat.ToolSectionConstraint`); a JSON response_format is sampled under its schema
@@ -79,19 +81,20 @@ def _number(body, key, lo, hi, default, *, integer=False, lo_open=False):
 
 
 # Fields the server reads, per endpoint. A field of OpenAI's API it does not honour is refused
-# (400 naming it) unless it has the value that changes nothing: a client must not believe a
-# penalty or a bias was applied. Fields outside both lists are refused too; `user`,
+# (400 naming it) unless it has the value that changes nothing: a client must not believe
+# something was applied that was not. Fields outside both lists are refused too; `user`,
 # `metadata` and `store` describe the request and are accepted as such.
 _SAMPLING = ("model", "temperature", "top_p", "top_k", "n", "seed", "max_tokens", "stop",
              "stream", "stream_options", "logprobs", "user", "metadata", "store")
+_SAMPLING = _SAMPLING + ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                         "logit_bias", "min_tokens")
 _HONOURED = _SAMPLING + ("messages", "max_completion_tokens", "top_logprobs", "tools",
                          "tool_choice", "response_format", "parallel_tool_calls")
-_NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-           "logit_bias": {}, "functions": [], "function_call": "none", "min_tokens": 0}
+_NO_OPS = {"functions": [], "function_call": "none"}
 _COMPLETION_HONOURED = _SAMPLING + ("prompt", "echo")
-_COMPLETION_NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-                      "logit_bias": {}, "min_tokens": 0, "best_of": 1, "suffix": ""}
+_COMPLETION_NO_OPS = {"best_of": 1, "suffix": ""}
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 def _same(value, noop) -> bool:
@@ -246,8 +249,36 @@ def _sampling(body, cfg, max_n: int) -> dict:
       temperature=float(temperature), top_p=None if top_p >= 1 else float(top_p),
       top_k=_number(body, "top_k", 1, cfg.vocab_size, None, integer=True),
       n=_number(body, "n", 1, min(MAX_N, max_n), 1, integer=True),
-      seed=_number(body, "seed", -2**63, 2**63 - 1, None, integer=True), stop=stop),
+      seed=_number(body, "seed", -2**63, 2**63 - 1, None, integer=True), stop=stop,
+      **_penalties(body, cfg)),
       stream=stream, include_usage=bool(options.get("include_usage")))
+
+
+def _penalties(body, cfg) -> dict:
+  """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty and
+  min_tokens, checked (engine.Job's fields; k2jax.generate.penalize applies them)."""
+  bias = body.get("logit_bias") or {}
+  if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+    raise RequestError(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} "
+                       "{token id: bias}", param="logit_bias")
+  ids = {}
+  for k, v in bias.items():
+    try:
+      tid = int(k)
+    except ValueError:
+      tid = -1
+    if not 0 <= tid < cfg.vocab_size or isinstance(v, bool) or not isinstance(v, (int, float)) \
+        or not -100 <= v <= 100:
+      raise RequestError(f"logit_bias {{{json.dumps(k)}: {json.dumps(v)}}}: keys are token "
+                         f"ids in [0, {cfg.vocab_size}), values in [-100, 100]",
+                         param="logit_bias")
+    ids[tid] = float(v)
+  return dict(presence_penalty=float(_number(body, "presence_penalty", -2, 2, 0.0)),
+              frequency_penalty=float(_number(body, "frequency_penalty", -2, 2, 0.0)),
+              repetition_penalty=float(_number(body, "repetition_penalty", 0, 10, 1.0,
+                                               lo_open=True)),
+              logit_bias=ids or None,
+              min_tokens=_number(body, "min_tokens", 0, 2**31, 0, integer=True))
 
 
 def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len: int | None = None,
@@ -301,6 +332,10 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
         t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed, **calls), "tools")
   schema = _response_format(body)
+  if sampling["job"]["min_tokens"] and (schema is not None or (tools and choice != "none")):
+    # a grammar may end before it (only stop tokens allowed, all masked)
+    raise RequestError("min_tokens with a constrained reply (tools or response_format): drop "
+                       "one", param="min_tokens")
   if schema is not None:
     if tools and choice != "none":
       raise RequestError("response_format json_object / json_schema with tools: drop one, or "

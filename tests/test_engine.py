@@ -179,3 +179,70 @@ def test_a_prompt_that_continues_a_finished_one_runs_only_its_new_tokens(tiny):
   finally:
     reusing.close()
     fresh.close()
+
+
+def _reference_tokens(cfg, params, prompt, n, *, presence=0.0, frequency=0.0, repetition=1.0,
+                      bias=None, min_tokens=0, stops=()):
+  """Greedy decoding by a full forward pass per token (no cache), the request's adjustments
+  written out in float64 numpy from their definitions (OpenAI's penalties and logit_bias,
+  vLLM's repetition_penalty and min_tokens): what the engine's on-device version must pick."""
+  import numpy as np
+  width = len(prompt) + n           # one padded length: one compile (causal: the padding
+  forward = jax.jit(lambda p, ids: model.forward(cfg, p, ids)[0][0])   # after is not seen)
+  out = []
+  for t in range(n):
+    ids = np.zeros((1, width), np.int32)
+    ids[0, :len(prompt) + t] = list(prompt) + out
+    logits = np.asarray(forward(params, ids)[len(prompt) + t - 1], np.float64)
+    for tid, v in (bias or {}).items():
+      logits[tid] += v
+    counts = np.bincount(np.asarray(out, int), minlength=logits.size)[:logits.size]
+    seen = counts > 0
+    seen[list(prompt)] = True
+    logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition),
+                      logits)
+    logits = logits - frequency * counts - presence * (counts > 0)
+    if t < min_tokens:
+      logits[list(stops)] = -np.inf
+    out.append(int(np.argmax(logits)))
+    if out[-1] in stops:
+      break
+  return out
+
+
+def test_penalties_bias_and_min_tokens_pick_what_their_definitions_pick(tiny):
+  """Each adjustment on its own and all together, greedy, against `_reference_tokens`; the
+  rows share a batch with a plain row, which gets its tokens as if alone; a row that later
+  takes a biased row's slot gets no bias. min_tokens: a bias of +100 on EOS makes the row
+  stop right after min_tokens."""
+  cfg, params, tok = tiny
+  engine = Engine(cfg, params, tok, max_batch=4, window_s=0.2)
+  prompt = _prompt(tok, 3)
+  n = 12
+  cases = [dict(presence=1.5), dict(frequency=0.8), dict(repetition=1.6),
+           dict(bias={ord("q"): 4.0, ord(" "): -3.0}),
+           dict(presence=0.4, frequency=0.3, repetition=1.2, bias={ord("e"): 2.0})]
+  keys = dict(presence="presence_penalty", frequency="frequency_penalty",
+              repetition="repetition_penalty", bias="logit_bias")
+  try:
+    plain = _alone(engine, prompt=prompt, max_tokens=n, temperature=0.0)
+    for case in cases:
+      ws = [_Waiter(), _Waiter()]
+      engine.submit(ws[0].job(prompt=prompt, max_tokens=n, temperature=0.0,
+                              **{keys[k]: v for k, v in case.items()}))
+      engine.submit(ws[1].job(prompt=prompt, max_tokens=n, temperature=0.0))
+      text, _, _ = ws[0].result()[0]
+      want = _reference_tokens(cfg, params, prompt, n, **case)
+      assert text == tok.decode(want), case
+      assert ws[1].result() == plain                       # no leak into the plain row
+      assert text != plain[0][0], case                     # (the adjustment did something)
+    # the biased row's slot, reused by a plain row
+    assert _alone(engine, prompt=prompt, max_tokens=n, temperature=0.0) == plain
+    got = _alone(engine, prompt=prompt, max_tokens=n, temperature=0.0, min_tokens=5,
+                 logit_bias={tok.eos_id: 100.0})
+    want = _reference_tokens(cfg, params, prompt, n, bias={tok.eos_id: 100.0}, min_tokens=5,
+                             stops=engine.stop_ids)
+    assert len(want) == 6 and want[-1] == tok.eos_id
+    assert got == [(tok.decode(want), "stop", 6)]
+  finally:
+    engine.close()

@@ -235,13 +235,16 @@ BAD_REQUESTS = [  # (id, body or bytes, status, param, message fragment)
      "stream_options", "must be an object"),
     ("tool-choice-function-string", {**OK, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": "add"}}, 400, "tool_choice", "function: {name}"),
-    ("presence-penalty", {**OK, "presence_penalty": 0.5}, 400, "presence_penalty",
-     "not supported"),
-    ("frequency-penalty", {**OK, "frequency_penalty": -1}, 400, "frequency_penalty",
-     "not supported"),
-    ("logit-bias", {**OK, "logit_bias": {"50": 10}}, 400, "logit_bias", "not supported"),
-    ("repetition-penalty", {**OK, "repetition_penalty": 1.2}, 400, "repetition_penalty",
-     "not supported"),
+    ("presence-penalty", {**OK, "presence_penalty": 2.5}, 400, "presence_penalty",
+     "[-2, 2]"),
+    ("frequency-penalty", {**OK, "frequency_penalty": "1"}, 400, "frequency_penalty",
+     "a number"),
+    ("logit-bias-id", {**OK, "logit_bias": {"264": 10}}, 400, "logit_bias", "[0, 264)"),
+    ("logit-bias-value", {**OK, "logit_bias": {"50": 101}}, 400, "logit_bias", "[-100, 100]"),
+    ("repetition-penalty", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty",
+     "(0, 10]"),
+    ("min-tokens-constrained", {**OK, "min_tokens": 3, "tools": TOOLS,
+                                "tool_choice": "required"}, 400, "min_tokens", "constrained"),
     ("parallel-tool-calls-type", {**OK, "tools": TOOLS, "parallel_tool_calls": "no"}, 400,
      "parallel_tool_calls", "true or false"),
     ("json-schema-that-does-not-compile", {**OK, "response_format": {
@@ -261,6 +264,26 @@ def test_fields_at_values_that_change_nothing_are_accepted(served):
       "parallel_tool_calls": True, "response_format": {"type": "text"}, "logprobs": False,
       "user": "u1", "metadata": {"k": "v"}, "n": None})
   assert code == 200, got
+
+
+def test_penalties_and_logit_bias_reach_the_sampler_on_both_endpoints(served, client):
+  """logit_bias and the penalties are applied (the engine's test checks their math against
+  their definitions): a +100 bias writes only that token, streamed or not, on chat and on
+  completions; a presence penalty changes a greedy answer, and zero changes nothing."""
+  z = {str(ord("z")): 100}
+  kw = dict(model="tiny", messages=USER, max_tokens=6, temperature=0)
+  assert client.chat.completions.create(logit_bias=z, **kw).choices[0].message.content == "z" * 6
+  chunks = client.chat.completions.create(logit_bias=z, stream=True, **kw)
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "z" * 6
+  code, got = _post(served[0] + "/v1/completions", {"model": "tiny", "prompt": "hi",
+                                                     "max_tokens": 4, "logit_bias": z})
+  assert code == 200 and got["choices"][0]["text"] == "zzzz", got
+  kw["max_tokens"] = 24
+  plain = client.chat.completions.create(**kw).choices[0].message.content
+  assert client.chat.completions.create(presence_penalty=0, **kw).choices[0].message.content \
+      == plain
+  assert client.chat.completions.create(presence_penalty=2, **kw).choices[0].message.content \
+      != plain
 
 
 def test_content_parts_and_the_developer_role_read_as_text_and_system(served, client):
