@@ -85,17 +85,19 @@ def naive_cache_bytes(cfg, itemsize):
       cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * itemsize
 
 
-def cpu(args):
+def bench_model(**arch):
+  """The bench config (bench_moe.BENCH, with `arch`'s changes) with random weights, written in
+  the published layout and read back by k2jax.interop.hf: (k2jax cfg, params, the
+  transformers DeepseekV3 model with the same weights, its config dict)."""
   import torch
-  import transformers
   sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
   import hf_reference as ref
   from bench_moe import BENCH
   from k2jax.interop import hf
   torch.set_num_threads(2)
-  arch = dict(BENCH, n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-6,
-              initializer_range=0.02, aux_loss_alpha=0.0, max_position_embeddings=512,
-              bos_token_id=0, eos_token_id=1)
+  arch = {**BENCH, **dict(n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-6,
+                          initializer_range=0.02, aux_loss_alpha=0.0,
+                          max_position_embeddings=512, bos_token_id=0, eos_token_id=1), **arch}
   cj = ref.hf_config_dict(arch, None, 10000.0)
   tmodel = ref.make_model(cj, seed=0)
   with tempfile.TemporaryDirectory() as tmp:
@@ -104,6 +106,13 @@ def cpu(args):
   tmodel.config._attn_implementation = "sdpa"
   tmodel.generation_config.eos_token_id = None
   tmodel.generation_config.pad_token_id = 0
+  return cfg, params, tmodel, arch
+
+
+def cpu(args):
+  import torch
+  import transformers
+  cfg, params, tmodel, arch = bench_model()
   rng = np.random.default_rng(0)
   rows = []
   for batch in (1, 8):

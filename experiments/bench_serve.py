@@ -52,27 +52,13 @@ class StaticEngine(Engine):
 
 
 def bench_model():
-  """bench_decode's model with the byte tokenizer's vocabulary, random weights: (k2jax cfg,
-  params, the transformers model with the same weights)."""
-  import tempfile
-  import torch
-  sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-  import hf_reference as ref
-  from bench_moe import BENCH
-  from k2jax.interop import hf
-  torch.set_num_threads(2)
-  arch = dict(BENCH, vocab_size=ByteTokenizer.vocab_size, n_group=1, topk_group=1,
-              norm_topk_prob=True, rms_norm_eps=1e-6, initializer_range=0.02,
-              aux_loss_alpha=0.0, max_position_embeddings=4096, bos_token_id=257,
-              eos_token_id=256)
-  cj = ref.hf_config_dict(arch, None, 10000.0)
-  tmodel = ref.make_model(cj, seed=0)
-  with tempfile.TemporaryDirectory() as tmp:
-    ref.write_dir(tmp, cj, ref.published_tensors(tmodel))
-    cfg, params = hf.load_checkpoint(tmp)
-  tmodel.config._attn_implementation = "sdpa"
-  tmodel.generation_config.eos_token_id = None
-  tmodel.generation_config.pad_token_id = ByteTokenizer.pad_id
+  """bench_decode's model with the byte tokenizer's vocabulary and a 4k context, random
+  weights: (k2jax cfg, params, the transformers model with the same weights)."""
+  from bench_decode import bench_model as build
+  tok = ByteTokenizer()
+  cfg, params, tmodel, _ = build(vocab_size=tok.vocab_size, max_position_embeddings=4096,
+                                 bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+  tmodel.generation_config.pad_token_id = tok.pad_id
   return cfg, params, tmodel
 
 
