@@ -38,6 +38,13 @@ ROWS = {   # name: (preset, topology, overrides)
     "k2_shaped_v5p_8": ("kimi_k2", "v5p:2x2x2", K2_SHAPED),
     "k2_shaped_v5p_8_no_offload": ("kimi_k2", "v5p:2x2x2",
                                    K2_SHAPED + ["--config.model.offload=False"]),
+    # the suite's K2-shaped step (tests/test_tpu_compile.py), 1f1b with the preset's offload
+    # and host optimizer states
+    "k2_shaped_5l_v5p_8_host_state": ("kimi_k2", "v5p:2x2x2", [
+        "--config.model.num_hidden_layers=5", "--config.model.n_routed_experts=16",
+        "--config.mesh.pipeline=2", "--config.mesh.expert=2", "--config.mesh.data=2",
+        "--config.mesh.virtual_stages=1", "--config.train.batch_size=16",
+        "--config.train.seq_len=1024", "--config.mesh.pipeline_schedule=1f1b"]),
     "k2_preset": ("kimi_k2", "v5p:8x16x16", []),
     "k2_preset_no_offload": ("kimi_k2", "v5p:8x16x16", ["--config.model.offload=False"]),
     "k2_long_context": ("kimi_k2_long_context", "v5p:8x16x16", []),

@@ -245,11 +245,30 @@ class Estimate(NamedTuple):
   acts: Activations
 
   @property
-  def device(self) -> float:
-    """Bytes in device memory: states, the cast copy of the weights, activations."""
+  def loop(self) -> float:
+    """Device bytes while the step computes its gradients: states, the cast copy of the
+    weights, activations."""
     st = self.states
     return (st["params"] + st["grads"] + st["optimizer"] + st["cast_copy"]
             + self.acts.device)
+
+  @property
+  def update(self) -> float:
+    """Device bytes during the optimizer update. With optimizer.host_state the ZeRO-1 states
+    come to the device for it all at once (step.on_device) and the new ones are made there
+    as the gradients are consumed leaf by leaf: params + the old states + the larger of the
+    gradients and the new states. Without it the states update in place (donated): nothing
+    beyond the loop's states."""
+    st = self.states
+    held = st["params"] + st["optimizer"]
+    if not st["optimizer_host"]:
+      return held + st["grads"]
+    return held + st["optimizer_host"] + max(st["grads"], st["optimizer_host"])
+
+  @property
+  def device(self) -> float:
+    """Bytes in device memory at the step's peak: the gradient loop or the update."""
+    return max(self.loop, self.update)
 
   @property
   def host(self) -> float:
@@ -342,6 +361,11 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   if st["optimizer_host"]:
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
                  f"states (optimizer.host_state: on the device during the update only)")
+    lines.append(f"  {'during the update':<24}{est.update / GB:>10.2f}   params, the states "
+                 f"brought from host and the larger of the gradients and the new states "
+                 f"(step.on_device)")
+    lines.append(f"  {'peak':<24}{est.device / GB:>10.2f}   "
+                 f"{'the update' if est.update > est.loop else 'the gradient loop'}")
   if acts.host and P > 1:
     lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   stage residuals waiting "
                  f"for their backward (k2jax.parallel.pipeline._Slots); a tick moves "
