@@ -366,6 +366,7 @@ class GrammarConstraint:
     import llguidance  # pip install llguidance (no other dependencies)
     self.tokenizer, self.grammar, self.max_tokens = tokenizer, grammar, max_tokens
     self._plans: dict[int, tuple] = {}     # row -> (tokens when planned, the closing's tokens)
+    self._far: dict[int, tuple] = {}       # row -> (tokens when read, closing's tokens, slack)
     self._ll_tok = _lltokenizer(tokenizer)
     err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar),
                                                 self._ll_tok)
@@ -399,6 +400,10 @@ class GrammarConstraint:
     of it, so that no token sampled freely before can grow the closing past the budget."""
     return self.margin
 
+  def most_slack(self) -> int:
+    """`slack`'s largest value, whatever the text."""
+    return self.margin
+
   def _plan(self, row: int, matcher, generated: list[int], left: int) -> list[int] | None:
     """The tokens left of this row's closing when its budget calls for it (else None)."""
     if row in self._plans:
@@ -408,13 +413,22 @@ class GrammarConstraint:
         return plan[done:]
       if plan is None and at == len(generated):
         return None
+    # each free token lengthens the closing by at most the slack: while even that leaves
+    # room, the closing need not be read again (it is the text so far: reading it every
+    # step would cost the row's length per token)
+    if row in self._far:
+      at, need, per = self._far[row]
+      if need + (len(generated) - at + 1) * per < left:
+        return None
     read = _text(self.tokenizer, generated)
     tail = None if read is None else self.closing(read[0])
     if tail is None:
       return None
     text, fill = read
     plan = self.tokenizer.byte_ids(fill) + _encode_text(tail, self.tokenizer)
+    per = self.most_slack()
     if len(plan) + self.slack(text) < left:
+      self._far[row] = (len(generated), len(plan), per)
       return None
     check = matcher.deep_copy()
     if not (all(check.consume_token(int(t)) for t in plan) and check.is_accepting()):
@@ -482,9 +496,12 @@ class ToolCallConstraint(GrammarConstraint):
                      f"{mark('<|tool_calls_section_end|>')} {mark('<|im_end|>')}\n"
                      f"call: {one}\n", "tool-call grammar", max_tokens=max_tokens)
     shortest = self._call(0)
-    # inside a call a free token can open one key or item (closing.slack); between calls it
-    # can open another call
-    self.margin = max(closing.slack(s) for s in self.schemas.values())
+    # inside a call a free token can open one key or item (closing.slack) or pick a longer
+    # name than the closing's; between calls it can open another call
+    calls = [c for c in (self._call(0, n) for n in self.schemas) if c is not None]
+    self.margin = max(closing.slack(s) for s in self.schemas.values()) + (
+        max(len(_encode_text(c, tokenizer)) for c in calls) -
+        min(len(_encode_text(c, tokenizer)) for c in calls) if calls else 0)
     self._another = 0 if shortest is None else len(_encode_text(shortest, tokenizer))
     self.shortest = None if shortest is None else len(_encode_text(
         "<|tool_calls_section_begin|>" + shortest + _END, tokenizer))
@@ -492,6 +509,9 @@ class ToolCallConstraint(GrammarConstraint):
   def slack(self, text: str) -> int:
     between = text.rfind("<|tool_call_end|>") > text.rfind("<|tool_call_begin|>")
     return self.margin + (self._another if between else 0)
+
+  def most_slack(self) -> int:
+    return self.margin + self._another
 
   def _call(self, index: int, name: str | None = None) -> str | None:
     """The shortest whole call (of `name`, else of any tool) numbered `index`."""

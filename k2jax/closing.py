@@ -42,7 +42,7 @@ def _resolve(schema, root):
         return None
       node = node[part]
     schema, seen = node, seen + 1
-  return schema
+  return None if isinstance(schema, dict) and "$ref" in schema else schema   # a loop of refs
 
 
 def _kind(schema) -> str | None:
@@ -107,42 +107,60 @@ def _number(schema, integer: bool) -> str | None:
   return _dump(int(v)) if integer or float(v).is_integer() else _dump(v)
 
 
+# The longest closing proposed: a schema whose shortest document is longer (minItems 10^6)
+# gets none, rather than the server building it on its event loop.
+MAX_TEXT = 4096
+
+
 def minimal(schema, root=None) -> str | None:
-  """The shortest JSON text (compact) valid under `schema`, or None when unknown."""
-  root = schema if root is None else root
+  """The shortest JSON text (compact) valid under `schema`, or None when unknown (or longer
+  than MAX_TEXT)."""
+  try:
+    return _minimal(schema, schema if root is None else root, frozenset())
+  except RecursionError:
+    return None
+
+
+def _minimal(schema, root, expanding: frozenset) -> str | None:
   schema = _resolve(schema, root)
   if schema is True or schema == {}:
     return "0"
-  if not isinstance(schema, dict):
+  if not isinstance(schema, dict) or id(schema) in expanding:    # (a $ref cycle)
     return None
+  expanding = expanding | {id(schema)}
+  sub = lambda s: _minimal(s, root, expanding)
   if "const" in schema:
     return _dump(schema["const"])
   if "enum" in schema:
     return min((_dump(v) for v in schema["enum"]), key=len, default=None)
   for key in ("anyOf", "oneOf"):
     if key in schema:
-      found = [m for m in (minimal(o, root) for o in schema[key]) if m is not None]
+      found = [m for m in map(sub, schema[key]) if m is not None]
       return min(found, key=len) if found else None
   if "allOf" in schema or "not" in schema or "if" in schema:
     return None
   t = schema.get("type")
   if isinstance(t, list):
-    found = [m for m in (minimal({**schema, "type": x}, root) for x in t) if m is not None]
+    found = [m for m in (sub({**schema, "type": x}) for x in t) if m is not None]
     return min(found, key=len) if found else None
   t = t or _kind(schema)
   if t == "object":
     parts = []
     for k in _required(schema):
-      v = minimal(_value_schema(schema, k), root)
+      v = sub(_value_schema(schema, k))
       if v is None:
         return None
       parts.append(f"{_dump(k)}:{v}")
-    return "{" + ",".join(parts) + "}"
+    text = "{" + ",".join(parts) + "}"
+    return text if len(text) <= MAX_TEXT else None
   if t == "array":
-    items = _items(schema, root, 0, schema.get("minItems", 0))
-    return None if items is None else "[" + ",".join(items) + "]"
+    if schema.get("minItems", 0) > MAX_TEXT:
+      return None
+    items = _items(schema, root, 0, schema.get("minItems", 0), expanding)
+    text = None if items is None else "[" + ",".join(items) + "]"
+    return text if text is not None and len(text) <= MAX_TEXT else None
   if t == "string":
-    if "pattern" in schema or "format" in schema:
+    if "pattern" in schema or "format" in schema or schema.get("minLength", 0) > MAX_TEXT:
       return None
     return '"' + "a" * int(schema.get("minLength", 0)) + '"'
   if t in ("integer", "number"):
@@ -169,11 +187,13 @@ def _value_schema(schema, key):
   return {} if extra is True else extra
 
 
-def _items(schema, root, start: int, upto: int) -> list[str] | None:
+def _items(schema, root, start: int, upto: int, expanding=frozenset()) -> list[str] | None:
   """Minimal items start..upto-1 of an array schema."""
+  if upto - start > MAX_TEXT:
+    return None
   out = []
   for i in range(start, upto):
-    v = minimal(_item_schema(schema, i), root)
+    v = _minimal(_item_schema(schema, i), root, expanding)
     if v is None:
       return None
     out.append(v)
@@ -203,7 +223,13 @@ def complete(prefix: str, schema, root=None) -> tuple[str, int] | None:
   document ends in prefix + suffix); None when unknown or when the prefix is no such document's
   start. Text after a complete document (a following marker's first characters) is not read:
   the returned end says where the document stopped, so a caller can finish what follows."""
-  root = schema if root is None else root
+  try:
+    return _complete(prefix, schema, schema if root is None else root)
+  except RecursionError:
+    return None
+
+
+def _complete(prefix: str, schema, root) -> tuple[str, int] | None:
   stack = [_Frame("root", _resolve(schema, root), "value")]
   end = None
   for pos, c in enumerate(prefix):
@@ -431,7 +457,7 @@ def _key_name(obj: _Frame, partial: str) -> str | None:
 
 def slack(schema, root=None) -> int:
   """A bound on how much one sampled token can lengthen the closing of a value of `schema`,
-  in characters (a token is at least one): it can open at most one new key or item whose
+  in UTF-8 bytes (a token is at least one): it can open at most one new key or item whose
   shortest value is the longest of any subschema (nested containers it opens are part of that
   value's shortest text), so: the longest key + the longest shortest value + separators."""
   root = schema if root is None else root
@@ -444,9 +470,9 @@ def slack(schema, root=None) -> int:
       return
     seen.add(id(s))
     v = minimal(s, root)
-    longest_value = max(longest_value, len(v) if v is not None else 0)
+    longest_value = max(longest_value, len(v.encode()) if v is not None else 0)
     for k, sub in s.get("properties", {}).items():
-      longest_key = max(longest_key, len(_dump(k)))
+      longest_key = max(longest_key, len(_dump(k).encode()))
       walk(sub, depth + 1)
     for key in ("items", "additionalProperties"):
       if isinstance(s.get(key), dict):

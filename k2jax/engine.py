@@ -151,6 +151,7 @@ class _Row:
     self.lp_sent = 0
     self.section_sent = 0
     self.prompt_lps: list | None = None
+    self.stop_from = 0          # where a stop string may start ending (min_tokens)
 
 
 def _scores(logits, tokens, top: int) -> dict:
@@ -445,6 +446,10 @@ class Engine:
             f"a request of {job.n} rows x {len(job.prompt)} + {job.max_tokens} tokens does "
             f"not fit the engine's slots ({self.max_batch} of {self.max_len} tokens)")))
         continue
+      if not 0 <= job.min_tokens <= job.max_tokens:
+        job.emit(Event("error", error=ValueError(
+            f"min_tokens {job.min_tokens}: must be in [0, max_tokens {job.max_tokens}]")))
+        continue
       seed = job.seed if job.seed is not None else int(self._rng.integers(2**31))
       for i in range(job.n):
         row = _Row(job, i, self.stop_text, row_seed(seed, i))
@@ -639,8 +644,12 @@ class Engine:
       row.lps.append((i, lp, alts[:row.job.logprobs]))
     self.stats["tokens"] += 1
     text = self.tok.decode([t for t in row.ids if t not in self.stop_ids])
-    early = len(row.ids) < row.job.min_tokens      # vLLM: nothing stops a row before it
-    cut = -1 if early else min((text.find(s) for s in row.stops if s in text), default=-1)
+    cut = -1
+    if len(row.ids) < row.job.min_tokens:     # vLLM: nothing stops a row before min_tokens,
+      row.stop_from = len(text)               # and a stop string must end after it
+    else:
+      found = [text.find(s, max(0, row.stop_from - len(s) + 1)) for s in row.stops]
+      cut = min((f for f in found if f >= 0), default=-1)
     reason = None
     if cut >= 0:
       text, reason = text[:cut], "stop"

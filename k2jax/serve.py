@@ -254,6 +254,13 @@ def _sampling(body, cfg, max_n: int) -> dict:
       stream=stream, include_usage=bool(options.get("include_usage")))
 
 
+def _at_most(min_tokens: int, max_tokens: int) -> None:
+  if min_tokens > max_tokens:       # (vLLM refuses it too)
+    raise RequestError(f"min_tokens {min_tokens} is more than the {max_tokens} tokens this "
+                       "reply may have (max_tokens, or what the context leaves)",
+                       param="min_tokens")
+
+
 def _penalties(body, cfg) -> dict:
   """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty and
   min_tokens, checked (engine.Job's fields; k2jax.generate.penalize applies them)."""
@@ -278,7 +285,7 @@ def _penalties(body, cfg) -> dict:
               repetition_penalty=float(_number(body, "repetition_penalty", 0, 10, 1.0,
                                                lo_open=True)),
               logit_bias=ids or None,
-              min_tokens=_number(body, "min_tokens", 0, 2**31, 0, integer=True))
+              min_tokens=_number(body, "min_tokens", 0, 2**31 - 1, 0, integer=True))
 
 
 def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len: int | None = None,
@@ -318,6 +325,7 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
   # finish_reason "length") rather than refused: a client that sizes max_tokens for a 128k
   # model (the synth pipelines' defaults) still gets answers from the 1k-context tiny model.
   max_tokens = min(room, max_tokens or default_max_tokens)
+  _at_most(sampling["job"]["min_tokens"], max_tokens)
   # Constraints know the budget: a call or JSON reply closes in time whenever the budget
   # holds its shortest ending (chat.GrammarConstraint)
   parallel = body.get("parallel_tool_calls", True)
@@ -383,6 +391,7 @@ def parse_completion(body, *, model: str, cfg, tokenizer, max_len: int | None = 
   logprobs = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
   max_tokens = _number(body, "max_tokens", 0 if echo else 1, 2**31, 16, integer=True)
   sampling = _sampling(body, cfg, max_n)
+  _at_most(sampling["job"]["min_tokens"], max_tokens)
   jobs = []
   for p in prompts:
     room = _room(p, cfg, max_len, "prompt")

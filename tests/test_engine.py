@@ -244,5 +244,16 @@ def test_penalties_bias_and_min_tokens_pick_what_their_definitions_pick(tiny):
                              stops=engine.stop_ids)
     assert len(want) == 6 and want[-1] == tok.eos_id
     assert got == [(tok.decode(want), "stop", 6)]
+    # a stop string that occurs before min_tokens does not end the row; one ending after
+    # it does, and the text is cut there (vLLM's rule)
+    text = _alone(engine, prompt=prompt, max_tokens=2 * n, temperature=0.0)[0][0]
+    early = len(tok.decode(_reference_tokens(cfg, params, prompt, 6)))
+    stop = next(c for c in text if c.isascii() and text.count(c) >= 2
+                and text.index(c) < early)
+    got = _alone(engine, prompt=prompt, max_tokens=2 * n, temperature=0.0, min_tokens=6,
+                 stop=[stop])
+    cut = text.find(stop, early - len(stop) + 1)
+    assert cut > 0 and got[0][:2] == (text[:cut], "stop")
+    assert cut != text.index(stop)
   finally:
     engine.close()
