@@ -380,8 +380,10 @@ def _close(stack, root) -> str | None:
         written += 1
       out.append("a" * max(0, int(s.get("minLength", 0)) - written) + '"')
     elif top.kind == "num":
-      t = top.text
-      out.append("0" if t[-1] in "-+.eE" else "")
+      tail = _number_tail(top.text, top.schema if isinstance(top.schema, dict) else {})
+      if tail is None:
+        return None
+      out.append(tail)
     elif top.kind == "lit":
       out.append(next(w for w in ("true", "false", "null") if w.startswith(top.text))
                  [len(top.text):])
@@ -436,6 +438,24 @@ def _advance(stack) -> None:
   elif parent.kind == "arr":
     parent.count += 1
     parent.state = "comma_or_end"
+
+
+def _number_tail(text: str, schema) -> str | None:
+  """Digits that end a partial number inside the schema's bounds: a sign or exponent needs a
+  digit (the bound's own where 0 is out: "-" under maximum -3 gives "-3"), and a whole
+  number below its minimum grows by digits ("1" under minimum 5 gives "10"); None where no
+  digit can help (already past the maximum)."""
+  lo = _bound(schema, "minimum", "exclusiveMinimum", True, up=False)
+  hi = _bound(schema, "maximum", "exclusiveMaximum", True, up=True)
+  ok = lambda v: (lo is None or v >= lo) and (hi is None or v <= hi)
+  if text == "-":
+    digit = str(-math.floor(hi)) if hi is not None and hi < 0 else "0"
+    return digit if ok(float(text + digit)) else None
+  tail = "0" if text[-1] in "+-.eE" else ""
+  if text.isdigit():
+    while not ok(int(text + tail)) and len(tail) < 18 and int(text + tail) < (lo or 0):
+      tail += "0"
+  return tail if ok(float(text + tail)) else None
 
 
 def _key_name(obj: _Frame, partial: str) -> str | None:
