@@ -169,17 +169,17 @@ def test_memory_only_reports_xlas_refusal_in_one_line(tmp_path):
 K2_SHAPED = ["--config", "kimi_k2", "--topology", "v5p:2x2x2", "--memory_only",
              "--config.model.num_hidden_layers=5", "--config.model.n_routed_experts=16",
              "--config.mesh.pipeline=2", "--config.mesh.expert=2", "--config.mesh.data=2",
-             "--config.mesh.virtual_stages=1", "--config.train.batch_size=16",
-             "--config.train.seq_len=1024"]
+             "--config.train.batch_size=16", "--config.train.seq_len=1024"]
 
 
-@pytest.mark.parametrize("schedule,offload,host_state", [("1f1b", True, True),
-                                                          ("zbh1", False, False)])
-def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, offload,
-                                                           host_state):
+@pytest.mark.parametrize("schedule,virtual,offload,host_state", [
+    ("1f1b", 1, True, True), ("zbh1", 1, False, False), ("gpipe", 2, True, False)])
+def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, virtual,
+                                                           offload, host_state):
   """The pipelined step at K2's widths through XLA:TPU's passes to its buffer assignment:
   1f1b with the residual slots and the ZeRO-1 optimizer states in host memory (the preset's
-  offload and optimizer.host_state), zbh1 with device slots and states. The step's
+  offload and optimizer.host_state), zbh1 with device slots and states, gpipe on two
+  virtual stages a device (the preset's V) with host slots (1.32x measured). The step's
   arguments are plan's device states and XLA's host memory holds plan's host bytes; XLA's
   check (arguments + temporaries) is within 1.5x of plan's device figure, the larger of its
   gradient loop and its update (1.08x measured with host states, whose update brings them
@@ -187,6 +187,7 @@ def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, o
   of one layer's weights, their gradients before the data reduction and the expert
   exchange's rows)."""
   r, fig = compile_cli(tmp_path, *K2_SHAPED, f"--config.mesh.pipeline_schedule={schedule}",
+                       f"--config.mesh.virtual_stages={virtual}",
                        f"--config.model.offload={offload}",
                        f"--config.optimizer.host_state={host_state}")
   assert r.returncode == 0, r.stderr[-2000:]
