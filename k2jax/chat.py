@@ -495,6 +495,8 @@ class ToolCallConstraint(GrammarConstraint):
     super().__init__(tokenizer, f"start: {mark('<|tool_calls_section_begin|>')} {repeat} "
                      f"{mark('<|tool_calls_section_end|>')} {mark('<|im_end|>')}\n"
                      f"call: {one}\n", "tool-call grammar", max_tokens=max_tokens)
+    # each tool's shortest arguments, once (every closing is built from them)
+    self._shortest_args = {n: closing.minimal(sc) for n, sc in self.schemas.items()}
     shortest = self._call(0)
     # inside a call a free token can open one key or item (closing.slack) or pick a longer
     # name than the closing's; between calls it can open another call
@@ -516,8 +518,7 @@ class ToolCallConstraint(GrammarConstraint):
   def _call(self, index: int, name: str | None = None) -> str | None:
     """The shortest whole call (of `name`, else of any tool) numbered `index`."""
     found = []
-    for n, schema in self.schemas.items():
-      args = closing.minimal(schema)
+    for n, args in self._shortest_args.items():
       if args is not None and name in (None, n):
         found.append(f"<|tool_call_begin|>functions.{n}:{index % 10}"
                      f"<|tool_call_argument_begin|>{args}<|tool_call_end|>")
@@ -561,7 +562,7 @@ class ToolCallConstraint(GrammarConstraint):
                  if h.startswith(rest) for c in [self._call(n, k)] if c is not None]
       return (min(options, key=len) + _END if options else None), None
     pos += len(heads[name])
-    args = closing.minimal(self.schemas[name])
+    args = self._shortest_args[name]
     if pos == len(text):
       return (None if args is None else
               f"{n % 10}<|tool_call_argument_begin|>{args}<|tool_call_end|>{_END}"), None

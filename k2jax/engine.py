@@ -222,7 +222,7 @@ def _programs(cfg, rows: int, S: int):
     sub = None
     if pen is not None:       # the new rows' penalty rows start afresh
       prompts = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], tokens, -1)
-      sub = take(pen, slots).start(prompts, bias_ids, bias_values)
+      sub = Penalties.fresh(prompts, bias_ids, bias_values, cfg.vocab_size)
     tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top, sub,
                         ps)
     if echo:

@@ -116,16 +116,17 @@ class Penalties(NamedTuple):
     return Penalties(jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows, vocab), bool),
                      jnp.zeros((rows, vocab), jnp.float32))
 
-  def start(self, prompts, bias_ids, bias_values) -> "Penalties":
+  @staticmethod
+  def fresh(prompts, bias_ids, bias_values, vocab: int) -> "Penalties":
     """Rows starting afresh: no counts, their prompts [R, T] (ids; negative: padding) and
     their logit biases (bias_ids [R, K], negative: none; bias_values [R, K])."""
-    R, V = self.counts.shape
+    R = prompts.shape[0]
     rows = jnp.arange(R)[:, None]
-    prompt = jnp.zeros((R, V), bool).at[rows, jnp.where(prompts < 0, V, prompts)].set(
+    prompt = jnp.zeros((R, vocab), bool).at[rows, jnp.where(prompts < 0, vocab, prompts)].set(
         True, mode="drop")
-    bias = jnp.zeros((R, V), jnp.float32).at[rows, jnp.where(bias_ids < 0, V, bias_ids)].set(
-        bias_values, mode="drop")
-    return Penalties(jnp.zeros_like(self.counts), prompt, bias)
+    bias = jnp.zeros((R, vocab), jnp.float32).at[
+        rows, jnp.where(bias_ids < 0, vocab, bias_ids)].set(bias_values, mode="drop")
+    return Penalties(jnp.zeros((R, vocab), jnp.int32), prompt, bias)
 
   def seen(self, tokens) -> "Penalties":
     """The rows' sampled tokens [R] counted."""
