@@ -13,6 +13,7 @@ the model's expert-parallel dispatch reads it (dependencies run one way).
 
 import math
 
+import jax
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
@@ -93,12 +94,31 @@ def mesh_axes(logical: str) -> tuple[str, ...]:
   return ()
 
 
-def active_mesh_axes(logical: str, mesh) -> tuple[str, ...]:
+def active_mesh_axes(logical: str, mesh, manual: bool = False) -> tuple[str, ...]:
   """mesh_axes(logical) restricted to the axes `mesh` has with size > 1 (an empty or
-  abstract mesh: those of its axes that exist)."""
+  abstract mesh: those of its axes that exist), without those an enclosing shard_map
+  already holds manual (`mesh.manual_axes`: the pipeline holds `data`, so a nested
+  shard_map over the batch opens only `expert`) unless `manual`."""
   if mesh is None or mesh.empty:
     return ()
-  return tuple(a for a in mesh_axes(logical) if mesh.shape.get(a, 1) > 1)
+  held = () if manual else tuple(getattr(mesh, "manual_axes", ()))
+  return tuple(a for a in mesh_axes(logical) if mesh.shape.get(a, 1) > 1 and a not in held)
+
+
+def without(pspec, axes) -> P:
+  """`pspec` with the mesh `axes` left out of every entry."""
+  def drop(e):
+    kept = tuple(a for a in entry_axes(e) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return P(*[drop(e) for e in pspec])
+
+
+def constrain(x, axes):
+  """jax.lax.with_sharding_constraint of `x` to logical_spec(axes) over the axes the current
+  mesh leaves automatic: inside a shard_map those it holds manual are already split (the
+  pipeline's `data`), and a constraint may not name them."""
+  held = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  return jax.lax.with_sharding_constraint(x, without(logical_spec(axes), held))
 
 
 def entry_axes(entry) -> tuple[str, ...]:

@@ -99,8 +99,12 @@ def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
   if ep_axis:
+    # every device of the batch agrees on the exchange's branch, those of an enclosing
+    # shard_map's manual axes too (the pipeline's `data`)
+    mesh = jax.sharding.get_abstract_mesh()
+    sync = rules.active_mesh_axes("batch", mesh, manual=True)
     y = experts_all_to_all(p["experts"], x2d, idx, w, ep_axis,
-                           sync_axes=tuple(a for a in batch_axes if a != ep_axis),
+                           sync_axes=tuple(a for a in sync if a != ep_axis),
                            transport=cfg.ep_transport,
                            fp8_storage=cfg.activation_storage == "fp8",
                            round_load=cfg.get("ep_round_load", 2.0))

@@ -2,9 +2,12 @@
 
 The last layer stack is cut into S = P x V stages (k2jax.parallel.layout: stage s = v P + p
 on device p, stored in that order so no weight moves) and microbatches flow through them
-in the one jitted step: `shard_map` makes only the `pipeline` axis manual (data / expert
-stay automatic, so the MoE's expert-parallel shard_map nests inside), and stage outputs and
-their cotangents move between devices with `ppermute`.
+in the one jitted step: `shard_map` makes the `pipeline` and `data` axes manual (`expert`
+stays automatic, so the MoE's expert-parallel shard_map nests inside), and stage outputs and
+their cotangents move between devices with `ppermute`. Each data shard adds its own rows'
+weight gradients to its float32 sums through the whole loop; they are summed over `data`
+once, after it (`replica_axes`), so no collective in the loop carries a weight gradient
+over `data`.
 
 What each device does at each tick is read from a static table
 (k2jax.parallel.schedules.build: mesh.pipeline_schedule = 1f1b | gpipe | zbh1): per tick an F
@@ -68,7 +71,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k2jax.configs.sharding_rules import active_mesh_axes, logical_spec, param_spec
+from k2jax.configs.sharding_rules import (RULES, active_mesh_axes, constrain, mesh_axes,
+                                          param_spec, without)
 from k2jax.kernels import moe as moe_kernels
 from k2jax.kernels import platform as kernel_platform
 from k2jax.model import counting, remat, spec as model_spec, transformer
@@ -81,6 +85,19 @@ from k2jax.parallel.layout import Split, split
 log = logging.getLogger("k2jax.parallel")
 
 AXIS = "pipeline"
+
+
+def replica_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes the pipeline's shard_map holds manual besides `pipeline`: those the
+  batch is split over and no parameter is (`data`). Every device there holds the whole
+  stage and its own tokens, so the weight gradients it adds up tick after tick are its
+  tokens' share: the float32 sums stay unreduced through the loop and are summed over these
+  axes once, after it (one gradient reduction a step, as data parallelism does it: report
+  2.4.2), instead of in every backward phase."""
+  held = {a for name, _ in RULES if name not in ("batch", "opt_state") for a in mesh_axes(name)}
+  return tuple(a for a in active_mesh_axes("batch", mesh, manual=True) if a not in held)
+
+
 # Stage 0 keeps its prefix's residuals where its slot is free (`_Overlay`); False recomputes
 # the prefix in its backward (the same gradients; for comparisons).
 KEEP_PREFIX = True
@@ -457,7 +474,7 @@ def _as_bytes(u, G: int, axis: int):
   if u.dtype.itemsize > 1:
     u = jax.lax.bitcast_convert_type(u, jnp.uint8)
   u = jnp.moveaxis(u, axis, 0).reshape(G, -1)
-  return jax.lax.with_sharding_constraint(u, logical_spec(("batch", None))) if G > 1 else u
+  return constrain(u, ("batch", None)) if G > 1 else u
 
 
 def _from_bytes(u, aval, axis: int):
@@ -670,7 +687,7 @@ def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
   # gathered the whole table for the forward and the whole microbatch's cotangents for the
   # backward on every device)
   x = embed(params["embed"], inputs, cfg.dtype)
-  x = jax.lax.with_sharding_constraint(x, logical_spec(("batch", "length", "embed")))
+  x = constrain(x, ("batch", "length", "embed"))
   pre_max = [jnp.full((0, cfg.num_attention_heads), -jnp.inf, jnp.float32)]
   for st in transformer.stacks(cfg):
     if st == sp.stack:
@@ -797,15 +814,18 @@ class _Slots(NamedTuple):
 
 
 def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: bool,
-         stage_params, on, pre_params, head, mb, aux_weight):
-  """Inside shard_map (pipeline manual). offload: residual slots in host memory (`_Slots`).
+         reps: tuple, stage_params, on, pre_params, head, mb, aux_weight):
+  """Inside shard_map (pipeline and `reps` manual: `replica_axes`). offload: residual slots
+  in host memory (`_Slots`).
   stage_params: this device's [V L, ...] stored rows;
   on [V L] bool (real layers); pre_params {"embed", dense stacks}; head {"final_norm",
   "lm_head": this device's [D, vocab / P] columns}; mb: microbatches [M, mb, T]; aux_weight:
   every microbatch's aux loss weight (the batch's loss tokens / M, as in k2jax.step's
-  accumulation)."""
+  accumulation). Sums over `reps` (losses, statistics, gradients) are taken once, at the end:
+  each device's aux loss weighs 1 / their size, its mean over their shards."""
   Pn, V, L = sp.stages, sp.virtual, sp.per_stage
   p = jax.lax.axis_index(AXIS)
+  aux_weight = aux_weight / math.prod(jax.lax.axis_size(a) for a in reps)
   H, E = cfg.num_attention_heads, cfg.n_routed_experts
   moe = sp.stack.ffn == "moe"
   dt = jnp.dtype(cfg.dtype)
@@ -1120,31 +1140,26 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
   # pipeline 2 x data 2 x expert 2).
   mesh = jax.sharding.get_abstract_mesh()
-  specs = jax.tree.map(lambda s: _automatic(param_spec(s.axes, s.shape, mesh)),
+  specs = jax.tree.map(lambda s: without(param_spec(s.axes, s.shape, mesh), mesh.manual_axes),
                        transformer.param_specs(cfg), is_leaf=model_spec.is_spec)
   keep = lambda g, names: {k: jax.tree.map(jax.lax.with_sharding_constraint, g[k], specs[k])
                            for k in names}
   head_grads = {}
   if grads:
     acc = dict(acc, g_pre=keep(acc["g_pre"], acc["g_pre"]))
-    head_grads = {"final_norm": acc["g_norm"][None],
+    head_grads = {"final_norm": acc["g_norm"],
                   "lm_head": jax.lax.with_sharding_constraint(acc["g_lm"], specs["lm_head"])}
-  psum = lambda a: jax.lax.psum(a, AXIS)
+  psum = lambda a: jax.lax.psum(a, (AXIS, *reps))
   flat = lambda a: a.reshape((V * L,) + a.shape[2:])
-  return (psum(acc["ce"]), psum(acc["aux"]), flat(acc["mx"]), flat(acc["load"]),
-          jax.lax.pmax(acc["pre_max"], AXIS), head_grads,
-          jax.tree.map(lambda a: a[None], acc["g_pre"]),
-          jax.tree.map(flat, acc["g_stage"]))
-
-
-def _automatic(pspec):
-  """A parameter's PartitionSpec inside the shard_map: the automatic axes only."""
-  def drop(e):
-    if isinstance(e, tuple):
-      e = tuple(a for a in e if a != AXIS)
-      return e if len(e) > 1 else (e[0] if e else None)
-    return None if e == AXIS else e
-  return P(*[drop(e) for e in pspec])
+  # the statistics over the replicas here; the gradients (sharded over automatic axes: a
+  # psum of those inside crashes XLA's partitioner, see _pipelined) leave with a leading
+  # axis each and are summed outside, once
+  over = lambda f, a: f(a, reps) if reps else a
+  one = lambda a: a[None]
+  return (psum(acc["ce"]), psum(acc["aux"]), flat(over(jax.lax.pmax, acc["mx"])),
+          flat(over(jax.lax.psum, acc["load"])), jax.lax.pmax(acc["pre_max"], (AXIS, *reps)),
+          jax.tree.map(one, head_grads), jax.tree.map(one, acc["g_pre"]),
+          jax.tree.map(lambda a: flat(a)[None], acc["g_stage"]))
 
 
 def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, skip=None):
@@ -1172,26 +1187,35 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   head = {"final_norm": params["final_norm"],
           "lm_head": jnp.pad(params["lm_head"], ((0, 0), (0, pad))) if pad else params["lm_head"]}
   on = jnp.asarray(sp.real().reshape(-1))
+  # `data` manual too (replica_axes): each device's microbatches are its batch rows, and its
+  # gradients its rows' share until the sums below
+  reps = replica_axes(jax.sharding.get_abstract_mesh())
   spec = jax.tree.map(lambda _: P(AXIS), stack)
   head_spec = {"final_norm": P(), "lm_head": P(None, AXIS)}
-  head_out = ({"final_norm": P(AXIS), "lm_head": P(None, AXIS)} if grads else P())
+  both = (AXIS, *reps)
+  grad_spec = jax.tree.map(lambda _: P(reps or None, AXIS), stack)
+  head_out = ({"final_norm": P(both), "lm_head": P(reps or None, None, AXIS)} if grads
+              else P(reps or None))
   run = jax.shard_map(
-      lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), offload, *a),
-      in_specs=(spec, P(AXIS), P(), head_spec, P(), P()),
-      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, P(AXIS), spec if grads else P()),
-      axis_names={AXIS},
+      lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), offload, reps, *a),
+      in_specs=(spec, P(AXIS), P(), head_spec, P(None, reps or None), P()),
+      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, P(both),
+                 grad_spec if grads else P(reps or None)),
+      axis_names=set(both),
       check_vma=False)
   ce, aux, mx, load, pre_max, g_head, g_pre, g_stage = run(stack, on, pre_params, head, mb,
                                                            aux_weight)
-  # Summed over the pipeline axis outside the shard_map: only stage 0 (embedding, dense
-  # layers) and the last device (the final norm) hold non-zeros. A psum inside it of arrays
-  # sharded over the automatic axes (the vocab over `expert`) crashes XLA's SPMD
-  # partitioner (jax 0.10, pipeline 2 x data 2 x expert 2). The head's columns come out
-  # where they are stored.
+  # Summed outside the shard_map, once a step: over the replicas every gradient, over the
+  # pipeline axis those of stage 0 (embedding, dense layers) and the last device's final
+  # norm, the only non-zero ones. A psum inside it of arrays sharded over the automatic axes
+  # (the vocab over `expert`) crashes XLA's SPMD partitioner (jax 0.10, pipeline 2 x data 2
+  # x expert 2). The head's columns come out where they are stored.
   g_pre = jax.tree.map(lambda a: a.sum(0), g_pre)
   if grads:
+    g_stage = jax.tree.map(lambda a: a.sum(0), g_stage)
+    g_lm = g_head["lm_head"].sum(0)
     g_head = {"final_norm": g_head["final_norm"].sum(0),
-              "lm_head": g_head["lm_head"][:, :vocab] if pad else g_head["lm_head"]}
+              "lm_head": g_lm[:, :vocab] if pad else g_lm}
   n = jnp.sum(mask)
   moe = sp.stack.ffn == "moe"
   stats = transformer.ForwardStats(

@@ -1,0 +1,167 @@
+"""Collectives inside the pipeline's tick loop, weight-shaped vs activation-shaped.
+
+    python experiments/tick_collectives.py            (8 simulated devices; table + CSV)
+
+Compiles the train step of the tiny model on pipeline 2 x data 2 x expert 2 (9 layers, 2
+virtual stages, 8 microbatches, float32 params) with phases skipped per device, as a GPU /
+TPU runs it (compiled, not run: XLA:CPU can deadlock on this mesh's branches), and reads
+every collective of its optimized HLO inside the schedule's tick loop (the ENTRY while whose
+body holds the ring's collective-permute, and everything it calls: the phases' branches, the
+layer loops). A collective is weight-shaped when its operand has the shape of a parameter of
+one layer (whole or as stored on one device: split over `expert`), or of a stack of them;
+every other one moves activations, their cotangents, routing or statistics. Bytes are per
+device per tick (each branch counted as if taken, as its worst case), then scaled to K2's
+layout (PP16 x EP16 x DP8) by the ratio of one layer's per-device weight bytes, and of one
+microbatch's per-device activation bytes, K2 over this model.
+
+Rows go to experiments/results/pipeline/tick_collectives.csv, keyed by --label (e.g. the
+commit), so before / after rows come from the same measurement.
+"""
+
+import argparse
+import collections
+import csv
+import os
+import re
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import pipeline_hlo  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline",
+                   "tick_collectives.csv")
+# 40 tokens a sequence: no parameter has a dimension of 40 or a multiple of it, so an
+# activation (tokens x hidden) is never taken for a weight of the same shape
+SEQ = 40
+OPS = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def _computations(hlo):
+  comps, current = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      current = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0].lstrip("%")
+      comps[current] = []
+    elif current:
+      comps[current].append(re.sub(r"/\*.*?\*/", "", line))
+  return comps
+
+
+def _called(lines):
+  text = "\n".join(lines)
+  names = set(re.findall(r"(?:body|condition|calls|to_apply|true_computation|"
+                         r"false_computation)=%?([\w.\-]+)", text))
+  for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
+    names |= {x.strip().lstrip("%") for x in group.split(",")}
+  return names
+
+
+def tick_loop(hlo):
+  """(computations, names of those inside the tick loop)."""
+  comps = _computations(hlo)
+  calls = {c: _called(lines) for c, lines in comps.items()}
+
+  def reach(c, seen):
+    for d in calls.get(c, ()):
+      if d not in seen:
+        seen.add(d)
+        reach(d, seen)
+    return seen
+  inside = set()
+  for line in comps.get("ENTRY", []):
+    for body in re.findall(r"body=%?([\w.\-]+)", line):
+      r = reach(body, {body})
+      if any("collective-permute" in l for c in r for l in comps.get(c, [])):
+        inside |= r
+  return comps, inside
+
+
+def _shapes(text):
+  return [(dt, tuple(int(d) for d in dims.split(",") if d))
+          for dt, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", text)]
+
+
+def weight_shapes(layer_params):
+  """Shapes (leading 1s dropped) of one layer's parameters, whole and as split over any
+  factor of their dimensions the mesh could give (2, 4, 8): a weight-shaped operand."""
+  out = set()
+  for shape in layer_params:
+    shape = tuple(shape)
+    out.add(shape)
+    for d in range(len(shape)):
+      for k in (2, 4, 8):
+        if shape[d] % k == 0:
+          out.add(shape[:d] + (shape[d] // k,) + shape[d + 1:])
+  return {tuple(x for x in s if x != 1) for s in out}
+
+
+def loop_collectives(hlo, weights):
+  """Rows (op, bytes, weight-shaped, shapes) of every collective inside the tick loop."""
+  comps, inside = tick_loop(hlo)
+  rows = []
+  for c in inside:
+    for line in comps[c]:
+      m = re.search(r"= (\(?[a-z0-9]+\[[^=]*?) (" + "|".join(OPS) + r")(-start)?\(", line)
+      if not m:
+        continue
+      shapes = [s for s in _shapes(m.group(1)) if s[1]]
+      if m.group(2) == "all-gather" or m.group(3):   # async: (operand, result) tuples
+        pass
+      b = sum(pipeline_hlo.DTYPE_BYTES.get(dt, 4) * int(np.prod(s)) for dt, s in shapes)
+      if m.group(3):   # an async start's tuple holds operand and result: count one of them
+        b //= 2
+      shaped = any(tuple(x for x in s if x != 1) in weights for _, s in shapes)
+      rows.append((m.group(2), b, shaped, " ".join(f"{dt}{list(s)}" for dt, s in shapes)))
+  return rows
+
+
+def measure(label, mesh=(2, 2, 2)):
+  import jax
+  from k2jax import model
+  compiled, _, _, _, ticks, stack = pipeline_hlo.build(mesh, seq=SEQ, skip="device")
+  c = pipeline_hlo.tiny_config(mesh, seq=SEQ)
+  params = model.init(c.model, jax.random.key(0))
+  layer = [a.shape[1:] for a in jax.tree.leaves(params["moe_layers"])]
+  rows = loop_collectives(compiled.as_text(), weight_shapes(layer))
+  count = collections.Counter((op, w) for op, _, w, _ in rows)
+  nbytes = collections.Counter()
+  for op, b, w, _ in rows:
+    nbytes[w] += b
+  per_layer = sum(int(np.prod(s)) * 4 for s in layer)
+  return dict(label=label, mesh="x".join(map(str, mesh)), ticks=ticks,
+              weight_ops=sum(n for (_, w), n in count.items() if w),
+              activation_ops=sum(n for (_, w), n in count.items() if not w),
+              weight_bytes_per_tick=nbytes[True], activation_bytes_per_tick=nbytes[False],
+              layer_weight_bytes=per_layer,
+              ops=" ".join(f"{op}{'(w)' if w else ''}:{n}" for (op, w), n in sorted(count.items()))
+              ), rows
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--label", default="current")
+  p.add_argument("--rows", action="store_true", help="print every collective")
+  args = p.parse_args()
+  rec, rows = measure(args.label)
+  if args.rows:
+    for r in sorted(rows, key=lambda r: -r[1]):
+      print(f"  {r[0]:<20}{r[1]:>12,d}  {'weight' if r[2] else 'act':<7}{r[3][:120]}")
+  for k, v in rec.items():
+    print(f"{k:<28}{v}")
+  os.makedirs(os.path.dirname(OUT), exist_ok=True)
+  old = list(csv.DictReader(open(OUT))) if os.path.exists(OUT) else []
+  old = [r for r in old if r["label"] != args.label] + [rec]
+  with open(OUT, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rec))
+    w.writeheader()
+    w.writerows(old)
+
+
+if __name__ == "__main__":
+  main()
