@@ -12,8 +12,6 @@ Tables (printed, and CSV under experiments/results/pipeline/):
                loop (weights, gradients, statistics) and inside it (stage activations and
                their cotangents), against the pipelined stack's parameter bytes
                (experiments/pipeline_hlo.py; run it on an older commit for the "before" row);
-  prefix       stage 0 keeping its prefix's residuals against recomputing them: step time,
-               and the idle fraction at K2's stage costs;
   offload      the residual slots in host memory (model.offload) against device memory on
                one device: gradients, device / host temp bytes, step time (gpu_check runs
                it on a GPU, where the slots really move);
@@ -150,8 +148,7 @@ def zero_bubble():
   # data = 1. 1F1B's activations in flight do not depend on M.
   for V in (2, 4):
     sp = layout.split(k2.model, 16, V)
-    # 1f1b's costs as the pipeline runs it (whether stage 0 keeps its prefix is traced:
-    # pipeline.keeps_prefix)
+    # 1f1b's costs as the pipeline runs it
     plain = pipeline.schedule_costs(k2.model, 16, V, "1f1b", mesh["data"], mesh["expert"],
                                     k2.train.seq_len)
     split = schedules.stage_costs(k2.model, sp, k2.train.seq_len, w)
@@ -168,50 +165,6 @@ def zero_bubble():
                        cut_gb_per_layer=cut / 1e9, f1b_activations_gb=act["1f1b"],
                        zbh1_activations_gb=act["zbh1"]))
   write("zero_bubble.csv", rows)
-
-
-def prefix():
-  """Stage 0 keeping its prefix's residuals (pipeline._Overlay) against recomputing the
-  prefix in its backward: the pipelined step's time on 8 simulated devices (4 x 3 virtual
-  x expert 2, 1 dense + 8 MoE layers of the tiny model: stage 0 holds padding only; idle
-  phases skipped per device, the only mode that keeps the prefix), both settings
-  alternated, and the idle fraction at K2's stage costs (16 x 4 and 16 x 2, 1f1b)."""
-  import logging
-  from k2jax import configs
-  from k2jax.parallel import layout, pipeline
-  rows = []
-  times = {True: [], False: []}
-  said = []        # whether the compiled step really kept it (pipeline logs which)
-  handler = logging.Handler()
-  handler.emit = lambda r: said.append(r.getMessage())
-  logging.getLogger("k2jax.parallel").addHandler(handler)
-  logging.getLogger("k2jax.parallel").setLevel(logging.INFO)
-  kept = {}
-  for rep in range(2):                 # alternated: the machine's load drifts
-    for keep in (False, True):
-      pipeline.KEEP_PREFIX = keep
-      said.clear()
-      # the test fixture's geometry (4 sequences per microbatch), where the prefix fits
-      times[keep].append(pipeline_hlo.measure((4, 1, 2), virtual=3, skip="device", batch=16,
-                                              grad_accum=4)["step_s"])
-      kept[keep] = any("keeps its prefix" in m for m in said)
-  pipeline.KEEP_PREFIX = True
-  logging.getLogger("k2jax.parallel").removeHandler(handler)
-  base = min(times[False])
-  for keep in (False, True):
-    rows.append(dict(what="step on 8 simulated devices, 4x1x2 / 3 virtual, 4 x 4 sequences "
-                     f"(s, best of 2; prefix kept: {kept[keep]})",
-                     keep_prefix=keep, value=min(times[keep]), ratio=min(times[keep]) / base))
-  k2 = configs.get_config("kimi_k2").model
-  for V in (4, 2):
-    sp = layout.split(k2, 16, V)
-    for M in (32, 128, 1024):
-      tab = schedules.build("1f1b", 16, V, M)
-      for keep in (False, True):
-        c = schedules.stage_costs(k2, sp, 4096, keep_prefix=keep and sp.prefix_kept)
-        rows.append(dict(what=f"K2 idle by stage FLOPs, 16 x {V}, {M} microbatches",
-                         keep_prefix=keep, value=tab.idle_fraction(c), ratio=""))
-  write("prefix_overlay.csv", rows)
 
 
 def offload(name="offload.csv", tiny=True, reps=3):
@@ -428,14 +381,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--loss-steps", type=int, default=200)
   ap.add_argument("--only",
-                  default="params,bubble,zero_bubble,prefix,offload,collectives,plan_vs_xla,"
+                  default="params,bubble,zero_bubble,offload,collectives,plan_vs_xla,"
                           "plan_vs_xla_activations,step_time,memory,storage,loss")
   a = ap.parse_args()
   only = a.only.split(",")
   print(f"{jax.device_count()} simulated devices; 1024^3 f32 matmul {matmul_rate():.0f} "
         "GFLOP/s on this machine\n")
   steps = {"params": param_bytes, "bubble": bubbles, "zero_bubble": zero_bubble,
-           "collectives": collectives, "prefix": prefix, "offload": offload,
+           "collectives": collectives, "offload": offload,
            "plan_vs_xla": plan_vs_xla, "plan_vs_xla_activations": plan_vs_xla_activations,
            "step_time": step_time, "memory": memory_vs_microbatches,
            "storage": storage, "loss": lambda: loss_fp8(a.loss_steps)}

@@ -386,12 +386,7 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
         f"{pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
         f"backward (k2jax.parallel.bwsplit), "
         f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above)")
-    kept = not tab.split and pipeline.keeps_prefix(cfg.model, P, V, *args[1:])
-    prefix_note = ("stage 0 keeps the embedding and dense layers' residuals in the slot "
-                   "its padding leaves unused" if kept else
-                   "stage 0 recomputes the embedding and dense layers in its backward" + (
-                       ": their residuals do not fit the slot" if sp.prefix_kept
-                       and not tab.split else ""))
+    prefix_note = "stage 0 recomputes the embedding and dense layers in its backward"
     padded = (f", {sp.padded} padding row(s) stored, first on the stage with the embedding"
               if sp.padded else "")
     # one SPMD program: every device allocates the busiest device's residual slots

@@ -314,38 +314,6 @@ def pipeline_collectives():
                                 "loop_ops": sorted({r[1] for r in rows if r[0]})}))
 
 
-def overlay_collectives():
-  """Collective ops of the compiled train step on pipeline 2 x 3 virtual x data 2 x expert 2
-  (1 dense + 8 MoE layers in 6 stages: stage 0 holds padding only), with stage 0 keeping
-  its prefix's residuals as bytes in its unused slot and with it recomputing the prefix,
-  phases skipped per device as on GPU / TPU (compiled, not run: XLA:CPU can deadlock on
-  this mesh's branches): the byte views must not make the partitioner move anything
-  between devices."""
-  import collections
-  import logging
-  import os
-  import re
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
-  import pipeline_hlo
-  from k2jax.parallel import pipeline
-  seen = []
-  handler = logging.Handler()
-  handler.emit = lambda record: seen.append(record.getMessage())
-  logging.getLogger("k2jax.parallel").addHandler(handler)
-  logging.getLogger("k2jax.parallel").setLevel(logging.INFO)
-  out = {}
-  for keep in (True, False):
-    pipeline.KEEP_PREFIX = keep
-    seen.clear()
-    hlo = pipeline_hlo.build((2, 2, 2), virtual=3, grad_accum=4, batch=16,
-                             skip="device")[0].as_text()
-    ops = collections.Counter(re.findall(
-        r"\b(all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter)"
-        r"(?:-start)?\(", hlo))
-    out[str(keep)] = dict(ops=dict(ops), kept=any("keeps its prefix" in m for m in seen))
-  print("RESULT " + json.dumps(out))
-
-
 def lower(platform, moe_impl, attention_impl, shape="tiny"):
   """Lower (no compile) the pipelined bf16 train step with per-device skipping, as a GPU / TPU
   runs it, for `platform` with the given kernels, on 8 CPU devices: pipeline 4 x 2 virtual x
@@ -598,4 +566,4 @@ if __name__ == "__main__":
   {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
    "pipeline_collectives": pipeline_collectives, "lower": lower,
    "attend_shards": attend_shards, "muon_local": muon_local,
-   "overlay_collectives": overlay_collectives, "embedding": embedding}[sys.argv[1]](*sys.argv[2:])
+   "embedding": embedding}[sys.argv[1]](*sys.argv[2:])

@@ -140,12 +140,6 @@ def test_checkpoint_moves_between_meshes(tmp_path, runs):
     assert_close(losses(dst), runs["2x4"])
 
 
-# Deep enough to split: 1 dense + 8 MoE layers, 16-row batches, with the aux balance loss on
-# so its token weighting across microbatches is checked too.
-# A vocabulary of 266 (the byte tokenizer's 264 ids + 2 never seen) is not a multiple of 4
-# or 8: the head's columns are padded to split over those pipelines.
-# A dense layer 32 wide (not 384) so that the embedding and dense layer's residuals fit a
-# one-layer stage's slot: the 4 x 3 mesh below runs the prefix overlay.
 def test_pallas_attention_per_batch_shard_equals_the_whole_batch():
   """Under a data 2 x expert 4 mesh the Pallas kernels (interpret mode) run per batch shard
   in shard_map and S_max is the pmax of the shards': output, S_max and dq / dk / dv equal

@@ -190,11 +190,9 @@ def test_work_ratio_counts_each_task_once_and_no_idle_slot(name):
   pre = sum(counting.layer_flops(c, st.ffn, 4096) * st.size
             for st in transformer.stacks(c) if st.ffn != "moe") / unit
   layers, head = 60.0, 3 * counting.head_flops(c) / unit      # 60 MoE layers, head's 3 products
-  # stage 0 holds padding only here, so 1f1b keeps the prefix's residuals (2 forwards of it
-  # in B); zbh1 recomputes it (3)
-  assert sp.prefix_kept
-  recomputed = 1.0 if name == "zbh1" else 0.0
-  want = (3 * layers + (3 + recomputed) * pre + head) / (3 * layers + 3 * pre + head)
+  # stage 0 holds padding only here; its backward recomputes the prefix (3 forwards of it)
+  assert sp.layers_per_stage()[0] == 0
+  want = (3 * layers + 4 * pre + head) / (3 * layers + 3 * pre + head)
   assert tab.work_ratio(costs) == pytest.approx(want, rel=1e-9)
   assert tab.work_ratio(costs) < 1.01
 

@@ -78,10 +78,8 @@ def get_config():
   # of 16384 is 1024 microbatches on 256 devices, 128 on the report's PP16 x EP16 x DP8,
   # and follows an override of mesh.data. The bubble shrinks with the microbatch count while
   # the activations in flight do not grow: idle 8.5% of device time by stage FLOPs at 128
-  # microbatches. 16 x 4 stages of 1 idle 12.3% there: stage 0 holds padding only but the
-  # embedding and dense layer's residuals (18432-wide SwiGLU inputs) do not fit the slot's
-  # sequence-laid-out leaves (pipeline._Overlay, keeps_prefix), so its backward recomputes
-  # them and its ticks are the longest. zbh1 idles 6.8% at 16 x 2 but keeps 54 GB more in
+  # microbatches. 16 x 4 stages of 1 idle 12.3% there: stage 0 holds padding only and its
+  # backward recomputes the embedding and dense layer, so its ticks are the longest. zbh1 idles 6.8% at 16 x 2 but keeps 54 GB more in
   # host memory (what B hands W: 1.69 GB per layer and sequence, the routed experts' row
   # cotangents most of it), so the preset stays 1f1b.
   base.one_sequence_per_device(c)

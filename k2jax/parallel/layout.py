@@ -51,15 +51,6 @@ class Split(NamedTuple):
   def padded(self) -> int:
     return self.rows - self.stack.size
 
-  @property
-  def prefix_kept(self) -> bool:
-    """Whether stage 0 keeps the residuals of what runs before the stack (the embedding and
-    the leading dense layers) for its backward instead of recomputing them there: when it
-    holds no layer of the stack (K2: the split pads there first), the residual slot its
-    padding rows would fill is free (k2jax.parallel.pipeline: `_Overlay`; schedules with
-    split W tasks recompute)."""
-    return int(self.layers_per_stage()[0]) == 0
-
   def layers_per_stage(self) -> np.ndarray:
     """[S] real layers of each stage, in stage order."""
     if self.counts:
@@ -96,9 +87,7 @@ def _balanced_counts(cfg, stack, P: int, V: int, L: int) -> tuple:
   the work is largest. Stage 0 also runs the embedding and the layers before the stack
   (forward, then recomputed and differentiated in its backward: 4 / 3 of a forward + backward
   in layer units), so it takes the padding first (the head is split over every device,
-  k2jax.parallel.pipeline); a device never loses its last layer. Once stage 0 holds none,
-  the pipeline keeps the prefix's residuals instead of recomputing them (`prefix_kept`),
-  which only lightens it. K2 (60 layers, 16 x 2 stages of 2): stage 0 holds none, the last
+  k2jax.parallel.pipeline); a device never loses its last layer. K2 (60 layers, 16 x 2 stages of 2): stage 0 holds none, the last
   two one each."""
   from k2jax.model import counting
   S = P * V

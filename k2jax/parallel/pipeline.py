@@ -16,13 +16,15 @@ slots everything is kept in. The loop computes only what the table says:
 
   - a phase the table leaves idle is skipped (`lax.cond` on the device's own table entry,
     which every data / expert shard of that pipeline device agrees on, so the MoE's
-    collectives inside the branch meet their peers; the ppermutes stay outside);
+    collectives inside the branch meet their peers; the ppermutes stay outside). F and the
+    head are one cond each; B and W one per layer, with the float32 gradient sums outside
+    every cond (XLA:TPU gives a cond's outputs buffers of their own: sums passed through a
+    phase's cond were a second copy of them);
   - the embedding and the leading dense layers (a dense layer of 61 for K2) run in the F
-    phase of stage 0 only, per microbatch. Where stage 0 holds no layer of the stack (K2:
-    the split pads there first), the schedule does not split W and phases are skipped per
-    device (GPU / TPU), F keeps their vjp residuals under the remat policy as bytes in the
-    residual slot its padding leaves unused (`_Overlay`), and B differentiates them from
-    there; otherwise B recomputes them (3 forward units where the others' ticks take 2);
+    phase of stage 0 only, per microbatch, and B recomputes them from stage 0's input (3
+    forward units where the others' ticks take 2). Keeping their residuals in the slot a
+    padded stage 0 leaves unused instead saved one dense layer's recomputation and measured
+    no shorter (idle 19.8% -> 20.0% at 16 x 2 on K2's costs), at ~250 lines: removed;
   - the final norm, head and loss run once per microbatch, in a head phase after the F phase
     of the tick that runs the last stage, on every device: the vocabulary is split over the
     pipeline devices (`_head`; the head's columns are stored that way, sharding rule
@@ -98,11 +100,6 @@ def replica_axes(mesh) -> tuple[str, ...]:
   return tuple(a for a in active_mesh_axes("batch", mesh, manual=True) if a not in held)
 
 
-# Stage 0 keeps its prefix's residuals where its slot is free (`_Overlay`); False recomputes
-# the prefix in its backward (the same gradients; for comparisons).
-KEEP_PREFIX = True
-
-
 def routed_impl(impl: str) -> str:
   return moe_kernels.auto_impl() if impl == "auto" else impl
 
@@ -134,30 +131,14 @@ def schedule_costs(mcfg, P: int, V: int, schedule: str, data: int = 1, expert: i
   if schedule == "zbh1":
     w = w_share(mcfg, data, expert, seq_len, platform)
   sp = split(mcfg, P, V)
-  return schedules.stage_costs(mcfg, sp, seq_len, w, keep_prefix=w is None and keeps_prefix(
-      mcfg, P, V, data, expert, seq_len, platform))
-
-
-def keeps_prefix(mcfg, P: int, V: int, data: int = 1, expert: int = 1, seq_len: int = 4096,
-                 platform=None) -> bool:
-  """Whether stage 0 keeps its prefix's residuals (`_Overlay`) on GPU / TPU (per-device
-  skipping; CPU's per-tick mode recomputes) with schedules that do not split W: it holds no
-  layer of the stack (layout.Split.prefix_kept) and the prefix's residuals fit the slot,
-  traced at abstract shapes (one sequence per device, the kernels `auto` picks on
-  `platform`) by the check the pipeline itself runs (`_plan_overlay`)."""
-  sp = split(mcfg, P, V)
-  if not (KEEP_PREFIX and sp.prefix_kept):
-    return False
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:   # the mesh context is per thread
-    return pool.submit(_traced_overlay, mcfg.to_json(), P, V, data, expert, seq_len,
-                       platform).result()
+  return schedules.stage_costs(mcfg, sp, seq_len, w)
 
 
 @contextlib.contextmanager
 def _abstract(cfg_json: str, data: int, expert: int, platform):
   """The stages' model config (from its JSON: a cache key) under a data x expert abstract
   mesh and the kernels `auto` picks on `platform` (default gpu): where the traced figures
-  (`keeps_prefix`, `split_cost`) are taken, at abstract shapes, nothing allocated."""
+  (`split_cost`) are taken, at abstract shapes, nothing allocated."""
   import ml_collections
   from k2jax.kernels import platform as kernel_platform
   mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
@@ -178,35 +159,6 @@ def _sequences(B: int, seq_len: int):
   """Positions and segment ids of B whole sequences."""
   return (jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (B, seq_len)),
           jnp.ones((B, seq_len), jnp.int32))
-
-
-@functools.lru_cache(maxsize=16)
-def _traced_overlay(cfg_json: str, P: int, V: int, data: int, expert: int, seq_len: int,
-                    platform) -> bool:
-  with _abstract(cfg_json, data, expert, platform) as cfg:
-    sp = split(cfg, P, V)
-    pre_params = {k: _param_avals(cfg, k) for k in
-                  ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]}
-    stage_params = _param_avals(cfg, sp.stack.name, sp.per_stage)
-    layer = _layer_fn(cfg, sp.stack.ffn)
-    stats = (cfg.num_attention_heads, cfg.n_routed_experts if sp.stack.ffn == "moe" else 0)
-    G = data * expert
-
-    def probe(k):
-      B = k * G
-      tokens = jax.ShapeDtypeStruct((B, seq_len), jnp.int32)
-      x = jax.ShapeDtypeStruct((B, seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
-      on = jax.ShapeDtypeStruct((1, sp.per_stage), jnp.bool_)
-
-      def residuals(pp, sp_, t, x, on):
-        pos, seg = _sequences(B, seq_len)
-        pre = _Saved().vjp(lambda a: _pre(cfg, sp, a, t, pos, seg), pp, has_aux=True)[2]
-        rows = jax.tree.map(lambda a: a[None], sp_)             # [V = 1, L, ...]
-        one = jnp.ones((), jnp.float32)
-        return pre, _stage_forward(layer, _Saved(), None, rows, 0, on, x, pos, seg, one, True,
-                                   stats)[2]
-      return jax.eval_shape(residuals, pre_params, stage_params, tokens, x, on)
-    return _plan_overlay(probe, G, G) is not None
 
 
 def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
@@ -371,11 +323,14 @@ def _stage_forward(layer, saved, res_avals, params, v, on, x, positions, segment
   return (y, jnp.sum(aux)), (ml, load), res
 
 
-def _stage_backward(saved, params, v, on, res, dy, g, valid, skip_padding: bool):
+def _stage_backward(saved, params, v, on, res, dy, g, valid, skip_padding: bool, active=None):
   """The B phase of virtual stage v (schedules that do not split W): layer by layer from
   the last, each one's vjp from its weights (`_layer_at`) and stored residuals (res [L,
   ...]); its weight gradients go into the float32 sums g [V, L, ...] at [v, l] where
-  `valid`, in the loop, so no stage-sized gradient exists. -> (dx, g)."""
+  `valid`, in the loop, so no stage-sized gradient exists. `active`: whether the phase
+  runs (`_if_real`): each layer's work is its own cond and the sums stay outside every
+  cond (a cond's output is a buffer of its own on XLA:TPU: the sums passed through the
+  phase's cond were a second copy of them, 17 GB on the K2 preset). -> (dx, g)."""
   def body(carry, xs):
     dy, g = carry
     l, r = xs
@@ -387,7 +342,7 @@ def _stage_backward(saved, params, v, on, res, dy, g, valid, skip_padding: bool)
 
     def pad(dy):
       return dy, jax.tree.map(jnp.zeros_like, pl)
-    dx, gp = _if_real(on[v, l], real, pad, skip_padding, dy)
+    dx, gp = _if_real(on[v, l], real, pad, skip_padding, dy, active=active)
     return (dx, _add_at(g, v, l, gp, valid)), None
   (dx, g), _ = jax.lax.scan(body, (dy, g), (jnp.arange(on.shape[1]), res), reverse=True)
   return dx, g
@@ -442,170 +397,6 @@ class _Saved:
 
 def _nbytes(a) -> int:
   return math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
-
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def _bits_aval(a):
-  """The unsigned-integer container of an array like `a` (same shape and width)."""
-  return jax.ShapeDtypeStruct(a.shape, _UINT[jnp.dtype(a.dtype).itemsize])
-
-
-def _bits(x):
-  """x as unsigned integers of its width, bit for bit. Bytes kept in float arrays are not
-  safe: XLA may compute a bf16 select in float32 (CPU does), which rewrites NaN payloads."""
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint8)
-  return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-
-
-def _unbits(u, aval):
-  """The inverse of `_bits`."""
-  if jnp.dtype(aval.dtype) == jnp.bool_:
-    return u.astype(jnp.bool_)
-  return jax.lax.bitcast_convert_type(u, aval.dtype)
-
-
-def _as_bytes(u, G: int, axis: int):
-  """An unsigned container (`_bits`) -> uint8 [G, bytes / G]: row g is batch shard g's part.
-  `axis` is u's batch axis (split over the G devices of the `batch` axes); it is moved to
-  the front before the rows are cut, so the view moves nothing between devices."""
-  if u.dtype.itemsize > 1:
-    u = jax.lax.bitcast_convert_type(u, jnp.uint8)
-  u = jnp.moveaxis(u, axis, 0).reshape(G, -1)
-  return constrain(u, ("batch", None)) if G > 1 else u
-
-
-def _from_bytes(u, aval, axis: int):
-  """The inverse of `_as_bytes`: uint8 [G, bytes / G] -> the container `aval`."""
-  k = jnp.dtype(aval.dtype).itemsize
-  moved = (aval.shape[axis],) + tuple(d for i, d in enumerate(aval.shape) if i != axis)
-  u = jnp.moveaxis(u.reshape(moved + ((k,) if k > 1 else ())), 0, axis)
-  return u if k == 1 else jax.lax.bitcast_convert_type(u, aval.dtype)
-
-
-def _batch_axes(small, large, B: int):
-  """Each leaf's batch axis, from its avals traced at B and 2 B sequences per microbatch
-  (`small`, `large`): the one axis that doubles and holds whole sequences (a multiple of B:
-  [.., B, ..] or flattened tokens [B T, ..], split over the batch devices like the
-  sequences), or None (batch-independent; or grown otherwise, like the expert exchange's
-  capacity buffers, whose split need not follow the batch's)."""
-  out = []
-  for a, b in zip(small, large):
-    grown = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-    ok = len(grown) == 1 and b.shape[grown[0]] == 2 * a.shape[grown[0]] \
-        and a.shape[grown[0]] % B == 0
-    out.append(grown[0] if ok else None)
-  return tuple(out)
-
-
-def _sequence_axes(small, large, B: int):
-  """`_batch_axes` restricted to axes of exactly B at B sequences: [.., B, ..], the
-  sequences as the batch lays them out. The overlay's bins (`_Overlay`) are taken only from
-  those: on 8 CPU devices (pipeline x expert parallelism) reading the expert exchange's
-  flattened-token residuals ([tokens k, ..] inside the MoE's shard_map) as bytes changed
-  the routed experts' gradients of every stage, not only stage 0's (rel. 0.3-1.0; the
-  same overlay on pipeline x data, or expert alone, was exact), so they are not bins."""
-  return tuple(ax if ax is not None and a.shape[ax] == B else None
-               for a, ax in zip(small, _batch_axes(small, large, B)))
-
-
-def _plan_overlay(probe, B: int, G: int, pre=None, stage=None):
-  """The `_Overlay` of stage 0's prefix residuals on its stage residual slot, or None where
-  they do not fit. probe(k) -> (prefix residual avals, stage residual avals) at k times the
-  microbatch's B sequences (the batch axes are the ones that double); pre / stage: the
-  avals at k = 1 if the caller has them."""
-  (pre1, st1), (pre2, st2) = probe(1), probe(2)
-  return _Overlay.plan(pre or pre1, _batch_axes(pre1, pre2, B), stage or st1,
-                       _sequence_axes(st1, st2, B), G)
-
-
-class _Overlay(NamedTuple):
-  """Stage 0's prefix residuals kept in the stage residual slot its padding rows leave unused.
-
-  When stage 0 holds no layer of the stack (layout.Split.prefix_kept), the residuals its F
-  writes to the schedule's buffers are the padding layers' zeros: a slot's worth of unused
-  memory on every pipeline device. Stage 0 writes there instead the vjp residuals of the
-  prefix (embedding, dense layers), as bytes: each prefix leaf, seen as uint8 [G, bytes / G]
-  rows per batch shard (`_as_bytes`, along its own batch axis), concatenated along the rows
-  and cut into the byte views of stage leaves that have a batch axis (`bins`), in order. So
-  a shard's bytes stay on its device. Prefix leaves with no batch axis (small: positions'
-  tables, scalars) ride in `side` leaves appended to every slot. The stage residuals travel
-  through the buffers as unsigned integers (`_bits`), so every byte survives. Stage 0's
-  backward then needs no recomputation of the prefix: 2 forwards of it instead of 3 (at
-  K2's 16 x 4 stages the ticks that run it no longer outlast every other tick by half)."""
-  pre: tuple           # avals of the prefix's residual leaves
-  pre_axes: tuple      # their batch axes (None: kept in `side`)
-  stage: tuple         # avals of a stage's residual leaves, as containers (`_bits_aval`)
-  stage_axes: tuple    # their batch axes
-  bins: tuple          # the stage leaves (indices) the prefix's bytes fill, in order
-  G: int               # devices the batch splits over
-
-  # prefix bytes with no batch axis above this go unkept (they would ride in every slot)
-  SIDE_LIMIT = 1 << 20
-
-  @staticmethod
-  def plan(pre, pre_axes, stage, stage_axes, G: int):
-    """The overlay of residual avals `pre` on `stage`, or None where they do not fit."""
-    if any(ax is not None and a.shape[ax] % G for a, ax in zip(pre, pre_axes)):
-      return None
-    if sum(_nbytes(a) for a, ax in zip(pre, pre_axes) if ax is None) > _Overlay.SIDE_LIMIT:
-      return None
-    need = sum(_nbytes(a) for a, ax in zip(pre, pre_axes) if ax is not None)
-    bins, have = [], 0
-    for i, (a, ax) in enumerate(zip(stage, stage_axes)):
-      if have >= need:
-        break
-      if ax is not None and a.shape[ax] % G == 0 and _nbytes(a):
-        bins.append(i)
-        have += _nbytes(a)
-    if have < need:
-      return None
-    return _Overlay(tuple(pre), tuple(pre_axes), tuple(_bits_aval(a) for a in stage),
-                    tuple(stage_axes), tuple(bins), G)
-
-  @property
-  def side(self):
-    """Avals of the leaves appended to every slot: the prefix leaves with no batch axis."""
-    return [_bits_aval(a) for a, ax in zip(self.pre, self.pre_axes) if ax is None]
-
-  def write(self, first, pre_leaves, stage_bits):
-    """The leaves to store (containers, `_bits`): the stage's, then `side`; on stage 0
-    (`first`) the prefix's bytes in the bins and its batch-independent leaves in `side`."""
-    batched = [(_bits(a), ax) for a, ax in zip(pre_leaves, self.pre_axes) if ax is not None]
-    out, at = list(stage_bits), 0
-    if batched:
-      stream = jnp.concatenate([_as_bytes(u, self.G, ax) for u, ax in batched], axis=1)
-      for i in self.bins:
-        width = _nbytes(self.stage[i]) // self.G
-        chunk = stream[:, at:at + width]
-        if chunk.shape[1] < width:
-          chunk = jnp.pad(chunk, ((0, 0), (0, width - chunk.shape[1])))
-        out[i] = jnp.where(first, _from_bytes(chunk, self.stage[i], self.stage_axes[i]),
-                           out[i])
-        at += width
-    side = [jnp.where(first, _bits(a), jnp.zeros_like(_bits(a)))
-            for a, ax in zip(pre_leaves, self.pre_axes) if ax is None]
-    return out + side
-
-  def read(self, stored):
-    """The prefix's residual leaves back from stage 0's stored containers."""
-    n = len(self.stage)
-    side = iter(stored[n:])
-    stream = None
-    if self.bins:
-      stream = jnp.concatenate([_as_bytes(stored[i], self.G, self.stage_axes[i])
-                                for i in self.bins], axis=1)
-    out, at = [], 0
-    for a, ax in zip(self.pre, self.pre_axes):
-      if ax is None:
-        out.append(_unbits(next(side), a))
-        continue
-      width = _nbytes(a) // self.G
-      out.append(_unbits(_from_bytes(stream[:, at:at + width], _bits_aval(a), ax), a))
-      at += width
-    return out
 
 
 def _split_fn(saved: _Saved, weights, n_res: int, n_ct: int):
@@ -702,13 +493,15 @@ def _where(c, a, b):
   return jax.tree.map(lambda u, w: jnp.where(c, u, w), a, b)
 
 
-def _if_real(on, real, pad, skip_padding: bool, *operands):
-  """real(*operands) for a real layer, pad(*operands) for a padding row: skipped with a
-  lax.cond (`skip_padding`, per device) or both computed and one kept (CPU's per-tick
-  mode, module docstring)."""
+def _if_real(on, real, pad, skip_padding: bool, *operands, active=None):
+  """real(*operands) for a real layer of a phase that runs, pad(*operands) for a padding row
+  or an idle phase (`active` False; None: always active): skipped with a lax.cond
+  (`skip_padding`, per device: `active` is the device's own) or both computed and one kept
+  inside a cond on the tick's `active` (CPU's per-tick mode, module docstring)."""
   if skip_padding:
-    return jax.lax.cond(on, real, pad, *operands)
-  return _where(on, real(*operands), pad(*operands))
+    return jax.lax.cond(on if active is None else on & active, real, pad, *operands)
+  both = lambda *o: _where(on, real(*o), pad(*o))
+  return both(*operands) if active is None else jax.lax.cond(active, both, pad, *operands)
 
 
 def _zeros(avals):
@@ -865,13 +658,12 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   else:
     saved, layer_res = None, []
 
-  def forward(x, v, m, mbs=mb, keep=None):
+  def forward(x, v, m):
     """-> ((y, aux), (max logits, load), stored residual leaves [L, ...])."""
-    return _stage_forward(layer, keep or saved, None if keep else layer_res, params, v, on,
-                          x, mbs["positions"][m], mbs["segment_ids"][m], aux_weight,
-                          per_device, stats)
+    return _stage_forward(layer, saved, layer_res, params, v, on, x, mb["positions"][m],
+                          mb["segment_ids"][m], aux_weight, per_device, stats)
 
-  def backward(res, dy, v, valid, g):
+  def backward(res, dy, v, valid, g, active):
     """zbh1's B -> (dx, cut [L, ...], g with the early weight gradients added)."""
     def body(carry, xs):
       dy, g = carry
@@ -884,13 +676,13 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
 
       def pad(dy):
         return dy, _zeros([w_avals[i] for i in early]), _zeros(cut_fn.cut_avals)
-      dx, e, cut = _if_real(on[v, l], real, pad, per_device, dy)
+      dx, e, cut = _if_real(on[v, l], real, pad, per_device, dy, active=active)
       return (dx, _add_at(g, v, l, e, valid, early)), cut
     leaves, tree = jax.tree.flatten(g)
     (dx, leaves), cut = jax.lax.scan(body, (dy, leaves), (jnp.arange(L), res), reverse=True)
     return dx, cut, jax.tree.unflatten(tree, leaves)
 
-  def weights_grad(res, cut, v, valid, g):
+  def weights_grad(res, cut, v, valid, g, active):
     """zbh1's W: g with the late weight gradients (cut_fn.late) of stage v added."""
     def body(leaves, xs):
       l, r, c = xs
@@ -902,8 +694,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
 
       def pad():
         return _zeros([w_avals[i] for i in cut_fn.late])
-      return _add_at(leaves, v, l, _if_real(on[v, l], real, pad, per_device), valid,
-                     cut_fn.late), None
+      return _add_at(leaves, v, l, _if_real(on[v, l], real, pad, per_device, active=active),
+                     valid, cut_fn.late), None
     leaves, tree = jax.tree.flatten(g)
     leaves = jax.lax.scan(body, leaves, (jnp.arange(L), res, cut))[0]
     return jax.tree.unflatten(tree, leaves)
@@ -913,41 +705,6 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   f_shapes = jax.eval_shape(lambda x: forward(x, 0, 0), x0)
   res_shapes = f_shapes[2]
   slots = tab.sizes
-  # Stage 0 keeps the prefix's residuals in its unused residual slot (`_Overlay`) when it
-  # holds only padding and the schedule does not split W; else its B recomputes the prefix.
-  overlay = None
-  # Per-device skipping only (GPU / TPU): in CPU's per-tick mode every device would also
-  # run stage 0's own backward on the overlaid bytes, whose expert exchange then takes
-  # other collectives than its peers' (seen: wrong gradients on pipeline 2 x expert 2).
-  if grads and not tab.split and sp.prefix_kept and KEEP_PREFIX and per_device:
-    pre_saved = _Saved()
-
-    def pre_fwd(m):
-      """-> (stage-0 input, prefix max logits, the prefix's stored vjp residuals)."""
-      return pre_saved.vjp(lambda pp: pre(pp, m), pre_params, has_aux=True)
-    pre_shapes = jax.eval_shape(lambda: pre_fwd(0))[2]
-    mesh = jax.sharding.get_abstract_mesh()
-    G = math.prod(mesh.shape[a] for a in active_mesh_axes("batch", mesh))
-
-    def probe(k):
-      """(prefix, stage) residual avals of one F at k times the microbatch's sequences."""
-      mbs = jax.tree.map(lambda a: jnp.zeros((1, k * a.shape[1]) + a.shape[2:], a.dtype), mb)
-      xk = jnp.zeros((k * act_shape[0],) + act_shape[1:], dt)
-      pre_res = _Saved().vjp(lambda pp: pre(pp, 0, mbs), pre_params, has_aux=True)[2]
-      stage_res = forward(xk, 0, 0, mbs, keep=_Saved())[2]
-      return pre_res, stage_res
-    overlay = _plan_overlay(lambda k: jax.eval_shape(functools.partial(probe, k)),
-                            act_shape[0], G, pre_shapes, res_shapes)
-    if overlay is None:
-      log.warning("pipeline: stage 0's prefix residuals (%.3g MB) do not fit its residual "
-                  "slot; its backward recomputes the prefix",
-                  sum(_nbytes(a) for a in pre_shapes) / 1e6)
-    else:     # the buffers hold the stage residuals as unsigned integers (`_bits`)
-      typed, res_shapes = res_shapes, list(overlay.stage) + overlay.side
-      log.info("pipeline: stage 0 keeps its prefix's residuals (%.3g MB, %.3g MB of them "
-               "in every slot) in the slot its padding leaves unused",
-               sum(_nbytes(a) for a in pre_shapes) / 1e6,
-               sum(_nbytes(a) for a in overlay.side) / 1e6)
   if grads and tab.split:
     cut_shapes = [jax.ShapeDtypeStruct((L,) + a.shape, a.dtype) for a in cut_fn.cut_avals]
   if grads:
@@ -964,25 +721,22 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     """lax.cond on this device's own predicate ("device") or on the tick's ("tick")."""
     return jax.lax.cond(pred if per_device else tick_pred, yes, no, *operands)
 
+  # The phases. F and the head run under a cond (skipped where idle) on the statistics
+  # `st` and the head's sums; B and W skip each layer's work in a cond of its own and add
+  # to the float32 sums `g` outside every cond (`_stage_backward`).
   def f_phase(args):
-    v, m, valid, flags, act, acc = args
+    v, m, valid, flags, act, st = args
     first = (p == 0) & (v == 0)
     no_pre = lambda: (act, jnp.full((n_pre, H), -jnp.inf, jnp.float32))
-    if overlay is None:
-      x, pre_max = branch(first, flags["pre"], lambda: pre(pre_params, m), no_pre)
-    else:
-      x, pre_max, pre_res = branch(first, flags["pre"], lambda: pre_fwd(m),
-                                   lambda: (*no_pre(), _zeros(list(overlay.pre))))
+    x, pre_max = branch(first, flags["pre"], lambda: pre(pre_params, m), no_pre)
     x = jnp.where(first, x, act)
     pre_max = jnp.where(first & valid, pre_max, -jnp.inf)
     (y, aux), (ml, load), res = forward(x, v, m)
-    if overlay is not None:
-      res = overlay.write(first, pre_res, [_bits(a) for a in res])
-    new = dict(aux=acc["aux"] + aux, mx=acc["mx"].at[v].max(ml),
-               pre_max=jnp.maximum(acc["pre_max"], pre_max), load=acc["load"].at[v].add(load))
+    new = dict(aux=st["aux"] + aux, mx=st["mx"].at[v].max(ml),
+               pre_max=jnp.maximum(st["pre_max"], pre_max), load=st["load"].at[v].add(load))
     if not per_device:   # this device may be idle in a tick others work in: keep its sums
-      new = _where(valid, new, {k: acc[k] for k in new})
-    return y, res, dict(acc, **new)
+      new = _where(valid, new, {k: st[k] for k in new})
+    return y, res, dict(st, **new)
 
   def f_idle(args):
     return x0, _zeros(res_shapes), args[-1]
@@ -994,67 +748,38 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     over the vocabulary slices (`_head`) and the cotangent of the stage's output, which
     the last device keeps for its B. A tick predicate: every device agrees, so the psums
     inside meet their peers."""
-    y, m, acc = args
+    y, m, st = args
     y = jax.lax.psum(jnp.where(last_device, y, jnp.zeros_like(y)), AXIS)
     out = _head(cfg, head, y, mb["targets"][m], mb["loss_mask"][m], grads)
     ce, dy, g = (out, jnp.zeros_like(y), None) if not grads else out
-    acc = dict(acc, ce=acc["ce"] + jnp.where(last_device, ce, 0.0))
+    st = dict(st, ce=st["ce"] + jnp.where(last_device, ce, 0.0))
     if grads:    # the norm's gradient once (the last device's), each device its columns'
-      acc["g_norm"] = acc["g_norm"] + jnp.where(last_device, g["final_norm"], 0.0)
-      acc["g_lm"] = acc["g_lm"] + g["lm_head"]
-    return dy.astype(dt), acc
+      st["g_norm"] = st["g_norm"] + jnp.where(last_device, g["final_norm"], 0.0)
+      st["g_lm"] = st["g_lm"] + g["lm_head"]
+    return dy.astype(dt), st
 
   def head_idle(args):
     return jnp.zeros_like(args[0]), args[-1]
 
-  def b_phase(args):
-    v, m, valid, flags, dy, res, acc = args
-    g = acc["g_stage"]
+  def b_phase(v, m, valid, flags, dy, res, g, active):
+    """-> (dx, cut or None, g): the stage's backward, and stage 0's through the embedding
+    and dense layers (recomputed from its input: `pre`)."""
     cut = None
-    first = (p == 0) & (v == 0) & valid
-    f32 = lambda t: jax.tree.map(lambda g: g.astype(jnp.float32), t)
-    no_g_pre = lambda: jax.tree.map(jnp.zeros_like, acc["g_pre"])
     if tab.split:
-      dx, cut, g = backward(res, dy, v, valid, g)
-    elif overlay is None:
-      dx, g = _stage_backward(saved, params, v, on, res, dy, g, valid, per_device)
+      dx, cut, g_stage = backward(res, dy, v, valid, g["stage"], active)
     else:
-      # Stage 0 holds only padding (identity): its input's cotangent is dy, and the
-      # prefix's vjp comes from the bytes its F kept (`_Overlay`). The stage's own vjp
-      # never sees those bytes: it would read them as residuals (a switch index of the
-      # expert exchange among them) and could take collectives its peers do not.
-      def stage0():
-        vjp = pre_saved.vjp_of(pre_params, overlay.read(res))
-        return dy, g, f32(vjp(dy)[0])
+      dx, g_stage = _stage_backward(saved, params, v, on, res, dy, g["stage"], valid,
+                                    per_device, active)
+    first = (p == 0) & (v == 0) & valid
 
-      def stage():
-        kept = [_unbits(a, t) for a, t in zip(res[:len(typed)], typed)]
-        return (*_stage_backward(saved, params, v, on, kept, dy, g, valid, per_device),
-                no_g_pre())
-      dx, g, g_pre = jax.lax.cond(first, stage0, stage)
-
-    def pre_grads():   # float32 like the accumulator, whatever the params' dtype
+    def pre_grads():   # in the params' dtype; added to the float32 sums below
       _, vjp = jax.vjp(lambda pp: pre(pp, m)[0], pre_params)
-      return f32(vjp(dx)[0])
-    if overlay is None:
-      g_pre = branch(first, flags["pre"], pre_grads, no_g_pre)
-    acc = dict(acc, g_stage=g, g_pre=jax.tree.map(lambda a, g: a + jnp.where(first, g, 0.0),
-                                                  acc["g_pre"], g_pre))
-    if tab.split:
-      return dx.astype(dt), cut, acc
-    return dx.astype(dt), acc
-
-  def b_idle(args):
-    if tab.split:
-      return x0, _zeros(cut_shapes), args[-1]
-    return x0, args[-1]
-
-  def w_phase(args):
-    v, valid, res, cut, acc = args
-    return dict(acc, g_stage=weights_grad(res, cut, v, valid, acc["g_stage"]))
-
-  def w_idle(args):
-    return args[-1]
+      return vjp(dx.astype(dt))[0]
+    g_pre = branch(first, flags["pre"], pre_grads,
+                   lambda: jax.tree.map(jnp.zeros_like, pre_params))
+    g_pre = jax.tree.map(lambda a, b: a + jnp.where(first, b.astype(a.dtype), 0.0),
+                         g["pre"], g_pre)
+    return dx.astype(dt), cut, dict(stage=g_stage, pre=g_pre)
 
   task = {k: jnp.asarray(a) for k, a in tab.task.items()}
   slot = {k: jnp.asarray(a) for k, a in tab.slots.items()}
@@ -1066,65 +791,64 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   head_tick = jnp.asarray(schedules.head_ticks(tab))
 
   def tick(carry, t):
-    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc = carry
+    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, st, g = carry
     sl = {k: a[t, p] for k, a in slot.items()}
     act_buf = _put(act_buf, sl["act_in"], st_f)
     fv, fm = task["F"][t, p, 0], task["F"][t, p, 1]
     act = act_buf[jnp.maximum(sl["act_read"], 0)]
-    y, res, acc = branch(
+    y, res, st = branch(
         fv >= 0, busy["F"][t], f_phase, f_idle,
         (jnp.maximum(fv, 0), jnp.maximum(fm, 0), fv >= 0,
-         {k: a[t] for k, a in flags["F"].items()}, act, acc))
+         {k: a[t] for k, a in flags["F"].items()}, act, st))
     # Every collective of a tick in one order on every device (F phase, head, B phase,
     # then the two ring transfers): XLA:CPU may otherwise issue independent collectives in
     # different orders on different devices and deadlock.
-    y, acc = jax.lax.optimization_barrier((y, acc))
-    dh, acc = jax.lax.cond(head_tick[t], head_phase, head_idle,
-                           (y, jnp.maximum(task["F"][t, Pn - 1, 1], 0), acc))
+    y, st = jax.lax.optimization_barrier((y, st))
+    dh, st = jax.lax.cond(head_tick[t], head_phase, head_idle,
+                          (y, jnp.maximum(task["F"][t, Pn - 1, 1], 0), st))
     if not grads:
       return (jax.lax.ppermute(y, AXIS, fwd_ring), st_b, act_buf, grad_buf, res_buf,
-              cut_buf, acc), None
+              cut_buf, st, g), None
     res_buf = store.put(res_buf, sl["res_write"], res)
     grad_buf = _put(grad_buf, sl["grad_in"], st_b)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
     if offload:   # host buffers stay out of the barrier: it orders collectives, not copies
-      y, grad_buf, acc = jax.lax.optimization_barrier((y, grad_buf, acc))
+      y, grad_buf, st, g = jax.lax.optimization_barrier((y, grad_buf, st, g))
     else:
-      y, grad_buf, res_buf, acc = jax.lax.optimization_barrier((y, grad_buf, res_buf, acc))
+      y, grad_buf, res_buf, st, g = jax.lax.optimization_barrier((y, grad_buf, res_buf, st, g))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
     res = store.get(res_buf, sl["res_read"], res_shapes)
-    b_args = (jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
-              {k: a[t] for k, a in flags["B"].items()}, dy, res, acc)
+    dx, cut, g = b_phase(jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
+                         {k: a[t] for k, a in flags["B"].items()}, dy, res, g,
+                         bv >= 0 if per_device else busy["B"][t])
     if tab.split:
-      dx, cut, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
       cut_buf = store.put(cut_buf, sl["cut_write"], cut)
       if offload:
-        y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
+        y, dx, g = jax.lax.optimization_barrier((y, dx, g))
       else:
-        y, dx, cut_buf, acc = jax.lax.optimization_barrier((y, dx, cut_buf, acc))
+        y, dx, cut_buf, g = jax.lax.optimization_barrier((y, dx, cut_buf, g))
       wv = task["W"][t, p, 0]
       w_res = store.get(res_buf, sl["res_wread"], res_shapes)
       w_cut = store.get(cut_buf, sl["cut_read"], cut_shapes)
-      acc = branch(wv >= 0, busy["W"][t], w_phase, w_idle,
-                   (jnp.maximum(wv, 0), wv >= 0, w_res, w_cut, acc))
-    else:
-      dx, acc = branch(bv >= 0, busy["B"][t], b_phase, b_idle, b_args)
-    y, dx, acc = jax.lax.optimization_barrier((y, dx, acc))
+      g = dict(g, stage=weights_grad(w_res, w_cut, jnp.maximum(wv, 0), wv >= 0, g["stage"],
+                                     wv >= 0 if per_device else busy["W"][t]))
+    y, dx, g = jax.lax.optimization_barrier((y, dx, g))
     st_f = jax.lax.ppermute(y, AXIS, fwd_ring)
     st_f, dx = jax.lax.optimization_barrier((st_f, dx))
     st_b = jax.lax.ppermute(dx, AXIS, bwd_ring)
-    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, acc), None
+    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, st, g), None
 
   f32 = lambda a: jnp.zeros(a.shape, jnp.float32)
-  acc = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
-             mx=jnp.full((V, L, H), -jnp.inf, jnp.float32),
-             pre_max=jnp.full((n_pre, H), -jnp.inf, jnp.float32),
-             load=jnp.zeros((V, L, E if moe else 0), jnp.float32),
-             g_norm=f32(head["final_norm"]) if grads else {},
-             g_lm=f32(head["lm_head"]) if grads else {},
-             g_pre=jax.tree.map(f32, pre_params) if grads else {},
-             g_stage=jax.tree.map(f32, params) if grads else {})
+  # statistics and the head's sums (through the F / head conds: small) ...
+  st = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
+            mx=jnp.full((V, L, H), -jnp.inf, jnp.float32),
+            pre_max=jnp.full((n_pre, H), -jnp.inf, jnp.float32),
+            load=jnp.zeros((V, L, E if moe else 0), jnp.float32),
+            g_norm=f32(head["final_norm"]) if grads else {},
+            g_lm=f32(head["lm_head"]) if grads else {})
+  # ... and the float32 weight-gradient sums, outside every cond
+  g = dict(pre=jax.tree.map(f32, pre_params), stage=jax.tree.map(f32, params)) if grads else {}
   bufs = lambda n, shape: jnp.zeros((n,) + shape, dt)
   store = _Slots(offload and grads)
   res_buf = store.zeros(slots["res"], res_shapes)
@@ -1134,21 +858,21 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   if grads and tab.split:
     cut_buf = store.zeros(slots["cut"], cut_shapes)
   init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf,
-          cut_buf, acc)
-  (_, _, _, _, _, _, acc), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+          cut_buf, st, g)
+  (_, _, _, _, _, _, st, g), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
   # The gradient sums keep their parameters' sharding over the automatic axes (the vocab
   # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
   # pipeline 2 x data 2 x expert 2).
   mesh = jax.sharding.get_abstract_mesh()
   specs = jax.tree.map(lambda s: without(param_spec(s.axes, s.shape, mesh), mesh.manual_axes),
                        transformer.param_specs(cfg), is_leaf=model_spec.is_spec)
-  keep = lambda g, names: {k: jax.tree.map(jax.lax.with_sharding_constraint, g[k], specs[k])
-                           for k in names}
-  head_grads = {}
+  keep = lambda g: {k: jax.tree.map(jax.lax.with_sharding_constraint, g[k], specs[k])
+                    for k in g}
+  head_grads, g_pre, g_stage = {}, {}, {}
   if grads:
-    acc = dict(acc, g_pre=keep(acc["g_pre"], acc["g_pre"]))
-    head_grads = {"final_norm": acc["g_norm"],
-                  "lm_head": jax.lax.with_sharding_constraint(acc["g_lm"], specs["lm_head"])}
+    g_pre, g_stage = keep(g["pre"]), g["stage"]
+    head_grads = {"final_norm": st["g_norm"],
+                  "lm_head": jax.lax.with_sharding_constraint(st["g_lm"], specs["lm_head"])}
   psum = lambda a: jax.lax.psum(a, (AXIS, *reps))
   flat = lambda a: a.reshape((V * L,) + a.shape[2:])
   # the statistics over the replicas here; the gradients (sharded over automatic axes: a
@@ -1156,10 +880,10 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   # axis each and are summed outside, once
   over = lambda f, a: f(a, reps) if reps else a
   one = lambda a: a[None]
-  return (psum(acc["ce"]), psum(acc["aux"]), flat(over(jax.lax.pmax, acc["mx"])),
-          flat(over(jax.lax.psum, acc["load"])), jax.lax.pmax(acc["pre_max"], (AXIS, *reps)),
-          jax.tree.map(one, head_grads), jax.tree.map(one, acc["g_pre"]),
-          jax.tree.map(lambda a: flat(a)[None], acc["g_stage"]))
+  return (psum(st["ce"]), psum(st["aux"]), flat(over(jax.lax.pmax, st["mx"])),
+          flat(over(jax.lax.psum, st["load"])), jax.lax.pmax(st["pre_max"], (AXIS, *reps)),
+          jax.tree.map(one, head_grads), jax.tree.map(one, g_pre),
+          jax.tree.map(lambda a: flat(a)[None], g_stage))
 
 
 def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, skip=None):

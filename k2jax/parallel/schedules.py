@@ -154,27 +154,21 @@ def _lockstep(phase_costs: dict, per_device: bool = True) -> float:
   return float(sum(c.max(axis=1).sum() for c in phase_costs.values()))
 
 
-def stage_costs(cfg, split, seq_len: int, w_share: float | None = None,
-                keep_prefix: bool | None = None) -> dict:
+def stage_costs(cfg, split, seq_len: int, w_share: float | None = None) -> dict:
   """{"F": [S], "B": [S], "W": [S], "H": h}: the matmul work of each stage's forward,
   backward and weight-gradient tasks, and of one device's head phase, as the pipeline runs
   them (k2jax.parallel.pipeline), in units of one pipelined layer's forward, from the
   model's FLOPs per token (k2jax.model.layer_flops):
 
     F[s] = real layers of s   (+ the layers before the stack, on stage 0)
-    B[s] = (2 - w) x real layers  (+ the stage-0 prefix's backward: 2x, or 3x where it is
-                                   recomputed first: a split schedule, or a stage 0 that
-                                   holds layers of the stack, layout.Split.prefix_kept)
+    B[s] = (2 - w) x real layers  (+ the stage-0 prefix's backward: 3x, recomputed first)
     W[s] = w x real layers
     H    = 3 x head / P       (the head's forward and both gradients, 1 / P of its columns
                                on every device, in the ticks of `head_ticks`)
 
   cfg: the model config; split: k2jax.parallel.layout.Split; w_share: None for a schedule
   without W tasks, else w, the part of a layer's backward (in forwards) its W task takes
-  (k2jax.parallel.pipeline.w_share measures it from the split itself); keep_prefix: whether
-  stage 0 keeps the prefix's residuals (None: where the layout lets it; whether they also
-  fit the slot is the pipeline's traced check, which k2jax.parallel.pipeline.schedule_costs
-  passes here)."""
+  (k2jax.parallel.pipeline.w_share measures it from the split itself)."""
   from k2jax.model import counting, transformer
   S = split.stages * split.virtual
   unit = counting.layer_flops(cfg, split.stack.ffn, seq_len)
@@ -184,9 +178,7 @@ def stage_costs(cfg, split, seq_len: int, w_share: float | None = None,
   w = w_share or 0.0
   F, B, W = real.astype(float), (2.0 - w) * real, w * real
   F[0] += pre
-  if keep_prefix is None:     # the layout's side of k2jax.parallel.pipeline.keeps_prefix
-    keep_prefix = split.prefix_kept and w_share is None
-  B[0] += (2 if keep_prefix else 3) * pre
+  B[0] += 3 * pre
   return {"F": F, "B": B, "W": W, "H": 3 * counting.head_flops(cfg) / unit / split.stages}
 
 
