@@ -45,6 +45,19 @@ ROWS = {   # name: (preset, topology, overrides)
         "--config.mesh.pipeline=2", "--config.mesh.expert=2", "--config.mesh.data=2",
         "--config.mesh.virtual_stages=1", "--config.train.batch_size=16",
         "--config.train.seq_len=1024", "--config.mesh.pipeline_schedule=1f1b"]),
+    # ... and its zbh1 (device slots and states) and gpipe on two virtual stages (host slots)
+    "k2_shaped_5l_v5p_8_zbh1": ("kimi_k2", "v5p:2x2x2", [
+        "--config.model.num_hidden_layers=5", "--config.model.n_routed_experts=16",
+        "--config.mesh.pipeline=2", "--config.mesh.expert=2", "--config.mesh.data=2",
+        "--config.mesh.virtual_stages=1", "--config.train.batch_size=16",
+        "--config.train.seq_len=1024", "--config.mesh.pipeline_schedule=zbh1",
+        "--config.model.offload=False", "--config.optimizer.host_state=False"]),
+    "k2_shaped_5l_v5p_8_gpipe_v2": ("kimi_k2", "v5p:2x2x2", [
+        "--config.model.num_hidden_layers=5", "--config.model.n_routed_experts=16",
+        "--config.mesh.pipeline=2", "--config.mesh.expert=2", "--config.mesh.data=2",
+        "--config.mesh.virtual_stages=2", "--config.train.batch_size=16",
+        "--config.train.seq_len=1024", "--config.mesh.pipeline_schedule=gpipe",
+        "--config.optimizer.host_state=False"]),
     "k2_preset": ("kimi_k2", "v5p:8x16x16", []),
     "k2_preset_no_offload": ("kimi_k2", "v5p:8x16x16", ["--config.model.offload=False"]),
     "k2_long_context": ("kimi_k2_long_context", "v5p:8x16x16", []),

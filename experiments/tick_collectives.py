@@ -12,7 +12,8 @@ one layer (whole or as stored on one device: split over `expert`), or of a stack
 every other one moves activations, their cotangents, routing or statistics. Bytes are per
 device per tick (each branch counted as if taken, as its worst case), then scaled to K2's
 layout (PP16 x EP16 x DP8) by the ratio of one layer's per-device weight bytes, and of one
-microbatch's per-device activation bytes, K2 over this model.
+microbatch's per-device activation bytes, K2 over this model (`k2_scale`: a first-order
+estimate; the operations are the same, their sizes scale).
 
 Rows go to experiments/results/pipeline/tick_collectives.csv, keyed by --label (e.g. the
 commit), so before / after rows come from the same measurement.
@@ -87,22 +88,28 @@ def _shapes(text):
 
 
 def weight_shapes(layer_params):
-  """Shapes (leading 1s dropped) of one layer's parameters, whole and as split over any
-  factor of their dimensions the mesh could give (2, 4, 8): a weight-shaped operand."""
-  out = set()
-  for shape in layer_params:
+  """{shape (leading 1s dropped): index of the parameter} for one layer's parameters, whole
+  and as split over any factor of their dimensions the mesh could give (2, 4, 8): a
+  weight-shaped operand."""
+  out = {}
+  for i, shape in enumerate(layer_params):
     shape = tuple(shape)
-    out.add(shape)
+    forms = {shape}
     for d in range(len(shape)):
       for k in (2, 4, 8):
         if shape[d] % k == 0:
-          out.add(shape[:d] + (shape[d] // k,) + shape[d + 1:])
-  return {tuple(x for x in s if x != 1) for s in out}
+          forms.add(shape[:d] + (shape[d] // k,) + shape[d + 1:])
+    for f in forms:
+      out.setdefault(tuple(x for x in f if x != 1), i)
+  return out
 
 
-def loop_collectives(hlo, weights):
-  """Rows (op, bytes, weight-shaped, shapes) of every collective inside the tick loop."""
+def loop_collectives(hlo, weights, scale=None):
+  """Rows (op, bytes, weight-shaped, shapes, bytes scaled) of every collective inside the
+  tick loop; `scale`: a factor per parameter index for weight-shaped operands, and at
+  key None for the others."""
   comps, inside = tick_loop(hlo)
+  scale = scale or {}
   rows = []
   for c in inside:
     for line in comps[c]:
@@ -110,14 +117,42 @@ def loop_collectives(hlo, weights):
       if not m:
         continue
       shapes = [s for s in _shapes(m.group(1)) if s[1]]
-      if m.group(2) == "all-gather" or m.group(3):   # async: (operand, result) tuples
-        pass
-      b = sum(pipeline_hlo.DTYPE_BYTES.get(dt, 4) * int(np.prod(s)) for dt, s in shapes)
-      if m.group(3):   # an async start's tuple holds operand and result: count one of them
-        b //= 2
-      shaped = any(tuple(x for x in s if x != 1) in weights for _, s in shapes)
-      rows.append((m.group(2), b, shaped, " ".join(f"{dt}{list(s)}" for dt, s in shapes)))
+      half = 2 if m.group(3) else 1   # an async start's tuple holds operand and result
+      b, scaled, shaped = 0, 0.0, False
+      for dt, s in shapes:
+        nb = pipeline_hlo.DTYPE_BYTES.get(dt, 4) * int(np.prod(s)) // half
+        leaf = weights.get(tuple(x for x in s if x != 1))
+        shaped |= leaf is not None
+        b += nb
+        scaled += nb * scale.get(leaf, 1.0)
+      rows.append((m.group(2), b, shaped, " ".join(f"{dt}{list(s)}" for dt, s in shapes),
+                   scaled))
   return rows
+
+
+def k2_scale(c, mesh):
+  """{parameter index: factor, None: factor} from this model on `mesh` to kimi_k2 on PP16 x
+  EP16 x DP8: for each parameter of a layer, K2's over this model's bytes as a device holds
+  it (the experts split over `expert`, the rest whole as the phases use them), and for
+  everything else one microbatch's activation bytes on a device (its tokens x hidden, bf16
+  against this model's float32). A first-order estimate: the operations are the same, their
+  sizes scale."""
+  import jax
+  from k2jax import configs, model
+  from k2jax.model import spec
+  k2 = configs.get_config("kimi_k2")
+
+  def per_device(cfg, expert):
+    specs = jax.tree.leaves(model.param_specs(cfg.model)["moe_layers"], is_leaf=spec.is_spec)
+    return [int(np.prod(sp.shape[1:])) * 4 / (expert if "experts" in sp.axes else 1)
+            for sp in specs]
+  ours, theirs = per_device(c, mesh[2]), per_device(k2, 16)
+  scale = {i: t / o for i, (o, t) in enumerate(zip(ours, theirs))}
+  tokens = lambda cfg, m: cfg.train.batch_size // cfg.train.grad_accum * cfg.train.seq_len / (
+      m[1] * m[2])
+  scale[None] = (tokens(k2, (16, 8, 16)) * k2.model.hidden_size * 2) / (
+      tokens(c, mesh) * c.model.hidden_size * 4)
+  return scale
 
 
 def measure(label, mesh=(2, 2, 2)):
@@ -127,17 +162,19 @@ def measure(label, mesh=(2, 2, 2)):
   c = pipeline_hlo.tiny_config(mesh, seq=SEQ)
   params = model.init(c.model, jax.random.key(0))
   layer = [a.shape[1:] for a in jax.tree.leaves(params["moe_layers"])]
-  rows = loop_collectives(compiled.as_text(), weight_shapes(layer))
-  count = collections.Counter((op, w) for op, _, w, _ in rows)
-  nbytes = collections.Counter()
-  for op, b, w, _ in rows:
+  rows = loop_collectives(compiled.as_text(), weight_shapes(layer), k2_scale(c, mesh))
+  count = collections.Counter((op, w) for op, _, w, _, _ in rows)
+  nbytes, k2 = collections.Counter(), collections.Counter()
+  for op, b, w, _, scaled in rows:
     nbytes[w] += b
+    k2[w] += scaled
   per_layer = sum(int(np.prod(s)) * 4 for s in layer)
   return dict(label=label, mesh="x".join(map(str, mesh)), ticks=ticks,
               weight_ops=sum(n for (_, w), n in count.items() if w),
               activation_ops=sum(n for (_, w), n in count.items() if not w),
               weight_bytes_per_tick=nbytes[True], activation_bytes_per_tick=nbytes[False],
               layer_weight_bytes=per_layer,
+              k2_weight_gb_per_tick=k2[True] / 1e9, k2_activation_gb_per_tick=k2[False] / 1e9,
               ops=" ".join(f"{op}{'(w)' if w else ''}:{n}" for (op, w), n in sorted(count.items()))
               ), rows
 
@@ -151,7 +188,7 @@ def main():
   rec, rows = measure(args.label)
   if args.rows:
     for r in sorted(rows, key=lambda r: -r[1]):
-      print(f"  {r[0]:<20}{r[1]:>12,d}  {'weight' if r[2] else 'act':<7}{r[3][:120]}")
+      print(f"  {r[0]:<20}{r[1]:>12,d}  {'weight' if r[2] else 'act':<7}{r[3][:100]}")
   for k, v in rec.items():
     print(f"{k:<28}{v}")
   os.makedirs(os.path.dirname(OUT), exist_ok=True)

@@ -31,8 +31,8 @@ from jax.sharding import AbstractMesh
 
 from k2jax import configs, model, optim
 from k2jax.kernels import platform as kernel_platform
-from k2jax.model import transformer
-from k2jax.configs.sharding_rules import mesh_axes
+from k2jax.model import spec as model_spec, transformer
+from k2jax.configs.sharding_rules import mesh_axes, param_spec
 from k2jax.parallel import MESH_AXES, layout, pipeline, state_shardings
 from k2jax.parallel.mesh import entry_axes
 from k2jax.step import differentiated, init_state
@@ -163,6 +163,12 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   M = microbatches or stages
   a = 4 if m.dtype == "float32" else 2
   sp = layout.split(m, stages, virtual_stages)
+  # The phase at work on one layer also holds that layer's weights as the loop reads them
+  # (in model.dtype, whole over the axes only memory is split over: they are gathered) and
+  # their gradients before they join the float32 sums (k2jax.parallel.pipeline._add_at):
+  # twice the layer. (XLA:TPU holds ~3.3 layers of expert weights there at K2: a
+  # transposed copy for the backward's matmuls besides.)
+  layer_bytes = 2 * stack_layer_bytes(m, sp.stack.name, mesh_shape)
   tab = pipeline.schedule_table(m, stages, virtual_stages, M, schedule, mesh_shape["data"],
                                 mesh_shape["expert"], seq_len, platform)
   cut = 0.0
@@ -179,11 +185,25 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   where = pipeline.residual_stages(tab, pipeline.offloads(m))
   per = seq_len * micro_batch
   if where["host"]:     # the cut slots are in host memory too, plus their write-only slot
-    return Activations((where["device"] * stage + buffers + working) * per,
+    return Activations((where["device"] * stage + buffers + working) * per + layer_bytes,
                        (where["host"] * stage + (cut_slots + 1) * cut_stage) * per, settings,
                        (stage + cut_stage) * per)
-  return Activations((where["device"] * stage + buffers + cut_slots * cut_stage + working) * per,
-                     0.0, settings)
+  return Activations((where["device"] * stage + buffers + cut_slots * cut_stage + working) * per
+                     + layer_bytes, 0.0, settings)
+
+
+def stack_layer_bytes(mcfg, name: str, mesh_shape) -> int:
+  """Bytes of one layer of stack `name` on one device, in model.dtype, as computation needs
+  it: split over the axes `param_spec` splits for work (the experts over `expert`), whole
+  over those it splits only to save memory (whole=True)."""
+  mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
+  size = np.dtype(mcfg.dtype).itemsize
+  total = 0
+  for sp in jax.tree.leaves(model.param_specs(mcfg)[name], is_leaf=model_spec.is_spec):
+    shape, axes = sp.shape[1:], sp.axes[1:]
+    spec = param_spec(axes, shape, mesh, whole=True)
+    total += int(np.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(shape))) * size
+  return total
 
 
 def check(cfg) -> None:
@@ -442,10 +462,18 @@ def main(argv=None):
                  help="whose `auto` kernels the activation figure traces (default gpu)")
   p.add_argument("--storage", choices=("model", "fp8"), default=None,
                  help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
+  p.add_argument("--compile", metavar="TOPOLOGY", default=None,
+                 help="also ask the compiler: XLA's per-device memory of this train step "
+                 "compiled for a TPU topology (v5p:8x16x16; libtpu: pip install -e "
+                 "\".[tpu]\"; plan then traces TPU kernels) or `local`, read from its buffer "
+                 "assignment (k2jax.compile --memory_only), beside plan's count")
   try:
     from k2jax.params import parse_config
-    args, config, _ = parse_config("k2jax.plan", p, argv, positive=(
+    args, config, overrides = parse_config("k2jax.plan", p, argv, positive=(
         "devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages", "microbatches"))
+    if args.compile and args.devices is None:   # the mesh k2jax.compile fits to the chips
+      from k2jax import compile as xla
+      args.devices = len(xla.topology_devices(args.compile))
     if args.mesh is None:
       m = config.mesh
       args.mesh = ",".join(f"{a}={m[a]}" for a in MESH_AXES
@@ -454,14 +482,63 @@ def main(argv=None):
     if args.microbatches is not None and args.microbatches < mesh["pipeline"]:
       raise ValueError(f"--microbatches {args.microbatches}: must be >= pipeline "
                        f"({mesh['pipeline']})")
+    if args.compile and args.micro_batch is not None:
+      raise ValueError("--micro_batch with --compile: the compiled step takes its geometry "
+                       "from the config (set --config.train.batch_size / grad_accum)")
+    if args.compile and args.compile != "local" and "--platform" not in " ".join(argv or sys.argv):
+      args.platform = "tpu"
+    kw = dict(virtual_stages=args.virtual_stages, microbatches=args.microbatches,
+              remat=args.remat, storage=args.storage, param_dtype=args.param_dtype,
+              platform=args.platform)
     print(report(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
-                 virtual_stages=args.virtual_stages, microbatches=args.microbatches,
-                 remat=args.remat, storage=args.storage, param_dtype=args.param_dtype,
-                 platform=args.platform,
-                 name=args.config))
+                 name=args.config, **kw))
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)
     raise SystemExit(2)
+  if args.compile:
+    est = estimate(config, mesh, args.seq_len, None, args.grad_bytes, **kw)
+    print(compiled_beside(args, overrides, mesh, est))
+
+
+def compiled_beside(args, overrides, mesh, est) -> str:
+  """XLA's figures of the same step (k2jax.compile.until_buffer_assignment: its buffer
+  assignment, where its out-of-memory check runs) beside `est`'s: the compiler is the truth
+  for memory (DESIGN.md); plan's count says where it goes. Exits 1 with XLA's one line
+  where it refuses the step."""
+  from k2jax import compile as xla
+  settings = [f"--config.mesh.{a}={mesh[a]}" for a in MESH_AXES]
+  for flag, key in (("seq_len", "train.seq_len"), ("microbatches", "train.grad_accum"),
+                    ("virtual_stages", "mesh.virtual_stages"), ("remat", "model.remat"),
+                    ("storage", "model.activation_storage"),
+                    ("param_dtype", "model.param_dtype")):
+    if getattr(args, flag) is not None:
+      settings.append(f"--config.{key}={getattr(args, flag)}")
+  device, host, seconds = xla.until_buffer_assignment(
+      ["--config", args.config, "--topology", args.compile, *overrides, *settings])
+  if device is None:
+    print(f"k2jax.plan: {host.removeprefix('k2jax.compile: ')}", file=sys.stderr)
+    raise SystemExit(1)
+  devices = xla.topology_devices(args.compile)
+  hbm = xla.hbm_bytes(devices[0])
+  lines = [f"compiled for {args.compile} ({devices[0].device_kind}), XLA's buffer assignment "
+           f"in {seconds:.0f} s:",
+           f"  {'XLA per device':<24}{'GB':>10}{'plan GB':>10}{'XLA / plan':>12}",
+           f"  {'arguments (states)':<24}{device['arguments'] / GB:>10.2f}",
+           f"  {'temporary heap':<24}{device['heap'] / GB:>10.2f}",
+           f"  {'peak (its OOM check)':<24}{device['check'] / GB:>10.2f}{est.device / GB:>10.2f}"
+           f"{device['check'] / est.device:>12.2f}",
+           f"  {'host':<24}{host['peak'] / GB:>10.2f}{est.host / GB:>10.2f}" + (
+               f"{host['peak'] / est.host:>12.2f}" if est.host else "")]
+  if device["thread_local"]:
+    lines.append(f"  {'thread-local (host-run)':<24}{device['thread_local'] / GB:>10.2f}   "
+                 "buffers of the part XLA runs on the host (the update beside host states)")
+  if hbm:
+    lines.append(f"  HBM {hbm / GB:.1f} GB per chip: XLA's peak is {device['check'] / hbm:.0%} "
+                 f"of it ({'fits' if device['check'] <= xla.ROOM * hbm else 'above ' + format(xla.ROOM, '.0%') + ': too tight to run' if device['check'] <= hbm else 'does NOT fit'})")
+  lines.append("  XLA's peak is the figure of record; plan's lines above say where it goes "
+               "(what they do not count: XLA's layout copies and transposes of weights, the "
+               "expert exchange's buffers beyond the residuals, heap fragmentation)")
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,30 @@ def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, v
   assert 0.95 * fig["plan_host"] <= h["peak"] <= 1.2 * fig["plan_host"] + (64 << 20)
   assert fig["plan_device"] <= d["check"] <= 1.5 * fig["plan_device"]
   assert fig["fits"]
+
+
+def test_plan_asks_the_compiler_and_prints_its_peak_beside_its_own(tmp_path):
+  """`python -m k2jax.plan --compile TOPOLOGY`: the same config's step through XLA:TPU to its
+  buffer assignment, on the topology's chips (the mesh fitted as k2jax.compile fits it), with
+  XLA's peak beside plan's count and the chip's HBM; a topology libtpu does not know is one
+  line and exit 2."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  run = lambda *a: subprocess.run([sys.executable, "-m", "k2jax.plan", "--config", "tiny", *a],
+                                  capture_output=True, text=True, cwd=ROOT, env=env,
+                                  timeout=900)
+  r = run("--compile", "v5e:1x1")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "compiled for v5e:1x1 (TPU v5 lite), XLA's buffer assignment" in r.stdout
+  row = next(ln for ln in r.stdout.splitlines() if "peak (its OOM check)" in ln).split()
+  xla, planned, ratio = map(float, row[-3:])
+  total = float(next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("total"))
+                .split()[1])
+  # (the table prints two decimals: the ratio is of the unrounded figures)
+  assert planned == pytest.approx(total, abs=0.01) and ratio == pytest.approx(xla / planned,
+                                                                             rel=0.05)
+  assert 0.5 < ratio < 3, r.stdout
+  assert "HBM 16.9 GB per chip" in r.stdout
+  bad = run("--compile", "v9z:3x3")
+  ours = [ln for ln in bad.stderr.splitlines() if ln.startswith("k2jax.plan")]  # libtpu's aside
+  assert bad.returncode == 2 and len(ours) == 1, bad.stderr
+  assert ours[0].startswith("k2jax.plan: error: --topology 'v9z:3x3'")

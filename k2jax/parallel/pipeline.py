@@ -790,6 +790,12 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   flags = jax.tree.map(jnp.asarray, flags)
   head_tick = jnp.asarray(schedules.head_ticks(tab))
 
+  # The tick's phases in program order on XLA:CPU only, whose thunk executor may run
+  # independent collectives in a different order on each device (a deadlock); GPU and TPU
+  # run one schedule on every device, and without the barriers their schedulers may overlap
+  # the ring transfers and host copies with the phases' compute.
+  order = jax.lax.optimization_barrier if kernel_platform.backend() == "cpu" else lambda x: x
+
   def tick(carry, t):
     st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, st, g = carry
     sl = {k: a[t, p] for k, a in slot.items()}
@@ -802,8 +808,8 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
          {k: a[t] for k, a in flags["F"].items()}, act, st))
     # Every collective of a tick in one order on every device (F phase, head, B phase,
     # then the two ring transfers): XLA:CPU may otherwise issue independent collectives in
-    # different orders on different devices and deadlock.
-    y, st = jax.lax.optimization_barrier((y, st))
+    # different orders on different devices and deadlock (`order`).
+    y, st = order((y, st))
     dh, st = jax.lax.cond(head_tick[t], head_phase, head_idle,
                           (y, jnp.maximum(task["F"][t, Pn - 1, 1], 0), st))
     if not grads:
@@ -813,9 +819,9 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     grad_buf = _put(grad_buf, sl["grad_in"], st_b)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
     if offload:   # host buffers stay out of the barrier: it orders collectives, not copies
-      y, grad_buf, st, g = jax.lax.optimization_barrier((y, grad_buf, st, g))
+      y, grad_buf, st, g = order((y, grad_buf, st, g))
     else:
-      y, grad_buf, res_buf, st, g = jax.lax.optimization_barrier((y, grad_buf, res_buf, st, g))
+      y, grad_buf, res_buf, st, g = order((y, grad_buf, res_buf, st, g))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
     res = store.get(res_buf, sl["res_read"], res_shapes)
@@ -825,17 +831,17 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
     if tab.split:
       cut_buf = store.put(cut_buf, sl["cut_write"], cut)
       if offload:
-        y, dx, g = jax.lax.optimization_barrier((y, dx, g))
+        y, dx, g = order((y, dx, g))
       else:
-        y, dx, cut_buf, g = jax.lax.optimization_barrier((y, dx, cut_buf, g))
+        y, dx, cut_buf, g = order((y, dx, cut_buf, g))
       wv = task["W"][t, p, 0]
       w_res = store.get(res_buf, sl["res_wread"], res_shapes)
       w_cut = store.get(cut_buf, sl["cut_read"], cut_shapes)
       g = dict(g, stage=weights_grad(w_res, w_cut, jnp.maximum(wv, 0), wv >= 0, g["stage"],
                                      wv >= 0 if per_device else busy["W"][t]))
-    y, dx, g = jax.lax.optimization_barrier((y, dx, g))
+    y, dx, g = order((y, dx, g))
     st_f = jax.lax.ppermute(y, AXIS, fwd_ring)
-    st_f, dx = jax.lax.optimization_barrier((st_f, dx))
+    st_f, dx = order((st_f, dx))
     st_b = jax.lax.ppermute(dx, AXIS, bwd_ring)
     return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, st, g), None
 
