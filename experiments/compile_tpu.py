@@ -58,6 +58,13 @@ ROWS = {   # name: (preset, topology, overrides)
         "--config.mesh.virtual_stages=2", "--config.train.batch_size=16",
         "--config.train.seq_len=1024", "--config.mesh.pipeline_schedule=gpipe",
         "--config.optimizer.host_state=False"]),
+    # ... and with no pipeline: data 2 x expert 4, two microbatches in the trainer's scan
+    "k2_shaped_5l_v5p_8_ep": ("kimi_k2", "v5p:2x2x2", [
+        "--config.model.num_hidden_layers=5", "--config.model.n_routed_experts=16",
+        "--config.mesh.pipeline=1", "--config.mesh.expert=4", "--config.mesh.data=2",
+        "--config.train.batch_size=16", "--config.train.seq_len=1024",
+        "--config.train.grad_accum=2", "--config.model.offload=False",
+        "--config.optimizer.host_state=False"]),
     "k2_preset": ("kimi_k2", "v5p:8x16x16", []),
     "k2_preset_no_offload": ("kimi_k2", "v5p:8x16x16", ["--config.model.offload=False"]),
     "k2_long_context": ("kimi_k2_long_context", "v5p:8x16x16", []),

@@ -117,7 +117,9 @@ def loop_collectives(hlo, weights, scale=None):
       if not m:
         continue
       shapes = [s for s in _shapes(m.group(1)) if s[1]]
-      half = 2 if m.group(3) else 1   # an async start's tuple holds operand and result
+      # an async start that returns a tuple holds operand and result (all-gather-start,
+      # collective-permute-start); all-reduce-start returns its result only
+      half = 2 if m.group(3) and m.group(1).startswith("(") and m.group(2) != "all-reduce" else 1
       b, scaled, shaped = 0, 0.0, False
       for dt, s in shapes:
         nb = pipeline_hlo.DTYPE_BYTES.get(dt, 4) * int(np.prod(s)) // half
@@ -133,10 +135,10 @@ def loop_collectives(hlo, weights, scale=None):
 def k2_scale(c, mesh):
   """{parameter index: factor, None: factor} from this model on `mesh` to kimi_k2 on PP16 x
   EP16 x DP8: for each parameter of a layer, K2's over this model's bytes as a device holds
-  it (the experts split over `expert`, the rest whole as the phases use them), and for
-  everything else one microbatch's activation bytes on a device (its tokens x hidden, bf16
-  against this model's float32). A first-order estimate: the operations are the same, their
-  sizes scale."""
+  it (the experts split over `expert`, the rest whole as the phases use them; K2's in bf16,
+  its parameters' and model dtype, against this model's float32), and for everything else
+  one microbatch's activation bytes on a device (its tokens x hidden, bf16 against float32).
+  A first-order estimate: the operations are the same, their sizes scale."""
   import jax
   from k2jax import configs, model
   from k2jax.model import spec
@@ -144,7 +146,8 @@ def k2_scale(c, mesh):
 
   def per_device(cfg, expert):
     specs = jax.tree.leaves(model.param_specs(cfg.model)["moe_layers"], is_leaf=spec.is_spec)
-    return [int(np.prod(sp.shape[1:])) * 4 / (expert if "experts" in sp.axes else 1)
+    size = np.dtype(cfg.model.param_dtype).itemsize
+    return [int(np.prod(sp.shape[1:])) * size / (expert if "experts" in sp.axes else 1)
             for sp in specs]
   ours, theirs = per_device(c, mesh[2]), per_device(k2, 16)
   scale = {i: t / o for i, (o, t) in enumerate(zip(ours, theirs))}

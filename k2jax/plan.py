@@ -458,8 +458,9 @@ def main(argv=None):
   p.add_argument("--microbatches", type=int, default=None,
                  help="pipeline microbatches (train.grad_accum; default the config's)")
   p.add_argument("--remat", choices=("none", "selective", "full"), default=None)
-  p.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default="gpu",
-                 help="whose `auto` kernels the activation figure traces (default gpu)")
+  p.add_argument("--platform", choices=("gpu", "tpu", "cpu"), default=None,
+                 help="whose `auto` kernels the activation figure traces (default gpu; with "
+                 "--compile, the target's)")
   p.add_argument("--storage", choices=("model", "fp8"), default=None,
                  help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
   p.add_argument("--compile", metavar="TOPOLOGY", default=None,
@@ -471,9 +472,19 @@ def main(argv=None):
     from k2jax.params import parse_config
     args, config, overrides = parse_config("k2jax.plan", p, argv, positive=(
         "devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages", "microbatches"))
-    if args.compile and args.devices is None:   # the mesh k2jax.compile fits to the chips
+    target = None
+    if args.compile:   # plan the mesh k2jax.compile fits to the chips, with their kernels
       from k2jax import compile as xla
-      args.devices = len(xla.topology_devices(args.compile))
+      try:
+        target = xla.topology_devices(args.compile)
+      except ValueError as e:
+        raise ValueError(str(e).replace("--topology", "--compile", 1)) from None
+      if args.devices not in (None, len(target)):
+        raise ValueError(f"--devices {args.devices} with --compile {args.compile}: the "
+                         f"topology has {len(target)} chips; leave --devices out")
+      args.devices = len(target)
+      args.platform = args.platform or target[0].platform
+    args.platform = args.platform or "gpu"
     if args.mesh is None:
       m = config.mesh
       args.mesh = ",".join(f"{a}={m[a]}" for a in MESH_AXES
@@ -485,29 +496,32 @@ def main(argv=None):
     if args.compile and args.micro_batch is not None:
       raise ValueError("--micro_batch with --compile: the compiled step takes its geometry "
                        "from the config (set --config.train.batch_size / grad_accum)")
-    if args.compile and args.compile != "local" and "--platform" not in " ".join(argv or sys.argv):
-      args.platform = "tpu"
+    if args.compile and args.grad_bytes != 4:
+      raise ValueError("--grad_bytes with --compile: the compiled step accumulates float32 "
+                       "gradients")
     kw = dict(virtual_stages=args.virtual_stages, microbatches=args.microbatches,
               remat=args.remat, storage=args.storage, param_dtype=args.param_dtype,
               platform=args.platform)
     print(report(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
                  name=args.config, **kw))
+    est = estimate(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes, **kw)
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)
     raise SystemExit(2)
   if args.compile:
-    est = estimate(config, mesh, args.seq_len, None, args.grad_bytes, **kw)
-    print(compiled_beside(args, overrides, mesh, est))
+    print(compiled_beside(args, overrides, mesh, est, target))
 
 
-def compiled_beside(args, overrides, mesh, est) -> str:
+def compiled_beside(args, overrides, mesh, est, devices) -> str:
   """XLA's figures of the same step (k2jax.compile.until_buffer_assignment: its buffer
   assignment, where its out-of-memory check runs) beside `est`'s: the compiler is the truth
   for memory (DESIGN.md); plan's count says where it goes. Exits 1 with XLA's one line
   where it refuses the step."""
   from k2jax import compile as xla
+  # the step plan counted: its mesh, and its microbatches where plan rounded them for it
   settings = [f"--config.mesh.{a}={mesh[a]}" for a in MESH_AXES]
-  for flag, key in (("seq_len", "train.seq_len"), ("microbatches", "train.grad_accum"),
+  settings.append(f"--config.train.grad_accum={est.cfg.train.grad_accum}")
+  for flag, key in (("seq_len", "train.seq_len"),
                     ("virtual_stages", "mesh.virtual_stages"), ("remat", "model.remat"),
                     ("storage", "model.activation_storage"),
                     ("param_dtype", "model.param_dtype")):
@@ -518,7 +532,6 @@ def compiled_beside(args, overrides, mesh, est) -> str:
   if device is None:
     print(f"k2jax.plan: {host.removeprefix('k2jax.compile: ')}", file=sys.stderr)
     raise SystemExit(1)
-  devices = xla.topology_devices(args.compile)
   hbm = xla.hbm_bytes(devices[0])
   lines = [f"compiled for {args.compile} ({devices[0].device_kind}), XLA's buffer assignment "
            f"in {seconds:.0f} s:",
@@ -532,9 +545,12 @@ def compiled_beside(args, overrides, mesh, est) -> str:
   if device["thread_local"]:
     lines.append(f"  {'thread-local (host-run)':<24}{device['thread_local'] / GB:>10.2f}   "
                  "buffers of the part XLA runs on the host (the update beside host states)")
-  if hbm:
+  if hbm:   # the verdict as k2jax.compile gives it: on the whole device memory space
+    total = device["peak"]
+    verdict = ("fits" if total <= xla.ROOM * hbm else
+               f"above {xla.ROOM:.0%}: too tight to run" if total <= hbm else "does NOT fit")
     lines.append(f"  HBM {hbm / GB:.1f} GB per chip: XLA's peak is {device['check'] / hbm:.0%} "
-                 f"of it ({'fits' if device['check'] <= xla.ROOM * hbm else 'above ' + format(xla.ROOM, '.0%') + ': too tight to run' if device['check'] <= hbm else 'does NOT fit'})")
+                 f"of it, {total / hbm:.0%} with the thread-local buffers ({verdict})")
   lines.append("  XLA's peak is the figure of record; plan's lines above say where it goes "
                "(what they do not count: XLA's layout copies and transposes of weights, the "
                "expert exchange's buffers beyond the residuals, heap fragmentation)")

@@ -319,7 +319,9 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   runs it, for `platform` with the given kernels, on 8 CPU devices: pipeline 4 x 2 virtual x
   expert 2. shape "k2": kimi_k2's widths (7168 hidden, 64 MLA heads, 384 experts of 2048,
   top-8 + shared, 163,840 vocabulary) at 9 layers on pipeline 2 x 2 virtual x data 2 x
-  expert 2, so ZeRO-1 over data and Muon's per-device update lower too; nothing is
+  expert 2, so ZeRO-1 over data and Muon's per-device update lower too; "data": the tiny
+  model on pipeline 4 x data 2 (expert 1: inside the pipeline's shard_map no batch axis is
+  left automatic, and Mosaic kernels still need a shard_map of their own); nothing is
   allocated."""
   import os
   from jax import numpy as jnp
@@ -329,10 +331,11 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   from k2jax.step import init_state, train_step
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
   import pipeline_hlo
-  c = pipeline_hlo.tiny_config((2, 2, 2) if shape == "k2" else (4, 1, 2), grad_accum=4,
-                               batch=16, skip="device", param_dtype="bfloat16")
+  mesh_shape = {"k2": (2, 2, 2), "data": (4, 2, 1)}.get(shape, (4, 1, 2))
+  c = pipeline_hlo.tiny_config(mesh_shape, grad_accum=4, batch=16, skip="device",
+                               param_dtype="bfloat16")
   c.model.offload = True        # the pipeline's residual slots in host memory
-  if shape == "tiny":
+  if shape in ("tiny", "data"):
     # every tiny slot leaf is under the size XLA:TPU needs before it moves a leaf to host
     # memory (a compile-time refusal, not a lowering one); lower them all to host here
     from k2jax.parallel import pipeline

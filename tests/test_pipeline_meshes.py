@@ -71,8 +71,8 @@ FAULTS = ("1x1/f2x", "1x1/a2/fdrop")
 # do not: V = 1 with data and expert nested; V = 3 over an uneven split; V = 2 with data and
 # expert, phases skipped per device as on GPU / TPU and offload on (data > 1 deadlocked
 # XLA:CPU here while the partitioner reduced weight gradients over `data` inside the
-# branches; now `data` is manual and reduced once, after the loop); GPipe; pipeline 4 and 8 with per-device skipping; the B/W-split zbh1 schedule
-# (k2jax.parallel.bwsplit) over the uneven V = 3 split with data and expert (the MoE's
+# branches; now `data` is manual and reduced once, after the loop); GPipe; pipeline 4 and 8
+# with per-device skipping; the B/W-split zbh1 schedule (k2jax.parallel.bwsplit) over the uneven V = 3 split with data and expert (the MoE's
 # shard_map cut in two, the experts' weight gradients W's), and on pipeline 8 with
 # per-device skipping.
 # "kdevice": idle phases skipped per device, as on GPU / TPU (CPU's default skips per tick);
@@ -92,8 +92,9 @@ PIPELINE_MESHES = ("2x2x2/a2", "2x2x2/v3/a4/szbh1/o", "2x2x2/v2/a4/kdevice/o",
 def test_pipeline_matches_one_device(pipeline_runs, mesh):
   """pipeline=2 x data=2 x expert=2; 8 MoE layers over 2 x 3 = 6 stages (2 per stage, the
   last two stages padding; zbh1); two groups of microbatches through 2 x 2 stages over data and
-  expert, idle phases skipped per device and the residuals in host memory; the GPipe schedule on pipeline=4 x 2 virtual over expert=2; idle phases skipped
-  per device on pipeline 4 and 8: losses and max logits of one device with the whole batch
+  expert, idle phases skipped per device and the residuals in host memory; the GPipe
+  schedule on pipeline=4 x 2 virtual over expert=2; idle phases skipped per device on
+  pipeline 4 and 8: losses and max logits of one device with the whole batch
   (rel < 1e-5), and so does every leaf of the final train state: the optimizer's moments sum
   each step's gradients, so every gradient leaf of every step is compared."""
   assert_close(pipeline_runs[mesh], pipeline_runs["1x1"])
@@ -160,14 +161,17 @@ def test_no_weight_moves_between_pipeline_devices():
 
 @pytest.mark.parametrize("platform,moe_impl,attention_impl,shape", [
     ("cuda", "pallas_gpu", "pallas_gpu", "tiny"), ("tpu", "ragged", "chunked", "tiny"),
-    ("cuda", "auto", "auto", "k2"), ("tpu", "auto", "auto", "k2")])
+    ("cuda", "auto", "auto", "k2"), ("tpu", "auto", "auto", "k2"),
+    ("tpu", "auto", "auto", "data")])
 def test_pipelined_step_lowers_for_accelerators(platform, moe_impl, attention_impl, shape):
   """The pipelined bf16 MuonClip step with per-device skipping (the GPU / TPU default),
   expert parallelism and the accelerator kernels lowers for CUDA / TPU on this CPU, also at
   K2's widths with each platform's `auto` kernels (kernels.platform.target: Pallas attention
   per batch shard, the Triton MoE on GPU, ragged dispatch on TPU), the optimizer states
   in host memory and, at K2's widths, data 2 (ZeRO-1 and Muon's per-device update); the
-  pipeline's residual slots in host memory (model.offload, as the preset)."""
+  pipeline's residual slots in host memory (model.offload, as the preset); and on pipeline x
+  data with expert 1, where the Mosaic attention kernel needs its own shard_map over the
+  one automatic axis left (XLA refused it when none was opened)."""
   r = worker(8, "lower", platform, moe_impl, attention_impl, shape)
   assert r["ppermute"] > 0 and r["chars"] > 0
   # the residual slots (and at K2's widths the preset's optimizer.host_state) annotated for

@@ -175,9 +175,8 @@ def test_bad_shapes_say_what_to_change():
 def test_work_ratio_counts_each_task_once_and_no_idle_slot(name):
   """The pipelined step's work over the unpipelined model's: every (stage, microbatch) runs
   one F, one B (and one W) and every microbatch one head phase per device, whatever the
-  table's idle slots; with K2's stage costs that is the model's 3 forwards per layer, plus,
-  for zbh1, stage 0 recomputing the embedding and dense layers (1 forward of them; 1f1b
-  keeps their residuals in stage 0's unused slot)."""
+  table's idle slots; with K2's stage costs that is the model's 3 forwards per layer, plus
+  stage 0 recomputing the embedding and dense layers (1 forward of them)."""
   from k2jax import configs
   from k2jax.model import counting, transformer
   from k2jax.parallel.layout import split

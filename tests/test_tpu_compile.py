@@ -179,13 +179,12 @@ def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, v
   """The pipelined step at K2's widths through XLA:TPU's passes to its buffer assignment:
   1f1b with the residual slots and the ZeRO-1 optimizer states in host memory (the preset's
   offload and optimizer.host_state), zbh1 with device slots and states, gpipe on two
-  virtual stages a device (the preset's V) with host slots (1.32x measured). The step's
-  arguments are plan's device states and XLA's host memory holds plan's host bytes; XLA's
-  check (arguments + temporaries) is within 1.5x of plan's device figure, the larger of its
-  gradient loop and its update (1.08x measured with host states, whose update brings them
-  all to the device; 1.24x with device states: plan does not count the tick's working set
-  of one layer's weights, their gradients before the data reduction and the expert
-  exchange's rows)."""
+  virtual stages a device (the preset's V) with host slots. The step's arguments are plan's
+  device states and XLA's host memory holds plan's host bytes; XLA's check (arguments +
+  temporaries) is within 1.5x of plan's device figure, the larger of its gradient loop and
+  its update (measured 2026-11-28, gradient sums unreduced over data through the loop:
+  1.16x / 1.21x / 1.26x; plan does not count XLA's transposed copies of a layer's weights,
+  the expert exchange's rows beyond the residuals, or the heap's packing)."""
   r, fig = compile_cli(tmp_path, *K2_SHAPED, f"--config.mesh.pipeline_schedule={schedule}",
                        f"--config.mesh.virtual_stages={virtual}",
                        f"--config.model.offload={offload}",
@@ -197,6 +196,23 @@ def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, v
   assert on_device <= d["arguments"] <= 1.02 * on_device + (8 << 20)   # + the batch
   assert 0.95 * fig["plan_host"] <= h["peak"] <= 1.2 * fig["plan_host"] + (64 << 20)
   assert fig["plan_device"] <= d["check"] <= 1.5 * fig["plan_device"]
+  assert fig["fits"]
+
+
+def test_k2_shaped_expert_parallel_step_without_a_pipeline_passes_xlas_memory_check(tmp_path):
+  """The same K2-shaped layers with no pipeline: data 2 x expert 4 on v5p 2x2x2 (the
+  microbatches in the trainer's scan, the expert exchange nested in the data x expert
+  shard_map, ZeRO-1 over data), through XLA:TPU to its buffer assignment: arguments are
+  plan's device states, and XLA's check is within 1.5x of plan's figure."""
+  args = [a for a in K2_SHAPED if not a.startswith("--config.mesh.")]
+  r, fig = compile_cli(tmp_path, *args, "--config.mesh.pipeline=1", "--config.mesh.data=2",
+                       "--config.mesh.expert=4", "--config.model.offload=False",
+                       "--config.optimizer.host_state=False", "--config.train.grad_accum=2")
+  assert r.returncode == 0, r.stderr[-2000:]
+  d, st = fig["xla_device"], fig["plan_states"]
+  on_device = st["params"] + st["optimizer"]
+  assert on_device <= d["arguments"] <= 1.02 * on_device + (8 << 20)
+  assert fig["plan_device"] <= d["check"] <= 1.5 * fig["plan_device"], (d, fig["plan_device"])
   assert fig["fits"]
 
 
@@ -218,10 +234,10 @@ def test_plan_asks_the_compiler_and_prints_its_peak_beside_its_own(tmp_path):
                 .split()[1])
   # (the table prints two decimals: the ratio is of the unrounded figures)
   assert planned == pytest.approx(total, abs=0.01) and ratio == pytest.approx(xla / planned,
-                                                                             rel=0.05)
+                                                                             rel=0.1)
   assert 0.5 < ratio < 3, r.stdout
   assert "HBM 16.9 GB per chip" in r.stdout
   bad = run("--compile", "v9z:3x3")
   ours = [ln for ln in bad.stderr.splitlines() if ln.startswith("k2jax.plan")]  # libtpu's aside
   assert bad.returncode == 2 and len(ours) == 1, bad.stderr
-  assert ours[0].startswith("k2jax.plan: error: --topology 'v9z:3x3'")
+  assert ours[0].startswith("k2jax.plan: error: --compile 'v9z:3x3'")

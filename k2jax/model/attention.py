@@ -115,18 +115,22 @@ def attend(cfg, q, k, v, segment_ids):
                                        segment_ids=seg, impl=impl)
   mesh = jax.sharding.get_abstract_mesh()
   axes = rules.active_mesh_axes("batch", mesh)
-  if not axes or not (impl.startswith("pallas") or impl == "tokamax"):
+  held = set(getattr(mesh, "manual_axes", ()))
+  # Manual over every axis not manual yet (size-1 ones too): Mosaic refuses any auto axis,
+  # also inside a shard_map that holds the batch's axes already (the pipeline's pipeline x
+  # data with expert = 1).
+  manual = set(mesh.axis_names) - held
+  if not (impl.startswith("pallas") or impl == "tokamax") or not (axes or (held and manual)):
     return run(q, k, v, segment_ids)
 
   def shard(q, k, v, seg=None):
     out, max_logits = run(q, k, v, seg)
-    return out, jax.lax.pmax(max_logits, axes)
+    return out, jax.lax.pmax(max_logits, axes) if axes else max_logits
   args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
-  # Manual over every axis not manual yet (size-1 ones too): Mosaic refuses any auto axis.
   # check_vma off: inside the kernels' custom VJPs varying operands meet invariant block
   # indices (dynamic_slice), which the check rejects.
-  manual = set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
-  return jax.shard_map(shard, in_specs=(P(axes),) * len(args), out_specs=(P(axes), P()),
+  spec = P(axes or None)
+  return jax.shard_map(shard, in_specs=(spec,) * len(args), out_specs=(spec, P()),
                        axis_names=manual, check_vma=False)(*args)
 
 

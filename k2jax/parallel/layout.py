@@ -87,8 +87,8 @@ def _balanced_counts(cfg, stack, P: int, V: int, L: int) -> tuple:
   the work is largest. Stage 0 also runs the embedding and the layers before the stack
   (forward, then recomputed and differentiated in its backward: 4 / 3 of a forward + backward
   in layer units), so it takes the padding first (the head is split over every device,
-  k2jax.parallel.pipeline); a device never loses its last layer. K2 (60 layers, 16 x 2 stages of 2): stage 0 holds none, the last
-  two one each."""
+  k2jax.parallel.pipeline); a device never loses its last layer. K2 (60 layers, 16 x 2
+  stages of 2): stage 0 holds none, the last two one each."""
   from k2jax.model import counting
   S = P * V
   n = np.full(S, L)
