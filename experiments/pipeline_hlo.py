@@ -68,11 +68,10 @@ def _bytes(shapes):
   return total
 
 
-def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
-  """-> (bytes per step outside the tick loop, bytes per step inside it) of collectives that
-  cross pipeline devices, and the per-op rows."""
-  per_stage = mesh_shape[1] * mesh_shape[2]
-  n = int(np.prod(mesh_shape))
+def tick_loop(hlo: str):
+  """(computations {name: lines}, names of those inside the schedule's tick loop) of an
+  optimized HLO module: the tick loop is the outermost while of ENTRY whose body (or what it
+  calls: the phases' branches, the layer loops) holds the ring's collective-permute."""
   comps, current = {}, None
   for line in hlo.splitlines():
     if line and not line.startswith(" ") and line.rstrip().endswith("{"):
@@ -89,8 +88,7 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
            for c, lines in comps.items()}
   for c in calls:   # branch lists come as "%a, %b"
     calls[c] = {x.strip().lstrip("%") for y in calls[c] for x in y.split(",")}
-  # The outermost while of ENTRY is the schedule's tick loop (the step's only top-level one
-  # that contains a pipeline ppermute).
+
   def reach(c, seen):
     for d in calls.get(c, ()):
       if d not in seen:
@@ -103,6 +101,15 @@ def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
     r = reach(body, {body})
     if any("collective-permute" in l for c in r for l in comps.get(c, [])):
       inside |= r
+  return comps, inside
+
+
+def pipeline_collectives(hlo: str, mesh_shape, ticks: int):
+  """-> (bytes per step outside the tick loop, bytes per step inside it) of collectives that
+  cross pipeline devices, and the per-op rows."""
+  per_stage = mesh_shape[1] * mesh_shape[2]
+  n = int(np.prod(mesh_shape))
+  comps, inside = tick_loop(hlo)
   out, loop, rows = 0, 0, []
   for c, lines in comps.items():
     for line in lines:

@@ -42,46 +42,6 @@ SEQ = 40
 OPS = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
 
-def _computations(hlo):
-  comps, current = {}, None
-  for line in hlo.splitlines():
-    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-      current = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0].lstrip("%")
-      comps[current] = []
-    elif current:
-      comps[current].append(re.sub(r"/\*.*?\*/", "", line))
-  return comps
-
-
-def _called(lines):
-  text = "\n".join(lines)
-  names = set(re.findall(r"(?:body|condition|calls|to_apply|true_computation|"
-                         r"false_computation)=%?([\w.\-]+)", text))
-  for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
-    names |= {x.strip().lstrip("%") for x in group.split(",")}
-  return names
-
-
-def tick_loop(hlo):
-  """(computations, names of those inside the tick loop)."""
-  comps = _computations(hlo)
-  calls = {c: _called(lines) for c, lines in comps.items()}
-
-  def reach(c, seen):
-    for d in calls.get(c, ()):
-      if d not in seen:
-        seen.add(d)
-        reach(d, seen)
-    return seen
-  inside = set()
-  for line in comps.get("ENTRY", []):
-    for body in re.findall(r"body=%?([\w.\-]+)", line):
-      r = reach(body, {body})
-      if any("collective-permute" in l for c in r for l in comps.get(c, [])):
-        inside |= r
-  return comps, inside
-
-
 def _shapes(text):
   return [(dt, tuple(int(d) for d in dims.split(",") if d))
           for dt, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", text)]
@@ -108,11 +68,12 @@ def loop_collectives(hlo, weights, scale=None):
   """Rows (op, bytes, weight-shaped, shapes, bytes scaled) of every collective inside the
   tick loop; `scale`: a factor per parameter index for weight-shaped operands, and at
   key None for the others."""
-  comps, inside = tick_loop(hlo)
+  comps, inside = pipeline_hlo.tick_loop(hlo)
   scale = scale or {}
   rows = []
   for c in inside:
     for line in comps[c]:
+      line = re.sub(r"/\*.*?\*/", "", line)   # tuple shapes' /*index=N*/ comments
       m = re.search(r"= (\(?[a-z0-9]+\[[^=]*?) (" + "|".join(OPS) + r")(-start)?\(", line)
       if not m:
         continue
