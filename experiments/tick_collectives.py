@@ -64,10 +64,19 @@ def weight_shapes(layer_params):
   return out
 
 
-def loop_collectives(hlo, weights, scale=None):
-  """Rows (op, bytes, weight-shaped, shapes, bytes scaled) of every collective inside the
-  tick loop; `scale`: a factor per parameter index for weight-shaped operands, and at
-  key None for the others."""
+def spanned(groups, mesh):
+  """The mesh axes (pipeline, data, expert) some device group varies over (devices in
+  the mesh's order: pipeline slowest)."""
+  names = ("pipeline", "data", "expert")
+  coords = lambda d: np.unravel_index(d, mesh)
+  return tuple(a for i, a in enumerate(names)
+               if any(len({coords(d)[i] for d in g}) > 1 for g in groups))
+
+
+def loop_collectives(hlo, weights, scale=None, mesh=(2, 2, 2)):
+  """Rows (op, bytes, weight-shaped, shapes, bytes scaled, mesh axes spanned) of every
+  collective inside the tick loop; `scale`: a factor per parameter index for weight-shaped
+  operands, and at key None for the others."""
   comps, inside = pipeline_hlo.tick_loop(hlo)
   scale = scale or {}
   rows = []
@@ -88,8 +97,9 @@ def loop_collectives(hlo, weights, scale=None):
         shaped |= leaf is not None
         b += nb
         scaled += nb * scale.get(leaf, 1.0)
+      axes = spanned(pipeline_hlo._groups(line, int(np.prod(mesh))), mesh)
       rows.append((m.group(2), b, shaped, " ".join(f"{dt}{list(s)}" for dt, s in shapes),
-                   scaled))
+                   scaled, axes))
   return rows
 
 
@@ -126,10 +136,10 @@ def measure(label, mesh=(2, 2, 2)):
   c = pipeline_hlo.tiny_config(mesh, seq=SEQ)
   params = model.init(c.model, jax.random.key(0))
   layer = [a.shape[1:] for a in jax.tree.leaves(params["moe_layers"])]
-  rows = loop_collectives(compiled.as_text(), weight_shapes(layer), k2_scale(c, mesh))
-  count = collections.Counter((op, w) for op, _, w, _, _ in rows)
+  rows = loop_collectives(compiled.as_text(), weight_shapes(layer), k2_scale(c, mesh), mesh)
+  count = collections.Counter((op, w) for op, _, w, _, _, _ in rows)
   nbytes, k2 = collections.Counter(), collections.Counter()
-  for op, b, w, _, scaled in rows:
+  for op, b, w, _, scaled, _ in rows:
     nbytes[w] += b
     k2[w] += scaled
   per_layer = sum(int(np.prod(s)) * 4 for s in layer)
@@ -152,7 +162,8 @@ def main():
   rec, rows = measure(args.label)
   if args.rows:
     for r in sorted(rows, key=lambda r: -r[1]):
-      print(f"  {r[0]:<20}{r[1]:>12,d}  {'weight' if r[2] else 'act':<7}{r[3][:100]}")
+      print(f"  {r[0]:<20}{r[1]:>12,d}  {'weight' if r[2] else 'act':<7}"
+            f"{'+'.join(r[5]) or '-':<22}{r[3][:80]}")
   for k, v in rec.items():
     print(f"{k:<28}{v}")
   os.makedirs(os.path.dirname(OUT), exist_ok=True)

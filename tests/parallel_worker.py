@@ -278,6 +278,18 @@ def ep_transports(part="0/1"):
   print("RESULT " + json.dumps(out))
 
 
+def tick_collectives():
+  """Every collective inside the tick loop of the pipelined step on pipeline 2 x data 2 x
+  expert 2 with phases skipped per device (compiled, not run), as
+  experiments/tick_collectives.py reads them: op, bytes, weight-shaped, mesh axes spanned."""
+  import os
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+  import tick_collectives
+  rec, rows = tick_collectives.measure("test")
+  print("RESULT " + json.dumps({"rows": [[op, b, w, list(axes)]
+                                         for op, b, w, _, _, axes in rows]}))
+
+
 def pipeline_collectives():
   """Bytes the compiled train step moves between pipeline devices (4 x 2 virtual x expert 2,
   1 dense + 8 MoE layers), read from its HLO by experiments/pipeline_hlo.py."""
@@ -567,6 +579,7 @@ def embedding():
 
 if __name__ == "__main__":
   {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
-   "pipeline_collectives": pipeline_collectives, "lower": lower,
+   "pipeline_collectives": pipeline_collectives, "tick_collectives": tick_collectives,
+   "lower": lower,
    "attend_shards": attend_shards, "muon_local": muon_local,
    "embedding": embedding}[sys.argv[1]](*sys.argv[2:])

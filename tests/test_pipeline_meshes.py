@@ -141,6 +141,21 @@ def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_run
   assert_close(losses(back), pipeline_runs["1x1"])
 
 
+def test_no_weight_gradient_crosses_data_inside_the_tick_loop():
+  """Pipeline 2 x data 2 x expert 2, phases skipped per device as on GPU / TPU: no
+  collective inside the tick loop with an operand shaped like a layer's parameter (whole or
+  split) spans the `data` axis: each data shard sums its own weight gradients through the
+  loop and they are reduced once, after it (pipeline.replica_axes). Before, the experts'
+  gradients were all-reduced over `data` in every backward phase (3 such all-reduces of
+  786 KB per tick here). What stays weight-shaped spans `expert` only: the weights split
+  over it to save memory, gathered where a phase uses them."""
+  rows = worker(8, "tick_collectives")["rows"]
+  weights = [r for r in rows if r[2]]
+  assert weights and not [r for r in weights if "data" in r[3]], weights
+  assert {a for r in weights for a in r[3]} == {"expert"}, weights
+  assert any(r[0] == "collective-permute" and r[3] == ["pipeline"] for r in rows), rows
+
+
 def test_no_weight_moves_between_pipeline_devices():
   """(And evaluation through the pipeline, which did not run before, equals the unpipelined
   loss of the same params.) The compiled step of pipeline 4 x 2 virtual x expert 2 (stack stored in schedule order):
