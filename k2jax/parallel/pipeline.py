@@ -59,6 +59,15 @@ the tick's ppermute anyway.
 
 `loss_and_grads` returns the loss sums, per-layer statistics in stored order and gradients
 in the stored layout; `loss` runs the F phases only (evaluation).
+
+What a new schedule provides: a task order per device for k2jax.parallel.schedules (its
+`_orders`: the (v, m) of each F, B and, if it splits the backward, W task, in order);
+`schedules.build` simulates it into a `Table` (every device's task per tick and phase, and
+the buffer slots each tick writes and reads, sized by what is alive), and this loop runs any
+table unchanged: per tick the F phase, the head phase where the table's F runs the last
+stage, the B phase, the W phase where the table splits, then the two ring transfers. A
+schedule that needs a phase of another kind (e.g. DualPipe's two directions at once) is the
+one that needs a change here.
 """
 
 import concurrent.futures
