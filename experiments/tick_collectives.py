@@ -132,7 +132,7 @@ def k2_scale(c, mesh):
 def measure(label, mesh=(2, 2, 2)):
   import jax
   from k2jax import model
-  compiled, _, _, _, ticks, stack = pipeline_hlo.build(mesh, seq=SEQ, skip="device")
+  compiled, _, _, _, ticks, _ = pipeline_hlo.build(mesh, seq=SEQ, skip="device")
   c = pipeline_hlo.tiny_config(mesh, seq=SEQ)
   params = model.init(c.model, jax.random.key(0))
   layer = [a.shape[1:] for a in jax.tree.leaves(params["moe_layers"])]

@@ -56,6 +56,13 @@ TPU_HBM = {
 ROOM = 0.8
 
 
+def verdict(peak: float, hbm: float) -> str:
+  """Whether a compiled peak (bytes on one chip) leaves a run room in `hbm`."""
+  return ("fits" if peak <= ROOM * hbm else
+          f"fits, but above {ROOM:.0%} of HBM: little room to run" if peak <= hbm else
+          "does NOT fit")
+
+
 def topology_devices(name: str):
   """The devices of a TPU topology name ("v5p:8x16x16"; "v5e:1x1" is one chip, as Colab
   gives it) or of this machine ("local"). ValueError (one line) for an unknown name."""
@@ -271,13 +278,10 @@ def table(name: str, topology: str, config, result: Compiled, est) -> str:
                  f"{(f'{plan_bytes / GB:>10.2f}' if plan_bytes is not None else ''):>10}{ratio}")
   if result.hbm:
     share = d["peak"] / result.hbm
-    verdict = ("fits" if share <= ROOM else
-               f"fits, but above {ROOM:.0%} of HBM: little room to run" if share <= 1 else
-               "does NOT fit")
     shares = (f"XLA's check {d['check'] / result.hbm:.0%} of it, the device memory space "
               f"{share:.0%}" if partial else f"peak {share:.0%} of it")
     lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / GIB:.2f} GiB, XLA's "
-                 f"figure): {shares}: {verdict}")
+                 f"figure): {shares}: {verdict(d['peak'], result.hbm)}")
   return "\n".join(lines)
 
 

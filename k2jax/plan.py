@@ -335,12 +335,13 @@ def estimate(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *,
 
 def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtual_stages=None,
            microbatches=None, remat=None, storage=None, param_dtype=None, name=None,
-           platform="gpu") -> str:
-  """The per-device table of a preset name or a full config on `mesh` ({axis: size})."""
+           platform="gpu", est: Estimate | None = None) -> str:
+  """The per-device table of a preset name or a full config on `mesh` ({axis: size});
+  `est`: its `estimate`, where the caller has it already."""
   name = name or (config if isinstance(config, str) else "config")
-  est = estimate(config, mesh, seq_len, micro_batch, grad_bytes, virtual_stages=virtual_stages,
-                 microbatches=microbatches, remat=remat, storage=storage,
-                 param_dtype=param_dtype, platform=platform)
+  est = est or estimate(config, mesh, seq_len, micro_batch, grad_bytes,
+                        virtual_stages=virtual_stages, microbatches=microbatches, remat=remat,
+                        storage=storage, param_dtype=param_dtype, platform=platform)
   cfg, seq_len, micro_batch, geometry, rounded, st, acts = est
   V = cfg.mesh.get("virtual_stages", 1)
   M = cfg.train.grad_accum
@@ -502,9 +503,9 @@ def main(argv=None):
     kw = dict(virtual_stages=args.virtual_stages, microbatches=args.microbatches,
               remat=args.remat, storage=args.storage, param_dtype=args.param_dtype,
               platform=args.platform)
-    print(report(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
-                 name=args.config, **kw))
     est = estimate(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes, **kw)
+    print(report(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
+                 name=args.config, est=est, **kw))
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)
     raise SystemExit(2)
@@ -546,11 +547,9 @@ def compiled_beside(args, overrides, mesh, est, devices) -> str:
     lines.append(f"  {'thread-local (host-run)':<24}{device['thread_local'] / GB:>10.2f}   "
                  "buffers of the part XLA runs on the host (the update beside host states)")
   if hbm:   # the verdict as k2jax.compile gives it: on the whole device memory space
-    total = device["peak"]
-    verdict = ("fits" if total <= xla.ROOM * hbm else
-               f"above {xla.ROOM:.0%}: too tight to run" if total <= hbm else "does NOT fit")
     lines.append(f"  HBM {hbm / GB:.1f} GB per chip: XLA's peak is {device['check'] / hbm:.0%} "
-                 f"of it, {total / hbm:.0%} with the thread-local buffers ({verdict})")
+                 f"of it, {device['peak'] / hbm:.0%} with the thread-local buffers "
+                 f"({xla.verdict(device['peak'], hbm)})")
   lines.append("  XLA's peak is the figure of record; plan's lines above say where it goes "
                "(what they do not count: XLA's layout copies and transposes of weights, the "
                "expert exchange's buffers beyond the residuals, heap fragmentation)")

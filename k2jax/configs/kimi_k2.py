@@ -80,7 +80,8 @@ def get_config():
   # the activations in flight do not grow: idle 8.5% of device time by stage FLOPs at 128
   # microbatches. 16 x 4 stages of 1 idle 12.3% there: stage 0 holds padding only and its
   # backward recomputes the embedding and dense layer, so its ticks are the longest. zbh1
-  # idles 6.8% at 16 x 2 but keeps 54 GB more in host memory (what B hands W: 1.69 GB per layer and sequence, the routed experts' row
-  # cotangents most of it), so the preset stays 1f1b.
+  # idles 6.8% at 16 x 2 but keeps 54 GB more in host memory (what B hands W: 1.69 GB per
+  # layer and sequence, the routed experts' row cotangents most of it), so the preset stays
+  # 1f1b.
   base.one_sequence_per_device(c)
   return c

@@ -93,18 +93,14 @@ class MoEStats(NamedTuple):
   aux_loss: jax.Array     # f32 scalar: aux_loss_alpha * balance_loss (0 when alpha = 0)
 
 
-def _routed(cfg, batch_axes: tuple, ep_axis, p, x, valid):
-  """Router + routed experts on (this shard's) tokens x [B, T, d] -> (y, MoEStats)."""
+def _routed(cfg, batch_axes: tuple, ep_axis, sync_axes: tuple, p, x, valid):
+  """Router + routed experts on (this shard's) tokens x [B, T, d] -> (y, MoEStats).
+  sync_axes: the other mesh axes whose devices take the exchange's branch together."""
   B, T, d = x.shape
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
   if ep_axis:
-    # every device of the batch agrees on the exchange's branch, those of an enclosing
-    # shard_map's manual axes too (the pipeline's `data`)
-    mesh = jax.sharding.get_abstract_mesh()
-    sync = rules.active_mesh_axes("batch", mesh, manual=True)
-    y = experts_all_to_all(p["experts"], x2d, idx, w, ep_axis,
-                           sync_axes=tuple(a for a in sync if a != ep_axis),
+    y = experts_all_to_all(p["experts"], x2d, idx, w, ep_axis, sync_axes=sync_axes,
                            transport=cfg.ep_transport,
                            fp8_storage=cfg.activation_storage == "fp8",
                            round_load=cfg.get("ep_round_load", 2.0))
@@ -150,12 +146,15 @@ def moe(cfg, p, x, valid=None):
         lambda s: P(*[ep_axis if a == "experts" else None for a in s.axes]) if ep_axis else P(),
         moe_specs(cfg), is_leaf=spec.is_spec)
     specs = {k: specs[k] for k in routed}
-    fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes, ep_axis),
+    # every device of the batch agrees on the exchange's branch, those of an enclosing
+    # shard_map's manual axes too (the pipeline's `data`)
+    sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True) if a != ep_axis)
+    fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes, ep_axis, sync),
                        in_specs=(specs, P(batch_axes), P(batch_axes)),
                        out_specs=(P(batch_axes), MoEStats(P(), P())), axis_names=set(batch_axes))
     y, stats = fn(routed, x, valid)
   else:
-    y, stats = _routed(cfg, (), None, routed, x, valid)
+    y, stats = _routed(cfg, (), None, (), routed, x, valid)
   if "shared" in p:
     y = y + mlp(p["shared"], x, cfg.activation_storage == "fp8")
   return y, stats
