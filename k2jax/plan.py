@@ -93,9 +93,28 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   cast_tree = jax.eval_shape(functools.partial(differentiated, stored), abstract.params)
   cast = [(c, s) for c, a, s in zip(jax.tree.leaves(cast_tree), jax.tree.leaves(abstract.params),
                                     jax.tree.leaves(sh.params)) if c.dtype != a.dtype]
+  grads = sums = per_device(abstract.params, sh.params, grad_bytes)
+  loop_copy = 0
+  if mesh_shape["pipeline"] > 1:
+    # The pipeline's shard_map holds the weights stored split only to save memory whole,
+    # gathered once as it opens, and its float32 sums of every weight's gradient shaped
+    # as it holds the weight (k2jax.parallel.pipeline.inner_specs).
+    # (the head padded to a multiple of the pipeline's devices, as the pipeline pads it)
+    d, vocab = abstract.params["lm_head"].shape
+    padded = dict(abstract.params, lm_head=jax.ShapeDtypeStruct(
+        (d, -(-vocab // mesh_shape["pipeline"]) * mesh_shape["pipeline"]),
+        abstract.params["lm_head"].dtype))
+    inner, _ = pipeline.inner_specs(stored.model, padded, mesh)
+    held = [jax.sharding.NamedSharding(mesh, s) for s in jax.tree.leaves(
+        inner, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))]
+    sums = per_device(padded, held, grad_bytes)
+    loop_copy = sum(per_device([a], [h]) for a, h, s, b in zip(
+        jax.tree.leaves(padded), held, jax.tree.leaves(sh.params),
+        jax.tree.leaves(abstract.params)) if h.shard_shape(a.shape) != s.shard_shape(b.shape))
   return dict(params=per_device(abstract.params, sh.params),
               cast_copy=per_device([c for c, _ in cast], [s for _, s in cast]),
-              grads=per_device(abstract.params, sh.params, grad_bytes),
+              loop_copy=loop_copy, loop_sums=sums,
+              grads=grads,
               optimizer=per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
               optimizer_host=per_device(abstract.opt_state, sh.opt_state,
                                         memory_kind="pinned_host"),
@@ -269,8 +288,8 @@ class Estimate(NamedTuple):
     """Device bytes while the step computes its gradients: states, the cast copy of the
     weights, activations."""
     st = self.states
-    return (st["params"] + st["grads"] + st["optimizer"] + st["cast_copy"]
-            + self.acts.device)
+    return (st["params"] + st["loop_sums"] + st["optimizer"] + st["cast_copy"]
+            + st["loop_copy"] + self.acts.device)
 
   @property
   def update(self) -> float:
@@ -353,9 +372,12 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
            f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
            f"micro_batch {micro_batch} ({geometry})",
            f"{'per device':<26}{'GB':>10}"]
-  for key, label in (("params", "params"), ("grads", "grads / accumulation"),
+  for key, label in (("params", "params"), ("loop_sums", "grads / accumulation"),
                      ("optimizer", "optimizer (ZeRO-1)")):
     lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
+    if key == "loop_sums" and st["loop_sums"] != st["grads"]:
+      lines[-1] += (f"   the pipeline's float32 sums, each weight's as its loop holds it "
+                    f"(reduced once a step to {st['grads'] / GB:.2f})")
   if st["optimizer_host"]:
     lines[-1] = (f"  {'optimizer on device':<24}{st['optimizer'] / GB:>10.2f}   (not mirroring "
                  f"a parameter: QK-Clip's record, counts)")
@@ -365,9 +387,14 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
                  f"data-parallel group (data = {mesh['data']}): no dimension of "
                  f"{', '.join(st['optimizer_unsplit_leaves'][:3])} is divisible by it (ZeRO-1 "
                  f"keeps those shards whole over the axes that do not divide)")
-  states = st["params"] + st["grads"] + st["optimizer"]
+  states = st["params"] + st["loop_sums"] + st["optimizer"]
   lines.append(f"  {'all states on device':<24}{states / GB:>10.2f}   "
                f"(from parallel.state_shardings)")
+  if st["loop_copy"]:
+    lines.append(f"  {'weights in the loop':<24}{st['loop_copy'] / GB:>10.2f}   those stored "
+                 f"split only to save memory, gathered once a step as the pipeline opens "
+                 f"(pipeline.inner_specs)")
+    states += st["loop_copy"]
   if st["cast_copy"]:
     lines.append(f"  {'weights in ' + cfg.model.dtype:<24}{st['cast_copy'] / GB:>10.2f}   cast once "
                  f"per step for its {M} microbatches (train.cast_once)")

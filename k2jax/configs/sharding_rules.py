@@ -97,8 +97,8 @@ def mesh_axes(logical: str) -> tuple[str, ...]:
 def active_mesh_axes(logical: str, mesh, manual: bool = False) -> tuple[str, ...]:
   """mesh_axes(logical) restricted to the axes `mesh` has with size > 1 (an empty or
   abstract mesh: those of its axes that exist), without those an enclosing shard_map
-  already holds manual (`mesh.manual_axes`: the pipeline holds `data`, so a nested
-  shard_map over the batch opens only `expert`) unless `manual`."""
+  already holds manual (`mesh.manual_axes`: the pipeline holds the batch's axes, so a
+  nested shard_map over the batch opens none) unless `manual`."""
   if mesh is None or mesh.empty:
     return ()
   held = () if manual else tuple(getattr(mesh, "manual_axes", ()))
@@ -117,7 +117,10 @@ def constrain(x, axes):
   """jax.lax.with_sharding_constraint of `x` to logical_spec(axes) over the axes the current
   mesh leaves automatic: inside a shard_map those it holds manual are already split (the
   pipeline's `data`), and a constraint may not name them."""
-  held = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  mesh = jax.sharding.get_abstract_mesh()
+  held = tuple(getattr(mesh, "manual_axes", ()))
+  if mesh.empty or set(mesh.axis_names) <= set(held):
+    return x      # nothing left to constrain (the pipeline holds every axis manual)
   return jax.lax.with_sharding_constraint(x, without(logical_spec(axes), held))
 
 

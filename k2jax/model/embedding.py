@@ -58,6 +58,9 @@ class _Plan(NamedTuple):
   ep: int                # devices in the expert group
   tokens: tuple          # mesh axes the tokens (leading dim of ids) are split over
   rounds: int            # chunks the rows go in (0: as many as the expert group's devices)
+  manual: bool = False   # an enclosing shard_map holds the token axes: no shard_map here,
+                         # and each device's gradient stays its tokens' share (that
+                         # shard_map sums it over the token axes, once)
 
   @property
   def rows(self) -> int:
@@ -69,11 +72,19 @@ def _axis(names):
   return names[0] if len(names) == 1 else names
 
 
-def _plan(table, ids, rounds: int):
+def _plan(table, ids, rounds: int, vocab: int | None = None):
   """The plan of a lookup under the current mesh, or None where jnp.take and its autodiff
   need no exchange or cannot have this one (no mesh, no expert group, ids not split over
   the owners' axes, or a shard_map that already holds those axes)."""
   mesh = jax.sharding.get_abstract_mesh()
+  everywhere = active_mesh_axes("batch", mesh, manual=True)
+  if everywhere and set(everywhere) <= set(mesh.manual_axes):
+    # the pipeline's shard_map: ids are this device's tokens, the table its slice of rows
+    owners = active_mesh_axes("vocab", mesh, manual=True)
+    if not owners or vocab is None or table.shape[0] == vocab or ids.ndim == 0:
+      return None             # whole here: a local gather, the gradient this device's share
+    ep = math.prod(mesh.shape[a] for a in owners)
+    return _Plan(vocab, table.dtype, owners, ep, everywhere, rounds, True)
   owners = active_mesh_axes("vocab", mesh)
   tokens = active_mesh_axes("batch", mesh)
   if not owners or ids.ndim == 0 or not set(owners) <= set(tokens):
@@ -156,7 +167,7 @@ def _scatter(plan, d: int, ct, ids):
   # the rounds read `at`: the requests' exchange precedes theirs on every device (XLA:CPU may
   # order independent collectives differently per device and deadlock)
   g, _ = jax.lax.scan(round_, g, (rows, dest, at))
-  rest = tuple(a for a in plan.tokens if a not in plan.owners)
+  rest = () if plan.manual else tuple(a for a in plan.tokens if a not in plan.owners)
   return jax.lax.psum(g, rest) if rest else g
 
 
@@ -164,6 +175,8 @@ def _scatter(plan, d: int, ct, ids):
 def _lookup(plan, table, ids, dtype):
   if plan.vocab % plan.ep:      # stored whole: every device holds the rows its ids need
     return jnp.take(table, ids, axis=0).astype(dtype)
+  if plan.manual:
+    return _gather(plan, dtype, table, ids)
   owners, tokens = _axis(plan.owners), _axis(plan.tokens)
   return jax.shard_map(functools.partial(_gather, plan, dtype),
                        in_specs=(P(owners), P(tokens)), out_specs=P(tokens),
@@ -177,6 +190,8 @@ def _lookup_fwd(plan, table, ids, dtype):
 def _lookup_bwd(plan, dtype, ids, dx):
   del dtype
   d = dx.shape[-1]
+  if plan.manual:
+    return _scatter(plan, d, dx, ids).astype(plan.table_dtype), None
   owners, tokens = _axis(plan.owners), _axis(plan.tokens)
   g = jax.shard_map(functools.partial(_scatter, plan, d), in_specs=(P(tokens), P(tokens)),
                     out_specs=P(owners), axis_names=set(plan.tokens))(dx, ids)
@@ -188,7 +203,7 @@ def _lookup_bwd(plan, dtype, ids, dx):
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
-def embed(table, ids, dtype=None, *, rounds: int = 0):
+def embed(table, ids, dtype=None, *, rounds: int = 0, vocab: int | None = None):
   """table[ids] in `dtype` (default the table's), each row read on, and its gradient sent
   to, the expert shard that holds it where a mesh splits the table's rows and the tokens
   (module docstring).
@@ -198,11 +213,14 @@ def embed(table, ids, dtype=None, *, rounds: int = 0):
     ids: int [b, ...], under a mesh split on its leading dimension as `batch` says.
     dtype: the output's dtype (the cotangents travel in it).
     rounds: chunks the rows go in (0: ep, module docstring).
+    vocab: V, inside a shard_map that holds the token axes manual and passes this device's
+      slice of the rows (the pipeline's): then the exchange runs without a shard_map of its
+      own and the gradient is this device's tokens' share, summed by that shard_map.
   Returns:
     [b, ..., d]: jnp.take(table, ids, axis=0).astype(dtype).
   """
   dtype = jnp.dtype(table.dtype if dtype is None else dtype)
-  plan = _plan(table, ids, rounds)
+  plan = _plan(table, ids, rounds, vocab)
   if plan is None:
     return jnp.take(table, ids, axis=0).astype(dtype)
   return _lookup(plan, table, ids, dtype)

@@ -321,7 +321,10 @@ def _exchange_fwd(plan, p, x, w, route):
   res = {k: jax.tree.map(functools.partial(
       checkpoint_name, name="swiglu_input" if k in ("g", "u") else "moe_input"), v)
          for k, v in res.items()}
-  route = jax.tree.map(functools.partial(checkpoint_name, name="moe_input"), route)
+  # Saved as uint32, a copy: saved as the very arrays the switch above reads, XLA:TPU
+  # (libtpu 0.0.42.1) aborts in memory-space assignment ("Aliased use") once they leave a
+  # pipeline layer's cond as its residuals with no shard_map boundary in between.
+  route = jax.tree.map(lambda a: checkpoint_name(a.astype(jnp.uint32), "moe_input"), route)
   return y, (p, x, w, route, res)
 
 
@@ -332,6 +335,7 @@ def _exchange_bwd(plan, saved, dy):
   (k2jax.parallel.bwsplit, report 2.4.2) can run the second later: the first hands it the
   per-row cotangents of the down-projection's output and input, [plan.saved, d + f]."""
   p, x, w, route, res = saved
+  route = jax.tree.map(lambda a: a.astype(jnp.int32), route)
   ep = route.counts.shape[0]
   dt = x.dtype
   kept = [plan.keeps(c, ep) for c in plan.caps]

@@ -136,7 +136,16 @@ def moe(cfg, p, x, valid=None):
   routed = {k: p[k] for k in ("router", "router_bias", "experts")}
   mesh = jax.sharding.get_abstract_mesh()
   batch_axes = rules.active_mesh_axes("batch", mesh)
-  if batch_axes:
+  held = rules.active_mesh_axes("experts", mesh, manual=True)
+  if held and held[0] in getattr(mesh, "manual_axes", ()):
+    # An enclosing shard_map (the pipeline's) already holds the expert axis manual: x is
+    # this device's tokens, p["experts"] its shard of the experts and the rest whole. The
+    # exchange runs here; the statistics and the router's gradient stay this device's
+    # share, which that shard_map sums over its axes once.
+    sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True)
+                 if a != held[0])
+    y, stats = _routed(cfg, (), held[0], sync, routed, x, valid)
+  elif batch_axes:
     ep = rules.active_mesh_axes("experts", mesh)
     ep_axis = ep[0] if ep else None
     # Specs of one layer's routed params (the scan removed the `layers` axis): split over the

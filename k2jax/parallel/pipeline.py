@@ -2,12 +2,15 @@
 
 The last layer stack is cut into S = P x V stages (k2jax.parallel.layout: stage s = v P + p
 on device p, stored in that order so no weight moves) and microbatches flow through them
-in the one jitted step: `shard_map` makes the `pipeline` and `data` axes manual (`expert`
-stays automatic, so the MoE's expert-parallel shard_map nests inside), and stage outputs and
-their cotangents move between devices with `ppermute`. Each data shard adds its own rows'
-weight gradients to its float32 sums through the whole loop; they are summed over `data`
-once, after it (`replica_axes`), so no collective in the loop carries a weight gradient
-over `data`.
+in the one jitted step: `shard_map` makes every mesh axis manual (`pipeline`, and the
+batch's `data` and `expert`: `replica_axes`), and stage outputs and their cotangents move
+between devices with `ppermute`. Inside, each device holds its own tokens, its stage's
+experts (the MoE's all-to-all runs on the manual `expert` axis) and every other weight of the
+stage whole, gathered once as the shard_map opens; it adds its tokens' weight gradients to
+its float32 sums through the whole loop, and they are summed over `data` and `expert` once,
+after it. So no collective inside the loop is shaped like a weight
+(experiments/tick_collectives.py counts them): only activations, their cotangents, routing
+and statistics cross devices there.
 
 What each device does at each tick is read from a static table
 (k2jax.parallel.schedules.build: mesh.pipeline_schedule = 1f1b | gpipe | zbh1): per tick an F
@@ -82,8 +85,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k2jax.configs.sharding_rules import (RULES, active_mesh_axes, constrain, mesh_axes,
-                                          param_spec, without)
+from k2jax.configs.sharding_rules import (active_mesh_axes, constrain, entry_axes,
+                                          param_spec)
 from k2jax.kernels import moe as moe_kernels
 from k2jax.kernels import platform as kernel_platform
 from k2jax.model import counting, remat, spec as model_spec, transformer
@@ -99,14 +102,55 @@ AXIS = "pipeline"
 
 
 def replica_axes(mesh) -> tuple[str, ...]:
-  """The mesh axes the pipeline's shard_map holds manual besides `pipeline`: those the
-  batch is split over and no parameter is (`data`). Every device there holds the whole
-  stage and its own tokens, so the weight gradients it adds up tick after tick are its
-  tokens' share: the float32 sums stay unreduced through the loop and are summed over these
-  axes once, after it (one gradient reduction a step, as data parallelism does it: report
-  2.4.2), instead of in every backward phase."""
-  held = {a for name, _ in RULES if name not in ("batch", "opt_state") for a in mesh_axes(name)}
-  return tuple(a for a in active_mesh_axes("batch", mesh, manual=True) if a not in held)
+  """The mesh axes the pipeline's shard_map holds manual besides `pipeline`: every axis the
+  batch is split over (`data`, `expert`). Each device holds its stage's weights (the experts
+  and the embedding's rows split as stored, every other weight whole: `_inner_specs`) and
+  its own tokens, so the weight gradients it adds up tick after tick are its tokens' share:
+  the float32 sums stay unreduced through the loop and are summed over these axes once,
+  after it (one gradient reduction a step, as data parallelism does it: report 2.4.2),
+  instead of in every backward phase; and the weights split only to save memory between
+  steps (FSDP over `expert`) are gathered once, as the shard_map opens, instead of in every
+  phase."""
+  return active_mesh_axes("batch", mesh, manual=True)
+
+
+# The logical axes whose split the computation inside the pipeline's shard_map keeps: a
+# stage's layers, the experts (the MoE's all-to-all exchange runs on the manual axis) and
+# the embedding's rows (so does its lookup, k2jax.model.embedding). The other splits only
+# save memory between steps (`embed`, `heads`: FSDP over the expert group); those weights
+# come in whole. The head's columns are split over the pipeline only (`_head`).
+_INNER = ("layers", "experts", "vocab")
+
+
+def inner_specs(cfg, params: dict, mesh) -> tuple[dict, dict]:
+  """How the pipeline's shard_map holds each parameter of `params` (the stored layout, or
+  ShapeDtypeStructs of it) on `mesh`: (PartitionSpecs over its manual axes, and per leaf
+  the manual batch axes it is not split over: its float32 gradient sum is unreduced over
+  them through the loop, a leading axis of the shard_map's output). Both trees are shaped
+  like `params`. plan counts the loop's copies of the weights and its sums from these."""
+  reps = replica_axes(mesh)
+  held = (AXIS, *reps)
+  specs = transformer.param_specs(cfg)
+  staged = transformer.stacks(cfg)[-1].name     # the stack the stages hold (layout.split)
+
+  def inner(k):
+    keep = held if k == staged else reps    # the rest is whole on every pipeline device
+    def one(s, a):
+      stored = list(param_spec(s.axes, a.shape, mesh)) + [None] * len(s.axes)
+      return P(*[tuple(m for m in entry_axes(e) if m in keep) or None if n in _INNER
+                 else None for n, e in zip(s.axes, stored)])
+    return one
+
+  def lead(pspec):
+    used = {m for e in pspec for m in entry_axes(e)}
+    return tuple(m for m in held if m != AXIS and m not in used) or None
+
+  is_p = lambda x: isinstance(x, P)
+  out = {k: jax.tree.map(inner(k), specs[k], v, is_leaf=model_spec.is_spec)
+         for k, v in params.items() if k not in ("lm_head", "final_norm")}
+  out.update({k: P(*((None, AXIS) if k == "lm_head" else ())) for k in params
+              if k in ("lm_head", "final_norm")})
+  return out, jax.tree.map(lead, out, is_leaf=is_p)
 
 
 def routed_impl(impl: str) -> str:
@@ -486,7 +530,7 @@ def _pre(cfg, sp: Split, params, inputs, positions, segment_ids):
   # each row read on, and its gradient sent to, the expert shard holding it (embedding.py: XLA
   # gathered the whole table for the forward and the whole microbatch's cotangents for the
   # backward on every device)
-  x = embed(params["embed"], inputs, cfg.dtype)
+  x = embed(params["embed"], inputs, cfg.dtype, vocab=cfg.vocab_size)
   x = constrain(x, ("batch", "length", "embed"))
   pre_max = [jnp.full((0, cfg.num_attention_heads), -jnp.inf, jnp.float32)]
   for st in transformer.stacks(cfg):
@@ -875,24 +919,14 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
   init = (x0, x0, bufs(slots["act"], act_shape), bufs(slots["grad"], act_shape), res_buf,
           cut_buf, st, g)
   (_, _, _, _, _, _, st, g), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
-  # The gradient sums keep their parameters' sharding over the automatic axes (the vocab
-  # over `expert`); left to propagation, XLA's SPMD partitioner aborts on them (jax 0.10,
-  # pipeline 2 x data 2 x expert 2).
-  mesh = jax.sharding.get_abstract_mesh()
-  specs = jax.tree.map(lambda s: without(param_spec(s.axes, s.shape, mesh), mesh.manual_axes),
-                       transformer.param_specs(cfg), is_leaf=model_spec.is_spec)
-  keep = lambda g: {k: jax.tree.map(jax.lax.with_sharding_constraint, g[k], specs[k])
-                    for k in g}
   head_grads, g_pre, g_stage = {}, {}, {}
   if grads:
-    g_pre, g_stage = keep(g["pre"]), g["stage"]
-    head_grads = {"final_norm": st["g_norm"],
-                  "lm_head": jax.lax.with_sharding_constraint(st["g_lm"], specs["lm_head"])}
+    g_pre, g_stage = g["pre"], g["stage"]
+    head_grads = {"final_norm": st["g_norm"], "lm_head": st["g_lm"]}
   psum = lambda a: jax.lax.psum(a, (AXIS, *reps))
   flat = lambda a: a.reshape((V * L,) + a.shape[2:])
-  # the statistics over the replicas here; the gradients (sharded over automatic axes: a
-  # psum of those inside crashes XLA's partitioner, see _pipelined) leave with a leading
-  # axis each and are summed outside, once
+  # the statistics over the replicas here; the gradients leave with a leading axis each and
+  # are summed outside, once (`_pipelined`)
   over = lambda f, a: f(a, reps) if reps else a
   one = lambda a: a[None]
   return (psum(st["ce"]), psum(st["aux"]), flat(over(jax.lax.pmax, st["mx"])),
@@ -926,19 +960,28 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   head = {"final_norm": params["final_norm"],
           "lm_head": jnp.pad(params["lm_head"], ((0, 0), (0, pad))) if pad else params["lm_head"]}
   on = jnp.asarray(sp.real().reshape(-1))
-  # `data` manual too (replica_axes): each device's microbatches are its batch rows, and its
-  # gradients its rows' share until the sums below
-  reps = replica_axes(jax.sharding.get_abstract_mesh())
-  spec = jax.tree.map(lambda _: P(AXIS), stack)
-  head_spec = {"final_norm": P(), "lm_head": P(None, AXIS)}
+  # every batch axis manual too (replica_axes): each device's microbatches are its batch
+  # rows, and its gradients its rows' share until the sums below
+  mesh = jax.sharding.get_abstract_mesh()
+  reps = replica_axes(mesh)
   both = (AXIS, *reps)
-  grad_spec = jax.tree.map(lambda _: P(reps or None, AXIS), stack)
+  inner, lead = inner_specs(cfg, {sp.stack.name: stack, **pre_params, **head}, mesh)
+  is_p = lambda x: isinstance(x, P)
+  spec, lead_stack = inner.pop(sp.stack.name), lead.pop(sp.stack.name)
+  # the head's columns split over the pipeline only: each device's [D, V / P] slice whole
+  # over the rest, gathered once as the shard_map opens (K2: 147 MB of bf16)
+  head_spec = {k: inner.pop(k) for k in head}
+  lead = {k: lead[k] for k in inner}
+  # each gradient leaves with a leading axis over the manual axes it is unreduced over
+  # (stage 0's prefix over the pipeline too: only stage 0's are non-zero)
+  grad_spec = jax.tree.map(lambda s, r: P(r, *s), spec, lead_stack, is_leaf=is_p)
+  pre_out = jax.tree.map(lambda s, r: P((AXIS, *(r or ())), *s), inner, lead, is_leaf=is_p)
   head_out = ({"final_norm": P(both), "lm_head": P(reps or None, None, AXIS)} if grads
               else P(reps or None))
   run = jax.shard_map(
       lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), offload, reps, *a),
-      in_specs=(spec, P(AXIS), P(), head_spec, P(None, reps or None), P()),
-      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, P(both),
+      in_specs=(spec, P(AXIS), inner, head_spec, P(None, reps or None), P()),
+      out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, pre_out if grads else P(both),
                  grad_spec if grads else P(reps or None)),
       axis_names=set(both),
       check_vma=False)
@@ -946,9 +989,10 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
                                                            aux_weight)
   # Summed outside the shard_map, once a step: over the replicas every gradient, over the
   # pipeline axis those of stage 0 (embedding, dense layers) and the last device's final
-  # norm, the only non-zero ones. A psum inside it of arrays sharded over the automatic axes
-  # (the vocab over `expert`) crashes XLA's SPMD partitioner (jax 0.10, pipeline 2 x data 2
-  # x expert 2). The head's columns come out where they are stored.
+  # norm, the only non-zero ones. Outside, XLA reduces each straight into its stored
+  # sharding (a reduce-scatter for a weight stored split over `expert`), where a psum
+  # inside would leave every device the whole sum. The head's columns come out where they
+  # are stored.
   g_pre = jax.tree.map(lambda a: a.sum(0), g_pre)
   if grads:
     g_stage = jax.tree.map(lambda a: a.sum(0), g_stage)
