@@ -877,6 +877,10 @@ def _run(cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str, offload: 
       y, grad_buf, res_buf, st, g = order((y, grad_buf, res_buf, st, g))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
+    # Read after this tick's put. Read before F instead (so that its host -> device copy
+    # could overlap F, and the last stage's B took F's residuals without the round trip),
+    # the offloaded step took 6.6x the device-slot step on an H200, against 1.72x here
+    # (experiments/results/pipeline/gpu_offload_read_before_f.csv).
     res = store.get(res_buf, sl["res_read"], res_shapes)
     dx, cut, g = b_phase(jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0,
                          {k: a[t] for k, a in flags["B"].items()}, dy, res, g,
