@@ -129,7 +129,10 @@ def moe(cfg, p, x, valid=None):
   k2jax.configs.sharding_rules) are larger than 1, the router and routed experts run per
   shard in `shard_map` (each shard sorts only its own tokens) and, when the `experts` axis
   is split too, tokens reach the shard holding their expert through all-to-all
-  (k2jax.model.expert_parallel). Without a mesh everything is local.
+  (k2jax.model.expert_parallel). Inside a shard_map that already holds the expert axis
+  manual (the pipeline's: x is this device's tokens, p["experts"] its shard) the exchange
+  runs there directly, and the statistics stay this device's for that shard_map to sum.
+  Without a mesh everything is local.
   """
   if valid is None:
     valid = jnp.ones(x.shape[:2], bool)
