@@ -115,8 +115,8 @@ def without(pspec, axes) -> P:
 
 def constrain(x, axes):
   """jax.lax.with_sharding_constraint of `x` to logical_spec(axes) over the axes the current
-  mesh leaves automatic: inside a shard_map those it holds manual are already split (the
-  pipeline's `data`), and a constraint may not name them."""
+  mesh leaves automatic: inside a shard_map those it holds manual are already split, and a
+  constraint may not name them (none left, as in the pipeline's: `x` unchanged)."""
   mesh = jax.sharding.get_abstract_mesh()
   held = tuple(getattr(mesh, "manual_axes", ()))
   if mesh.empty or set(mesh.axis_names) <= set(held):

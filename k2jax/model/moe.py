@@ -159,7 +159,7 @@ def moe(cfg, p, x, valid=None):
         moe_specs(cfg), is_leaf=spec.is_spec)
     specs = {k: specs[k] for k in routed}
     # every device of the batch agrees on the exchange's branch, those of an enclosing
-    # shard_map's manual axes too (the pipeline's `data`)
+    # shard_map's manual axes too
     sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True) if a != ep_axis)
     fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes, ep_axis, sync),
                        in_specs=(specs, P(batch_axes), P(batch_axes)),

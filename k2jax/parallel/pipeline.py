@@ -104,7 +104,7 @@ AXIS = "pipeline"
 def replica_axes(mesh) -> tuple[str, ...]:
   """The mesh axes the pipeline's shard_map holds manual besides `pipeline`: every axis the
   batch is split over (`data`, `expert`). Each device holds its stage's weights (the experts
-  and the embedding's rows split as stored, every other weight whole: `_inner_specs`) and
+  and the embedding's rows split as stored, every other weight whole: `inner_specs`) and
   its own tokens, so the weight gradients it adds up tick after tick are its tokens' share:
   the float32 sums stay unreduced through the loop and are summed over these axes once,
   after it (one gradient reduction a step, as data parallelism does it: report 2.4.2),
