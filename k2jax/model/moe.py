@@ -139,18 +139,18 @@ def moe(cfg, p, x, valid=None):
   routed = {k: p[k] for k in ("router", "router_bias", "experts")}
   mesh = jax.sharding.get_abstract_mesh()
   batch_axes = rules.active_mesh_axes("batch", mesh)
-  held = rules.active_mesh_axes("experts", mesh, manual=True)
-  if held and held[0] in getattr(mesh, "manual_axes", ()):
+  ep = rules.active_mesh_axes("experts", mesh, manual=True)
+  ep_axis = ep[0] if ep else None
+  # every device of the batch agrees on the exchange's branch, those of an enclosing
+  # shard_map's manual axes too
+  sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True) if a != ep_axis)
+  if ep_axis and ep_axis in getattr(mesh, "manual_axes", ()):
     # An enclosing shard_map (the pipeline's) already holds the expert axis manual: x is
     # this device's tokens, p["experts"] its shard of the experts and the rest whole. The
     # exchange runs here; the statistics and the router's gradient stay this device's
     # share, which that shard_map sums over its axes once.
-    sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True)
-                 if a != held[0])
-    y, stats = _routed(cfg, (), held[0], sync, routed, x, valid)
+    y, stats = _routed(cfg, (), ep_axis, sync, routed, x, valid)
   elif batch_axes:
-    ep = rules.active_mesh_axes("experts", mesh)
-    ep_axis = ep[0] if ep else None
     # Specs of one layer's routed params (the scan removed the `layers` axis): split over the
     # expert axis on `experts` only; the router (stored split over `expert` on its model
     # dimension, sharding_rules) is gathered whole into every shard.
@@ -158,9 +158,6 @@ def moe(cfg, p, x, valid=None):
         lambda s: P(*[ep_axis if a == "experts" else None for a in s.axes]) if ep_axis else P(),
         moe_specs(cfg), is_leaf=spec.is_spec)
     specs = {k: specs[k] for k in routed}
-    # every device of the batch agrees on the exchange's branch, those of an enclosing
-    # shard_map's manual axes too
-    sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True) if a != ep_axis)
     fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes, ep_axis, sync),
                        in_specs=(specs, P(batch_axes), P(batch_axes)),
                        out_specs=(P(batch_axes), MoEStats(P(), P())), axis_names=set(batch_axes))

@@ -145,12 +145,11 @@ def inner_specs(cfg, params: dict, mesh) -> tuple[dict, dict]:
     used = {m for e in pspec for m in entry_axes(e)}
     return tuple(m for m in held if m != AXIS and m not in used) or None
 
-  is_p = lambda x: isinstance(x, P)
   out = {k: jax.tree.map(inner(k), specs[k], v, is_leaf=model_spec.is_spec)
-         for k, v in params.items() if k not in ("lm_head", "final_norm")}
-  out.update({k: P(*((None, AXIS) if k == "lm_head" else ())) for k in params
-              if k in ("lm_head", "final_norm")})
-  return out, jax.tree.map(lead, out, is_leaf=is_p)
+         for k, v in params.items()}
+  if "lm_head" in out:   # whatever its stored split, padded to divide the pipeline (`_head`)
+    out["lm_head"] = P(None, AXIS)
+  return out, jax.tree.map(lead, out, is_leaf=lambda x: isinstance(x, P))
 
 
 def routed_impl(impl: str) -> str:
