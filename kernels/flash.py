@@ -185,26 +185,34 @@ def _kv_range(i, nb, causal):
   return 0, (i + 1 if causal else nb)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, seg, scale, causal, block):
-  out, _, mx = _flash_fwd_impl(q, k, v, seg, scale, causal, block)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, qseg, kseg, qids, scale, causal, block):
+  out, _, mx = _flash_fwd_impl(q, k, v, qseg, kseg, qids, scale, causal, block)
   return out, mx
 
 
-def _flash_fwd_impl(q, k, v, seg, scale, causal, block):
-  """Head-major padded inputs -> (out [B, H, Tp, Dv], lse [B, H, Tp], row max [B, H, Tp])."""
-  B, H, Tp, _ = q.shape
-  nb = Tp // block
+# q may hold a subset of the sequence's blocks (context parallelism: k2jax.model.context),
+# in ascending order: qids[i] is the position of q's block i among k's blocks, which is what
+# the causal mask compares. Self-attention is qids = arange(nb).
+
+def _segments(seg, nb, block):
+  return jnp.moveaxis(seg.reshape(seg.shape[0], nb, block), 1, 0)      # [nb, B, block]
+
+
+def _flash_fwd_impl(q, k, v, qseg, kseg, qids, scale, causal, block):
+  """Head-major padded inputs -> (out [B, H, Tq, Dv], lse [B, H, Tq], row max [B, H, Tq])."""
+  B, H, Tq, _ = q.shape
+  nq, nk = Tq // block, k.shape[2] // block
   Dv = v.shape[-1]
-  qb, kb, vb = _blocked(q, nb, block), _blocked(k, nb, block), _blocked(v, nb, block)
-  sb = jnp.moveaxis(seg.reshape(B, nb, block), 1, 0)                  # [nb, B, block]
+  qb, kb, vb = _blocked(q, nq, block), _blocked(k, nk, block), _blocked(v, nk, block)
+  qsb, ksb = _segments(qseg, nq, block), _segments(kseg, nk, block)
 
   def q_block(args):
     i, qi, segi = args
 
     def kv_step(j, carry):
       m, l, acc = carry
-      s = _block_logits(qi, kb[j], segi, sb[j], i, j, block, scale, causal)
+      s = _block_logits(qi, kb[j], segi, ksb[j], i, j, block, scale, causal)
       m_new = jnp.maximum(m, s.max(-1))
       safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)                  # rows with no key yet
       p = jnp.exp(s - safe[..., None])
@@ -216,31 +224,31 @@ def _flash_fwd_impl(q, k, v, seg, scale, causal, block):
 
     init = (jnp.full((B, H, block), -jnp.inf, jnp.float32), jnp.zeros((B, H, block), jnp.float32),
             jnp.zeros((B, H, block, Dv), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(*_kv_range(i, nb, causal), kv_step, init)
+    m, l, acc = jax.lax.fori_loop(*_kv_range(i, nk, causal), kv_step, init)
     l_safe = jnp.where(l == 0, 1.0, l)
     return (acc / l_safe[..., None]).astype(v.dtype), m + jnp.log(l_safe), m
 
-  out, lse, m = jax.lax.map(q_block, (jnp.arange(nb), qb, sb))
+  out, lse, m = jax.lax.map(q_block, (qids, qb, qsb))
   return _unblocked(out), _unblocked(lse), _unblocked(m)
 
 
-def _flash_fwd(q, k, v, seg, scale, causal, block):
-  out, lse, m = _flash_fwd_impl(q, k, v, seg, scale, causal, block)
-  return (out, m), (q, k, v, seg, out, lse)
+def _flash_fwd(q, k, v, qseg, kseg, qids, scale, causal, block):
+  out, lse, m = _flash_fwd_impl(q, k, v, qseg, kseg, qids, scale, causal, block)
+  return (out, m), (q, k, v, qseg, kseg, qids, out, lse)
 
 
 def _flash_bwd(scale, causal, block, res, cts):
-  q, k, v, seg, out, lse = res
+  q, k, v, qseg, kseg, qids, out, lse = res
   do = cts[0]
-  B, H, Tp, _ = q.shape
-  nb = Tp // block
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)   # [B, H, Tp]
-  qb, kb, vb, dob = (_blocked(a, nb, block) for a in (q, k, v, do))
-  lb, db = _blocked(lse, nb, block), _blocked(delta, nb, block)
-  sb = jnp.moveaxis(seg.reshape(B, nb, block), 1, 0)
+  B, H, Tq, _ = q.shape
+  nq, nk = Tq // block, k.shape[2] // block
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)   # [B, H, Tq]
+  qb, dob, lb, db = (_blocked(a, nq, block) for a in (q, do, lse, delta))
+  kb, vb = _blocked(k, nk, block), _blocked(v, nk, block)
+  qsb, ksb = _segments(qseg, nq, block), _segments(kseg, nk, block)
 
-  def probs(i, j):
-    s = _block_logits(qb[i], kb[j], sb[i], sb[j], i, j, block, scale, causal)
+  def probs(i, j):     # q's block i (position qids[i]) against k's block j
+    s = _block_logits(qb[i], kb[j], qsb[i], ksb[j], qids[i], j, block, scale, causal)
     return jnp.exp(s - lb[i][..., None])                                # 0 where invalid
 
   def dscores(i, j, p):
@@ -252,7 +260,7 @@ def _flash_bwd(scale, causal, block, res, cts):
       ds = dscores(i, j, probs(i, j))
       return acc + jnp.einsum("bhqk,bhkd->bhqd", ds.astype(k.dtype), kb[j],
                               preferred_element_type=jnp.float32)
-    acc = jax.lax.fori_loop(*_kv_range(i, nb, causal), step,
+    acc = jax.lax.fori_loop(*_kv_range(qids[i], nk, causal), step,
                             jnp.zeros(qb.shape[1:], jnp.float32))
     return (acc * scale).astype(q.dtype)
 
@@ -267,12 +275,14 @@ def _flash_bwd(scale, causal, block, res, cts):
                            preferred_element_type=jnp.float32)
       return dk, dv
     init = (jnp.zeros(kb.shape[1:], jnp.float32), jnp.zeros(vb.shape[1:], jnp.float32))
-    dk, dv = jax.lax.fori_loop(j if causal else 0, nb, step, init)
+    # the q blocks at or after k's block j (qids ascend): all of them without the mask
+    first = jnp.searchsorted(qids, j).astype(jnp.int32) if causal else 0
+    dk, dv = jax.lax.fori_loop(first, nq, step, init)
     return (dk * scale).astype(k.dtype), dv.astype(v.dtype)
 
-  dq = _unblocked(jax.lax.map(dq_block, jnp.arange(nb)))
-  dk, dv = jax.lax.map(dkv_block, jnp.arange(nb))
-  return dq, _unblocked(dk), _unblocked(dv), None
+  dq = _unblocked(jax.lax.map(dq_block, jnp.arange(nq)))
+  dk, dv = jax.lax.map(dkv_block, jnp.arange(nk))
+  return dq, _unblocked(dk), _unblocked(dv), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -289,8 +299,35 @@ def attention_chunked(q, k, v, scale, segment_ids=None, causal=True, block=None)
   """The flash algorithm in plain JAX (see the module docstring)."""
   T = q.shape[1]
   qh, kh, vh, seg, nb, block = _prepare(q, k, v, segment_ids, block)
-  out, row_max = _flash(qh, kh, vh, seg, float(scale), bool(causal), int(block))
+  out, row_max = _flash(qh, kh, vh, seg, seg, jnp.arange(nb), float(scale), bool(causal),
+                        int(block))
   return finish(out, row_max, seg, T)
+
+
+def attention_blocks(q, k, v, *, scale: float, q_block_ids, block: int, q_segment_ids=None,
+                     k_segment_ids=None, causal: bool = True):
+  """Some query blocks of a sequence against all of its keys (the flash algorithm of
+  `chunked`, same numerics): what one device of a context-parallel attention computes.
+
+  q [B, nq * block, H, Dqk] holds the sequence's blocks q_block_ids (int [nq], ascending;
+  block b is tokens b * block .. (b + 1) * block - 1); k [B, nk * block, H, Dqk] and
+  v [B, nk * block, H, Dv] the whole sequence. Pairs are valid as in `attention` with each
+  token's place in the whole sequence: causal by place, same segment (q_segment_ids
+  [B, nq * block] / k_segment_ids [B, nk * block], 0 = padding, None = one document).
+  -> (out [B, nq * block, H, Dv], max_logits [H] over these rows).
+  """
+  B, Tq = q.shape[:2]
+  if Tq % block or k.shape[1] % block:
+    raise ValueError(f"attention_blocks: {Tq} query and {k.shape[1]} key tokens must be "
+                     f"whole blocks of {block}")
+  ones = lambda n: jnp.ones((B, n), jnp.int32)
+  qseg = ones(Tq) if q_segment_ids is None else q_segment_ids.astype(jnp.int32)
+  kseg = ones(k.shape[1]) if k_segment_ids is None else k_segment_ids.astype(jnp.int32)
+  hm = lambda a: jnp.swapaxes(a, 1, 2)
+  out, row_max = _flash(hm(q), hm(k), hm(v), qseg, kseg,
+                        jnp.asarray(q_block_ids, jnp.int32), float(scale), bool(causal),
+                        int(block))
+  return finish(out, row_max, qseg, Tq)
 
 
 def flops(B: int, T: int, H: int, dqk: int, dv: int, causal: bool = True) -> float:

@@ -388,3 +388,49 @@ def test_tokamax_tiles_reach_the_op_only_on_their_device_kind_and_head_dims(monk
   assert ft.configured(op, "mosaic_gpu", q, q, kind="Some GPU") is op      # v 192 wide
   assert ft.configured(ops["xla"], "xla", q, v, kind="Some GPU") is ops["xla"]
   assert ft.configured(op, "mosaic_gpu", q, v) is op          # no GPU here: no kind
+
+
+@pytest.mark.parametrize("C,chunk,block", [(2, 12, 4), (3, 8, 8), (4, 6, 3)])
+def test_query_blocks_against_the_whole_sequence_match_float64(C, chunk, block):
+  """kernels.flash.attention_blocks, what each context device runs (k2jax.model.context):
+  the device's head and tail chunks of queries against every key, causal by each token's
+  place in the sequence, documents and padding respected across chunk borders. For every
+  device of C: out and dq of its rows, dk and dv of the whole sequence (its rows' share:
+  the cotangent is zero elsewhere) and S_max over its rows, each within the float64 bounds
+  of test_attention_matches_float64; the C devices' dk sum to the one-device gradient."""
+  from k2jax.kernels import flash
+  from k2jax.model import context
+  seed, rng = seed_and_rng()
+  B, H, D, Dv = 2, 3, 24, 16
+  T = 2 * C * chunk
+  q, k = (rng.standard_normal((B, T, H, D)) * 1.5 for _ in range(2))
+  v, do = rng.standard_normal((B, T, H, Dv)), rng.standard_normal((B, T, H, Dv))
+  seg = segments(B, T, rng, n_cuts=5)
+  scale = D ** -0.5
+  order = context.placement(T, C)
+  per = chunk // block
+  dk_sum = 0
+  for c in range(C):
+    rows = order[c * 2 * chunk:(c + 1) * 2 * chunk]          # ascending: head, then tail
+    do_c = np.zeros_like(do)
+    do_c[:, rows] = do[:, rows]
+    want = reference(q, k, v, do_c, scale, seg, True)
+    bound = error_bounds(want, q, k, v, do_c, scale, jnp.float32)
+    smax = np.where(want["valid"] & want["counted"], want["s"], -np.inf)[:, :, rows].max(
+        axis=(0, 2, 3))
+    ids = np.concatenate([c * per + np.arange(per), (2 * C - 1 - c) * per + np.arange(per)])
+    f = lambda q_, k_, v_: flash.attention_blocks(
+        q_, k_, v_, scale=scale, q_block_ids=ids, block=block,
+        q_segment_ids=jnp.asarray(seg[:, rows]), k_segment_ids=jnp.asarray(seg))
+    j = lambda a: jnp.asarray(a, jnp.float32)
+    (out, got_max), vjp = jax.vjp(f, j(q[:, rows]), j(k), j(v))
+    dq, dk, dv = vjp((j(do[:, rows]), jnp.zeros_like(got_max)))
+    what = f"C={C} device {c}"
+    assert_within(f"{what} out", out, want["out"][:, rows], bound["out"][:, rows], seed)
+    assert_within(f"{what} dq", dq, want["dq"][:, rows], bound["dq"][:, rows], seed)
+    assert_within(f"{what} dk", dk, want["dk"], bound["dk"], seed)
+    assert_within(f"{what} dv", dv, want["dv"], bound["dv"], seed)
+    assert_within(f"{what} S_max", got_max, smax, bound["smax"], seed)
+    dk_sum = dk_sum + np.asarray(dk, np.float64)
+  whole = reference(q, k, v, do, scale, seg, True)
+  np.testing.assert_allclose(dk_sum, whole["dk"], rtol=1e-4, atol=1e-4 * np.abs(whole["dk"]).max())
