@@ -3,6 +3,7 @@ tests/test_pipeline_meshes.py).
 
     python -m tests.parallel_worker meshes OUT D1xE1 D2xE2 -- CLI_ARGS...   train on each mesh
     python -m tests.parallel_worker zero1                                    shard sizes
+    python -m tests.parallel_worker context_meshes DxCxE ...       context parallelism
 """
 
 import functools
@@ -17,7 +18,7 @@ import numpy as np
 def meshes(out, *rest):
   """Train with the k2jax.train command line CLI_ARGS on each mesh spec: DxE (data x
   expert) or PxDxE (pipeline x data x expert), optionally /bB (train.batch_size B), /aA
-  (train.grad_accum A), /vV (mesh.virtual_stages V), /sNAME (mesh.pipeline_schedule),
+  (train.grad_accum A), /cC (mesh.context C), /vV (mesh.virtual_stages V), /sNAME (mesh.pipeline_schedule),
   /kMODE (mesh.pipeline_skip), /o (model.offload: the pipeline's residual slots in host
   memory) and /g (zbh1's table built for stages of equal cost, which runs on its grid of one
   task per device and tick, schedules._grid; the tiny model's traced costs pick 1F1B's
@@ -48,6 +49,8 @@ def meshes(out, *rest):
         config.mesh.pipeline_skip = o[1:]
       elif o == "o":
         config.model.offload = True
+      elif o[0] == "c":
+        config.mesh.context = int(o[1:])
       elif o[0] == "f":
         patch = mock.patch.object(step_lib, "_grads", _faulty_grads(step_lib._grads, o[1:]))
       elif o == "g":
@@ -577,9 +580,82 @@ def embedding():
   print("RESULT " + json.dumps({"seed": seed, "cases": out}))
 
 
+def context_meshes(*specs):
+  """The model's loss, every gradient leaf, max logits, balance loss and expert load in float32
+  on DxCxE (data x context x expert) meshes against one device, on packed documents with
+  padding (random lengths, so documents cross the context chunks' borders) and a balance
+  loss that is per sequence; then two faults that the comparison must see: the token
+  placement and the query blocks disagreeing, and max logits not reduced over context."""
+  from unittest import mock
+  import jax.numpy as jnp
+  from k2jax import configs, model, parallel
+  from k2jax.model import context
+  from k2jax.step import lm_loss
+
+  cfg = configs.get_config("tiny").model
+  cfg.update(dtype="float32", param_dtype="float32", aux_loss_alpha=0.01,
+             attention_impl="chunked")
+  B, T = 4, 48
+  seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+  rng = np.random.default_rng(seed)
+  seg, pos = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+  for b in range(B):
+    t, s = 0, 1
+    while t < T:
+      if t and rng.random() < 0.15:                  # the row ends in padding
+        pos[b, t:] = np.arange(T - t)
+        break
+      n = min(int(rng.integers(1, T // 2)), T - t)
+      seg[b, t:t + n], pos[b, t:t + n] = s, np.arange(n)
+      s, t = s + 1, t + n
+  batch = dict(inputs=rng.integers(0, cfg.vocab_size, (B, T)),
+               targets=rng.integers(0, cfg.vocab_size, (B, T)), positions=pos,
+               segment_ids=seg, loss_mask=(seg > 0).astype(np.float32))
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  params = model.init(cfg, jax.random.key(seed))
+
+  def run(d, c, e):
+    mc = configs.get_config("tiny").mesh
+    mc.update(data=d, context=c, expert=e)
+    mesh = parallel.make_mesh(mc, jax.devices()[:d * c * e])
+
+    def f(p, b):
+      def loss(p):
+        ce, n, aux = lm_loss(cfg, p, b)
+        return ce + aux.aux_loss, (ce, aux)
+      (_, (ce, aux)), g = jax.value_and_grad(loss, has_aux=True)(p)
+      return ce, g, aux
+    with jax.set_mesh(mesh):
+      p = jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
+      ce, g, aux = jax.jit(f)(p, batch)
+    return dict(loss=ce, grads=g, max_logits=aux.max_logits, aux=aux.aux_loss,
+                load=aux.expert_load)
+
+  def errors(got, want):
+    rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))
+                             / max(float(np.max(np.abs(np.asarray(b, np.float64)))), 1e-30))
+    out = {k: rel(got[k], want[k]) for k in ("loss", "max_logits", "aux", "load")}
+    out["grads"] = {jax.tree_util.keystr(path): rel(a, b) for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got["grads"]), jax.tree.leaves(want["grads"]))}
+    return out
+
+  want = run(1, 1, 1)
+  result = {"seed": seed, "meshes": {s: errors(run(*map(int, s.split("x"))), want)
+                                     for s in specs}}
+  contiguous = lambda T, C: np.arange(T)
+  with mock.patch.object(context, "placement", contiguous):
+    result["placement_fault"] = errors(run(1, 4, 1), want)
+  pmax = jax.lax.pmax
+  local = lambda x, axes: pmax(x, tuple(a for a in axes if a != "context")) if len(
+      [a for a in axes if a != "context"]) else x
+  with mock.patch.object(jax.lax, "pmax", local):
+    result["pmax_fault"] = errors(run(1, 4, 1), want)
+  print("RESULT " + json.dumps(result))
+
+
 if __name__ == "__main__":
   {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
    "pipeline_collectives": pipeline_collectives, "tick_collectives": tick_collectives,
    "lower": lower,
    "attend_shards": attend_shards, "muon_local": muon_local,
-   "embedding": embedding}[sys.argv[1]](*sys.argv[2:])
+   "embedding": embedding, "context_meshes": context_meshes}[sys.argv[1]](*sys.argv[2:])

@@ -81,6 +81,9 @@ def test_groups_need_two_experts_each():
     ("train", "seq_len", 4096, "must be <= model.max_position_embeddings"),
     ("optimizer", "momentum", 1.0, "optimizer.momentum = 1.0: must be in [0, 1)"),
     ("mesh", "data", 0, "mesh.data = 0: must be a positive number"),
+    ("mesh", "context", 0, "mesh.context = 0: must be >= 1"),
+    # tiny's seq_len 128 is not a multiple of 2 x 3 chunks
+    ("mesh", "context", 3, "train.seq_len = 128: must be a multiple of 2 x mesh.context (6)"),
 ])
 def test_invalid_other_values(group, key, value, fragment):
   cfg = configs.get_config("tiny")

@@ -182,7 +182,7 @@ def test_k2_states_per_device_from_the_trainers_shardings():
   stored = layout.stored_config(config)
   tx = optim.optimizer(stored)
   abstract = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
-  mesh = AbstractMesh((16, 8, 16), parallel.MESH_AXES)
+  mesh = AbstractMesh((16, 8, 1, 16), parallel.MESH_AXES)   # context 1
   sh = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx)
   for a, s in zip(jax.tree.leaves(abstract.params["moe_layers"]),
                   jax.tree.leaves(sh.params["moe_layers"])):

@@ -7,8 +7,8 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from k2jax import configs, model, parallel
 
 
-def mesh(pipeline=1, data=1, expert=1):
-  return AbstractMesh((pipeline, data, expert), parallel.MESH_AXES)
+def mesh(pipeline=1, data=1, expert=1, context=1):
+  return AbstractMesh((pipeline, data, context, expert), parallel.MESH_AXES)
 
 
 def test_rules_split_experts_layers_vocabulary_and_the_model_dimension_over_the_expert_group():

@@ -33,7 +33,7 @@ def runs(tmp_path_factory):
   one = start_worker(1, "meshes", str(out / "one"), "1x1", "1x1/b16", "--", *CLI,
                      *NO_CHECKPOINTS)
   eight = start_worker(8, "meshes", str(out / "eight"), "2x4", "8x1", "1x8", "4x2", "2x4/b16/a2",
-                       "--", *CLI, *NO_CHECKPOINTS)
+                       "2x2/c2", "1x1x1/c8", "--", *CLI, *NO_CHECKPOINTS)
   runs = {**result(one), **result(eight)}  # the two compile concurrently, one per core
   runs["dirs"] = {m: out / ("one" if m.startswith("1x1") else "eight") / m.replace("/", "_")
                   for m in runs}
@@ -45,6 +45,15 @@ def test_meshes_match_one_device(runs):
   state: the optimizer's moments sum the gradients, so every gradient leaf is compared
   (test_pipeline_meshes shows the comparison failing on a wrong leaf)."""
   for mesh in ("2x4", "8x1", "1x8", "4x2"):
+    assert_close(runs[mesh], runs["1x1"])
+    assert_states_close(runs["dirs"][mesh], runs["dirs"]["1x1"])
+
+
+def test_context_parallel_training_matches_one_device(runs):
+  """The trainer (MuonClip, ZeRO-1, packed documents) with each sequence split over context
+  devices: data 2 x context 2 x expert 2 and context 8 (chunks of 2 tokens) give one
+  device's losses, max logits and final train state (every gradient leaf: see above)."""
+  for mesh in ("2x2/c2", "1x1x1/c8"):
     assert_close(runs[mesh], runs["1x1"])
     assert_states_close(runs["dirs"][mesh], runs["dirs"]["1x1"])
 
@@ -157,7 +166,7 @@ from jax.sharding import Mesh
 from k2jax import parallel
 d = np.array(jax.devices())
 out = {}
-for name, shape in (("pipeline", (2, 2, 2)), ("data", (1, 2, 4))):
+for name, shape in (("pipeline", (2, 2, 1, 2)), ("data", (1, 2, 1, 4))):
   sh = parallel.batch_sharding(Mesh(d.reshape(shape), parallel.MESH_AXES), 16)
   out[name] = [parallel.process_batch_slice(sh, 16, devices=list(d[4 * i:4 * i + 4]))
                for i in range(2)]

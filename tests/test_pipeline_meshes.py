@@ -85,7 +85,8 @@ FAULTS = ("1x1/f2x", "1x1/a2/fdrop")
 # traced costs, W 4-7x B, pick 1F1B's ticks with the W's placed in them, which the V = 3
 # mesh runs): stage outputs wait in slots for ticks, B's and W's run ticks apart.
 PIPELINE_MESHES = ("2x2x2/a2", "2x2x2/v3/a4/szbh1/o", "2x2x2/v2/a4/kdevice/o",
-                   "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice/o", "8x1x1/a8/kdevice/szbh1/g")
+                   "4x1x2/v2/a4/sgpipe", "4x1x2/v3/a4/kdevice/o", "8x1x1/a8/kdevice/szbh1/g",
+                   "2x1x2/a2/c2", "2x2x1/v2/a4/kdevice/o/c2")
 
 
 @pytest.mark.parametrize("mesh", PIPELINE_MESHES)
@@ -94,7 +95,10 @@ def test_pipeline_matches_one_device(pipeline_runs, mesh):
   last two stages padding; zbh1); two groups of microbatches through 2 x 2 stages over data and
   expert, idle phases skipped per device and the residuals in host memory; the GPipe
   schedule on pipeline=4 x 2 virtual over expert=2; idle phases skipped per device on
-  pipeline 4 and 8: losses and max logits of one device with the whole batch
+  pipeline 4 and 8; each sequence split over context = 2 (k2jax.model.context) with
+  expert and with data (the balance loss's per-sequence counts summed over context), the
+  latter on 2 virtual stages with host slots: losses and max logits of one device with the
+  whole batch
   (rel < 1e-5), and so does every leaf of the final train state: the optimizer's moments sum
   each step's gradients, so every gradient leaf of every step is compared."""
   assert_close(pipeline_runs[mesh], pipeline_runs["1x1"])

@@ -128,6 +128,14 @@ def validate(cfg: config_dict.ConfigDict) -> None:
   if t.batch_size % t.grad_accum:
     _fail("train.grad_accum", t.grad_accum, f"must divide train.batch_size ({t.batch_size})")
   _positive("mesh", mesh, "pipeline", "expert", "data")
+  context = mesh.get("context", 1)
+  if context < 1:
+    _fail("mesh.context", context, "must be >= 1")
+  if context > 1 and t.seq_len % (2 * context):
+    _fail("train.seq_len", t.seq_len,
+          f"must be a multiple of 2 x mesh.context ({2 * context}): each context device holds "
+          "one chunk from the front and one from the back of every sequence "
+          "(k2jax.model.context)")
   if mesh.get("virtual_stages", 1) < 1:
     _fail("mesh.virtual_stages", mesh.virtual_stages, "must be >= 1")
   if mesh.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe", "zbh1"):

@@ -148,8 +148,9 @@ def mesh_config():
   # pipeline_schedule: 1f1b (activations independent of the microbatch count) | gpipe |
   # zbh1 (1f1b with weight gradients split off to fill its bubbles: k2jax.parallel.bwsplit);
   # pipeline_skip: how idle schedule slots are skipped (k2jax.parallel.pipeline): auto (per
-  # device on GPU / TPU, per tick on CPU) | device | tick
-  return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1, virtual_stages=1,
+  # device on GPU / TPU, per tick on CPU) | device | tick; context: devices each sequence's
+  # tokens are split over (context parallelism, k2jax.model.context)
+  return config_dict.ConfigDict(dict(pipeline=1, expert=1, data=1, context=1, virtual_stages=1,
                                      pipeline_schedule="1f1b", pipeline_skip="auto"))
 
 

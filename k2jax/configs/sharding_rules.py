@@ -5,9 +5,10 @@ name theirs ("batch", "length", ...). Changing the parallel layout means editing
 the mesh sizes in the config), never the model, the optimizer or the trainer: they all ask
 this module which mesh axes a logical axis maps to.
 
-Mesh axes, slowest-varying first over the device list: pipeline, data, expert. Expert
-parallelism wants the fastest links, so `expert` is innermost; each host's devices then hold
-a contiguous slab of the batch. The table sits with the configs, below the model, because
+Mesh axes, slowest-varying first over the device list: pipeline, data, context, expert.
+Expert parallelism wants the fastest links, so `expert` is innermost; `context` (each
+sequence's tokens split over devices: k2jax.model.context) gathers a latent per layer and
+sits next to it; each host's devices then hold a contiguous slab of the batch. The table sits with the configs, below the model, because
 the model's expert-parallel dispatch reads it (dependencies run one way).
 """
 
@@ -17,13 +18,15 @@ import jax
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("pipeline", "data", "expert")
+MESH_AXES = ("pipeline", "data", "context", "expert")
 
 # logical axis -> mesh axes. A mesh axis is used at most once per array; an earlier rule wins.
 # The `vocab`, `embed` and `heads` splits only save memory: a size the axes do not divide
 # stays whole (param_spec).
 RULES = (
-    ("batch", ("data", "expert")),   # tokens are split over every non-pipeline device
+    ("batch", ("data", "expert")),   # sequences are split over the data x expert devices
+    ("length", "context"),           # ... and each sequence's tokens over the context devices
+                                     # (context parallelism: k2jax.model.context)
     ("experts", "expert"),           # expert parallelism (report 2.4.2)
     ("layers", "pipeline"),          # each pipeline stage holds its layers
     ("head_vocab", ("pipeline", "expert")),  # the head's columns: also over the pipeline,
@@ -43,7 +46,8 @@ RULES = (
                                      # per device. Expert weights keep `embed` whole: their
                                      # `experts` rule (earlier) has the axis. Not the dense
                                      # stack under a pipeline (param_spec).
-    ("opt_state", "data"),           # ZeRO-1: optimizer states are also split over data
+    ("opt_state", ("data", "context")),  # ZeRO-1: optimizer states are also split over the
+                                     # devices that hold the same weights for other tokens
 )
 
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax.configs import sharding_rules as rules
 from k2jax.kernels import attention, flash
-from k2jax.model import rope, spec
+from k2jax.model import context, rope, spec
 from k2jax.model.layers import rms_norm
 
 
@@ -96,6 +96,10 @@ def mla(cfg, p, x, positions, segment_ids=None, *, return_latents=False):
   cos, sin = rope.cos_sin(cfg, positions)
   q = queries(cfg, p, x, cos, sin)
   lat = latents(cfg, p, x, cos, sin)
+  if context.axes(manual=True):   # tokens split over devices: the latent moves (model.context)
+    out, max_logits = context.attend(cfg, q, lat.latent, lat.k_rope, p["kv_b"], segment_ids)
+    out = jnp.einsum("bthv,hvd->btd", out, p["o"].astype(dt))
+    return (out, max_logits, lat) if return_latents else (out, max_logits)
   kv = checkpoint_name(jnp.einsum("btr,rhd->bthd", lat.latent, p["kv_b"].astype(dt)), "mla_up")
   k_nope, v = kv[..., :nope], kv[..., nope:]
   k = jnp.concatenate([k_nope, jnp.broadcast_to(lat.k_rope[:, :, None, :],

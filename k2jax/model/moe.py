@@ -68,23 +68,26 @@ def route(cfg, p, x):
   return w * cfg.routed_scaling_factor, idx, scores
 
 
-def balance_loss(scores, idx, num_experts, batch, valid=None):
+def balance_loss(scores, idx, num_experts, batch, valid=None, context_axes=()):
   """DeepSeek-V3's complementary sequence-wise balance loss (without its alpha).
 
   Per sequence over its T' valid (non-padding) tokens: f_i = E / (k T') * #tokens routed to i,
   P_i = mean_t s_{i,t} / sum_j s_{j,t}; loss = mean over sequences of sum_i f_i P_i (1 when
   perfectly balanced). scores [N, E] and idx [N, k] hold `batch` rows of N / batch tokens;
-  valid [N] bool (None = all tokens count).
+  valid [N] bool (None = all tokens count). Inside a shard_map whose `context_axes` split each
+  sequence's tokens (k2jax.model.context), the per-sequence sums are summed over them first:
+  a sequence's loss is its whole one, whatever the split.
   """
   N, k = idx.shape
   v = (jnp.ones((N,), jnp.float32) if valid is None else valid.astype(jnp.float32))
   v = v.reshape(batch, -1, 1)                                           # [B, T, 1]
-  n = jnp.maximum(v.sum(1), 1.0)                                        # [B, 1]
+  whole = (lambda a: jax.lax.psum(a, context_axes)) if context_axes else (lambda a: a)
+  n = jnp.maximum(whole(v.sum(1)), 1.0)                                 # [B, 1]
   counts = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32).sum(1).reshape(batch, -1,
                                                                            num_experts)
-  f = (counts * v).sum(1) * num_experts / (k * n)                       # [B, E]
+  f = whole((counts * v).sum(1)) * num_experts / (k * n)                # [B, E]
   probs = (scores / scores.sum(-1, keepdims=True)).reshape(batch, -1, num_experts)
-  P = (probs * v).sum(1) / n                                            # [B, E]
+  P = whole((probs * v).sum(1)) / n                                     # [B, E]
   return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * P, -1))
 
 
@@ -93,9 +96,11 @@ class MoEStats(NamedTuple):
   aux_loss: jax.Array     # f32 scalar: aux_loss_alpha * balance_loss (0 when alpha = 0)
 
 
-def _routed(cfg, batch_axes: tuple, ep_axis, sync_axes: tuple, p, x, valid):
+def _routed(cfg, batch_axes: tuple, ep_axis, sync_axes: tuple, p, x, valid,
+            context_axes: tuple = ()):
   """Router + routed experts on (this shard's) tokens x [B, T, d] -> (y, MoEStats).
-  sync_axes: the other mesh axes whose devices take the exchange's branch together."""
+  sync_axes: the other mesh axes whose devices take the exchange's branch together;
+  context_axes: those splitting each sequence's tokens (also among batch_axes)."""
   B, T, d = x.shape
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
@@ -112,7 +117,7 @@ def _routed(cfg, batch_axes: tuple, ep_axis, sync_axes: tuple, p, x, valid):
   weights = jnp.repeat(valid.reshape(-1), k).astype(jnp.float32)
   load = jnp.zeros((cfg.n_routed_experts,), jnp.float32).at[idx.reshape(-1)].add(weights)
   aux = (cfg.aux_loss_alpha * balance_loss(scores, idx, cfg.n_routed_experts, B,
-                                           valid.reshape(-1))
+                                           valid.reshape(-1), context_axes)
          if cfg.aux_loss_alpha else jnp.zeros((), jnp.float32))
   if batch_axes:
     # After the dispatch's collectives (a barrier on y), not concurrently with them: XLA:CPU
@@ -139,18 +144,26 @@ def moe(cfg, p, x, valid=None):
   routed = {k: p[k] for k in ("router", "router_bias", "experts")}
   mesh = jax.sharding.get_abstract_mesh()
   batch_axes = rules.active_mesh_axes("batch", mesh)
+  # a sequence's tokens split over context devices are tokens like any other here; those
+  # an enclosing shard_map (the pipeline's) holds manual still sum the balance loss's
+  # per-sequence counts
+  length_axes = rules.active_mesh_axes("length", mesh)
+  held = getattr(mesh, "manual_axes", ())
+  length_held = tuple(a for a in rules.active_mesh_axes("length", mesh, manual=True)
+                      if a in held)
   ep = rules.active_mesh_axes("experts", mesh, manual=True)
   ep_axis = ep[0] if ep else None
   # every device of the batch agrees on the exchange's branch, those of an enclosing
   # shard_map's manual axes too
-  sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True) if a != ep_axis)
-  if ep_axis and ep_axis in getattr(mesh, "manual_axes", ()):
+  sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True)
+               + rules.active_mesh_axes("length", mesh, manual=True) if a != ep_axis)
+  if ep_axis and ep_axis in held:
     # An enclosing shard_map (the pipeline's) already holds the expert axis manual: x is
     # this device's tokens, p["experts"] its shard of the experts and the rest whole. The
     # exchange runs here; the statistics and the router's gradient stay this device's
     # share, which that shard_map sums over its axes once.
-    y, stats = _routed(cfg, (), ep_axis, sync, routed, x, valid)
-  elif batch_axes:
+    y, stats = _routed(cfg, (), ep_axis, sync, routed, x, valid, context_axes=length_held)
+  elif batch_axes or length_axes:
     # Specs of one layer's routed params (the scan removed the `layers` axis): split over the
     # expert axis on `experts` only; the router (stored split over `expert` on its model
     # dimension, sharding_rules) is gathered whole into every shard.
@@ -158,12 +171,14 @@ def moe(cfg, p, x, valid=None):
         lambda s: P(*[ep_axis if a == "experts" else None for a in s.axes]) if ep_axis else P(),
         moe_specs(cfg), is_leaf=spec.is_spec)
     specs = {k: specs[k] for k in routed}
-    fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes, ep_axis, sync),
-                       in_specs=(specs, P(batch_axes), P(batch_axes)),
-                       out_specs=(P(batch_axes), MoEStats(P(), P())), axis_names=set(batch_axes))
+    tok = P(batch_axes or None, length_axes or None)
+    fn = jax.shard_map(functools.partial(_routed, cfg, batch_axes + length_axes, ep_axis, sync,
+                                         context_axes=length_axes),
+                       in_specs=(specs, tok, tok), out_specs=(tok, MoEStats(P(), P())),
+                       axis_names=set(batch_axes + length_axes))
     y, stats = fn(routed, x, valid)
   else:
-    y, stats = _routed(cfg, (), None, (), routed, x, valid)
+    y, stats = _routed(cfg, (), None, (), routed, x, valid, context_axes=length_held)
   if "shared" in p:
     y = y + mlp(p["shared"], x, cfg.activation_storage == "fp8")
   return y, stats

@@ -16,7 +16,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from k2jax.model import spec
+from k2jax.model import context, spec
 from k2jax.model.attention import attention_specs, mla
 from k2jax.model.embedding import embed
 from k2jax.model.layers import mlp, mlp_specs, rms_norm
@@ -118,9 +118,10 @@ def _run_stack(cfg, ffn, stacked, x, positions, segment_ids, return_latents=Fals
 
 
 def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1, data: int = 1,
-                         expert: int = 1, *, memory: str = "all") -> int:
+                         expert: int = 1, *, memory: str = "all", context: int = 1) -> int:
   """Bytes one `ffn` layer ("mlp" | "moe") keeps for its backward pass, for `batch`
-  sequences of `seq_len` tokens on each device of a data x expert mesh: what jax.vjp of the
+  sequences of `seq_len` tokens on each device of a data x expert mesh (each sequence split
+  over `context` devices more: k2jax.model.context): what jax.vjp of the
   layer under the `model.remat` policy closes over besides its weights (what a scan of
   layers, or a pipeline stage, holds per layer until the backward pass).
 
@@ -139,16 +140,16 @@ def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1, data: int 
   """
   if memory not in ("all", "device", "host"):
     raise ValueError(f"memory={memory!r}: expected all, device or host")
-  if data * expert > 1:
+  if data * expert * context > 1:
     # Traced in a thread of its own: a caller inside `jax.set_mesh` (the trainer) cannot
     # enter an abstract mesh of another size, and the mesh context is per thread.
     import concurrent.futures
-    mesh = jax.sharding.AbstractMesh((data, expert), ("data", "expert"))
+    mesh = jax.sharding.AbstractMesh((data, context, expert), ("data", "context", "expert"))
 
     def on_mesh():
       with jax.sharding.use_abstract_mesh(mesh):
         return layer_residual_bytes(cfg, ffn, seq_len, batch * data * expert,
-                                    memory=memory) // (data * expert)
+                                    memory=memory) // (data * expert * context)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       return pool.submit(on_mesh).result()
   st = next(s for s in stacks(cfg) if s.ffn == ffn)
@@ -195,6 +196,11 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
   B, T = tokens.shape
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  # context parallelism: the tokens in the order the context devices hold them, and back
+  # before the head (k2jax.model.context); positions and segment ids travel with them
+  C = context.size()
+  tokens, positions = context.to_placement(tokens, C), context.to_placement(positions, C)
+  segment_ids = None if segment_ids is None else context.to_placement(segment_ids, C)
   x = embed(params["embed"], tokens, dt)
   max_logits, moe_stats, cache = [], None, {}
   for st in stacks(cfg):
@@ -203,7 +209,8 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
     max_logits.append(layer_max)
     moe_stats = layer_moe if layer_moe is not None else moe_stats
     if lat:
-      cache[st.name] = lat[0]
+      cache[st.name] = jax.tree.map(lambda a: context.from_placement(a, C, axis=2), lat[0])
+  x = context.from_placement(x, C)
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt),
                       preferred_element_type=jnp.float32)

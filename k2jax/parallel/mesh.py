@@ -17,12 +17,13 @@ from k2jax.model import spec
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """A Mesh of shape (pipeline, data, expert) over all devices (of every process)."""
+  """A Mesh of shape (pipeline, data, context, expert) over all devices (of every process).
+  A config written before the `context` axis existed has none: 1."""
   devices = jax.devices() if devices is None else devices
-  shape = tuple(int(mesh_cfg[a]) for a in MESH_AXES)
+  shape = tuple(int(mesh_cfg.get(a, 1)) for a in MESH_AXES)
   if math.prod(shape) != len(devices):
     raise ValueError(
-        f"mesh pipeline x data x expert = {' x '.join(map(str, shape))} = {math.prod(shape)} "
+        f"mesh {' x '.join(MESH_AXES)} = {' x '.join(map(str, shape))} = {math.prod(shape)} "
         f"devices, but {len(devices)} are available: set --config.mesh.* so the product is "
         f"{len(devices)}")
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)

@@ -89,7 +89,7 @@ from k2jax.configs.sharding_rules import (active_mesh_axes, constrain, entry_axe
                                           param_spec)
 from k2jax.kernels import moe as moe_kernels
 from k2jax.kernels import platform as kernel_platform
-from k2jax.model import counting, remat, spec as model_spec, transformer
+from k2jax.model import context, counting, remat, spec as model_spec, transformer
 from k2jax.model.embedding import embed
 from k2jax.model.layers import rms_norm
 from k2jax.model.remat import remat_policy
@@ -103,7 +103,9 @@ AXIS = "pipeline"
 
 def replica_axes(mesh) -> tuple[str, ...]:
   """The mesh axes the pipeline's shard_map holds manual besides `pipeline`: every axis the
-  batch is split over (`data`, `expert`). Each device holds its stage's weights (the experts
+  batch is split over (`data`, `expert`) and those each sequence's tokens are split over
+  (`context`: k2jax.model.context, which the layers then run on their manual axis). Each
+  device holds its stage's weights (the experts
   and the embedding's rows split as stored, every other weight whole: `inner_specs`) and
   its own tokens, so the weight gradients it adds up tick after tick are its tokens' share:
   the float32 sums stay unreduced through the loop and are summed over these axes once,
@@ -111,7 +113,8 @@ def replica_axes(mesh) -> tuple[str, ...]:
   instead of in every backward phase; and the weights split only to save memory between
   steps (FSDP over `expert`) are gathered once, as the shard_map opens, instead of in every
   phase."""
-  return active_mesh_axes("batch", mesh, manual=True)
+  return (active_mesh_axes("batch", mesh, manual=True)
+          + active_mesh_axes("length", mesh, manual=True))
 
 
 # The logical axes whose split the computation inside the pipeline's shard_map keeps: a
@@ -968,6 +971,12 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   mesh = jax.sharding.get_abstract_mesh()
   reps = replica_axes(mesh)
   both = (AXIS, *reps)
+  # each sequence's tokens in the order the context devices hold them (k2jax.model.context):
+  # every per-token array moves with them, and the losses are sums over tokens
+  C = context.size(mesh)
+  mb = {k: context.to_placement(v, C, axis=2) for k, v in mb.items()}
+  rows = P(None, active_mesh_axes("batch", mesh, manual=True) or None,
+           active_mesh_axes("length", mesh, manual=True) or None)
   inner, lead = inner_specs(cfg, {sp.stack.name: stack, **pre_params, **head}, mesh)
   is_p = lambda x: isinstance(x, P)
   spec, lead_stack = inner.pop(sp.stack.name), lead.pop(sp.stack.name)
@@ -983,7 +992,7 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
               else P(reps or None))
   run = jax.shard_map(
       lambda *a: _run(cfg, sp, tab, grads, skip or skip_mode(), offload, reps, *a),
-      in_specs=(spec, P(AXIS), inner, head_spec, P(None, reps or None), P()),
+      in_specs=(spec, P(AXIS), inner, head_spec, rows, P()),
       out_specs=(P(), P(), P(AXIS), P(AXIS), P(), head_out, pre_out if grads else P(both),
                  grad_spec if grads else P(reps or None)),
       axis_names=set(both),

@@ -1,0 +1,142 @@
+"""Context parallelism: each sequence's tokens split over the `context` mesh axis.
+
+K2 trains its last stages at 32k and 128k tokens (report 2.4.2 / 2.5: YaRN), and its SFT and RL
+trajectories run as long. The `context` axis (sharding_rules: logical `length`) splits every
+sequence over C devices; everything but attention works token by token, so only MLA needs
+to see the other devices' tokens.
+
+Placement (head-tail). The sequence is cut into 2C equal chunks and context device c holds
+chunks c and 2C - 1 - c. Under the causal mask a chunk's work grows with its place in the
+sequence, so each device gets one cheap and one dear chunk: every device runs the same
+number of (query block, key block) pairs, (2C + 1) (n / 2C)^2 / 2-ish with n blocks in
+all, where contiguous chunks leave the last device with (2C - 1) / C of the mean. The model
+permutes its tokens into this order as they enter (`to_placement`) and back before the head
+(`from_placement`); positions and segment ids travel with the tokens, so RoPE, document
+masks and padding are per token and the split is invisible outside the model.
+
+Attention: all-gather of the latent, not a ring. MLA's keys and values come from a
+per-token latent of kv_lora_rank + qk_rope_head_dim values (576 for K2) through kv_b; the
+per-head keys and values are H (nope + rope + v) = 20,480 values per token at K2. Each
+device all-gathers the latent (and segment ids) over `context`, up-projects the whole
+sequence's keys and values itself, and runs its own query blocks against them with the flash
+algorithm (k2jax.kernels.flash.attention_blocks, causal by each token's place in the
+sequence). What crosses the links is 35x less than gathering keys and values; what it costs
+is the up-projection of the whole sequence on every context device, kv_lora x H x
+(nope + v) x 2 FLOPs per token, about 819 C / T of the attention's own FLOPs at K2 (20% at
+32k on 8 devices). A ring over key blocks would overlap the transfer with compute but move
+the same bytes per layer and merge partial softmaxes across steps; the whole sequence's
+latent is 38 MB of bf16 at 32k, one all-gather that XLA can overlap with the query
+projection. The backward reduce-scatters the latent's cotangent (the all-gather's
+transpose). experiments/bench_context.py measures balance, bytes and step time.
+
+QK-Clip: each device's per-head max over its own query rows, then a max over the context
+devices (and the batch's): the max over the whole sequence, exactly one device's figure.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from k2jax.configs import sharding_rules as rules
+from k2jax.kernels import flash
+from k2jax.model import rope
+
+
+def axes(mesh=None, manual: bool = False) -> tuple[str, ...]:
+  """The mesh axes the tokens of a sequence are split over (empty: no context parallelism),
+  without those an enclosing shard_map holds manual unless `manual`."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  return rules.active_mesh_axes("length", mesh, manual=manual)
+
+
+def size(mesh=None, manual: bool = False) -> int:
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  return math.prod(mesh.shape[a] for a in axes(mesh, manual))
+
+
+def placement(T: int, C: int) -> np.ndarray:
+  """The token order whose C equal slices are the context devices' tokens: device c holds
+  chunks c and 2C - 1 - c of 2C. int [T]: placement(T, C)[i] is the place in the sequence
+  of the i-th token in that order."""
+  if T % (2 * C):
+    raise ValueError(f"sequence length {T} is not a multiple of 2 x context ({2 * C}): "
+                     "set train.seq_len to a multiple of it")
+  chunks = np.arange(T).reshape(2 * C, T // (2 * C))
+  return np.concatenate([np.concatenate([chunks[c], chunks[2 * C - 1 - c]])
+                         for c in range(C)])
+
+
+def to_placement(x, C: int, axis: int = 1):
+  """x with its token axis in placement order."""
+  return x if C == 1 else jnp.take(x, placement(x.shape[axis], C), axis=axis)
+
+
+def from_placement(x, C: int, axis: int = 1):
+  """The inverse of `to_placement`."""
+  return x if C == 1 else jnp.take(x, np.argsort(placement(x.shape[axis], C)), axis=axis)
+
+
+def block_size(chunk: int, most: int = 512) -> int:
+  """The flash block: the largest divisor of a chunk's length up to `most` (a block never
+  straddles two chunks, so each device's query blocks are whole blocks of the sequence)."""
+  return max(b for b in range(1, min(chunk, most) + 1) if chunk % b == 0)
+
+
+def attend(cfg, q, latent, k_rope, kv_b, segment_ids):
+  """MLA's attention with this device's tokens in placement order.
+
+  q [B, T, H, nope + rope] (roped), latent [B, T, kv_lora], k_rope [B, T, rope] (roped),
+  kv_b [kv_lora, H, nope + v], segment_ids [B, T] or None, all global arrays whose token
+  axis is split over the context axes -> (out [B, T, H, v], max_logits [H]) as
+  kernels.attention returns them. Inside a shard_map that holds the context axes manual
+  already (the pipeline's) the arrays are this device's and max_logits stays this
+  device's, for that shard_map to reduce with its other statistics.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  ctx = axes(mesh, manual=True)
+  C = size(mesh, manual=True)
+  held = set(getattr(mesh, "manual_axes", ()))
+  inside = set(ctx) <= held
+  batch = () if inside else rules.active_mesh_axes("batch", mesh)
+  # every axis not manual yet: the body is per device (its query blocks depend on its place)
+  manual = set(mesh.axis_names) - held
+  T = q.shape[1] * (C if inside else 1)
+  chunk = T // (2 * C)
+  block = block_size(chunk)
+  per_chunk = chunk // block
+  # the gathered tokens come in placement order; this puts them in sequence order
+  natural = np.argsort(placement(T, C))
+  nope = cfg.qk_nope_head_dim
+  seg = (jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None
+         else segment_ids.astype(jnp.int32))
+
+  def local(q, latent, k_rope, kv_b, seg):
+    c = jax.lax.axis_index(ctx)
+    gather = lambda a: jnp.take(jax.lax.all_gather(a, ctx, axis=1, tiled=True), natural,
+                                axis=1)
+    latent_all, rope_all, seg_all = gather(latent), gather(k_rope), gather(seg)
+    kv = jnp.einsum("btr,rhd->bthd", latent_all, kv_b.astype(latent_all.dtype))
+    # not "mla_up": the whole sequence's keys and values are C times a device's share;
+    # the backward recomputes them from the gathered latent instead of saving them
+    kv = checkpoint_name(kv, "context_kv")
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_all[:, :, None, :],
+                                                  k_nope.shape[:-1] + rope_all.shape[-1:])],
+                        axis=-1)
+    ids = jnp.concatenate([c * per_chunk + jnp.arange(per_chunk),
+                           (2 * C - 1 - c) * per_chunk + jnp.arange(per_chunk)])
+    out, max_logits = flash.attention_blocks(
+        q, k, v, scale=rope.softmax_scale(cfg), q_block_ids=ids, block=block,
+        q_segment_ids=seg, k_segment_ids=seg_all)
+    return out, max_logits if inside else jax.lax.pmax(max_logits, tuple(batch) + tuple(ctx))
+
+  if inside:
+    return local(q, latent, k_rope, kv_b, seg)
+  act = P(batch or None, ctx)
+  # check_vma off: the flash loops' carries start invariant and become varying
+  return jax.shard_map(local, in_specs=(act, act, act, P(), act), out_specs=(act, P()),
+                       axis_names=manual, check_vma=False)(q, latent, k_rope, kv_b, seg)
