@@ -593,8 +593,9 @@ def context_meshes(*specs):
   from k2jax.step import lm_loss
 
   cfg = configs.get_config("tiny").model
+  # chunks of 3 tokens: 4, 2 and 1 groups of 2C chunks on C = 2, 4, 8 (k2jax.model.context)
   cfg.update(dtype="float32", param_dtype="float32", aux_loss_alpha=0.01,
-             attention_impl="chunked")
+             attention_impl="chunked", context_chunk=3)
   B, T = 4, 48
   seed = int(np.random.SeedSequence().entropy % 2 ** 32)
   rng = np.random.default_rng(seed)
@@ -642,7 +643,7 @@ def context_meshes(*specs):
   want = run(1, 1, 1)
   result = {"seed": seed, "meshes": {s: errors(run(*map(int, s.split("x"))), want)
                                      for s in specs}}
-  contiguous = lambda T, C: np.arange(T)
+  contiguous = lambda T, C, chunk: np.arange(T)
   with mock.patch.object(context, "placement", contiguous):
     result["placement_fault"] = errors(run(1, 4, 1), want)
   pmax = jax.lax.pmax

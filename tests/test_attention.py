@@ -390,35 +390,39 @@ def test_tokamax_tiles_reach_the_op_only_on_their_device_kind_and_head_dims(monk
   assert ft.configured(op, "mosaic_gpu", q, v) is op          # no GPU here: no kind
 
 
-@pytest.mark.parametrize("C,chunk,block", [(2, 12, 4), (3, 8, 8), (4, 6, 3)])
-def test_query_blocks_against_the_whole_sequence_match_float64(C, chunk, block):
+@pytest.mark.parametrize("C,chunk,block,groups", [(2, 12, 4, 1), (3, 8, 8, 1), (4, 6, 3, 1),
+                                                  (2, 4, 4, 3), (4, 2, 1, 2)])
+def test_query_blocks_against_the_whole_sequence_match_float64(C, chunk, block, groups):
   """kernels.flash.attention_blocks, what each context device runs (k2jax.model.context):
   the device's head and tail chunks of queries against every key, causal by each token's
   place in the sequence, documents and padding respected across chunk borders. For every
   device of C: out and dq of its rows, dk and dv of the whole sequence (its rows' share:
   the cotangent is zero elsewhere) and S_max over its rows, each within the float64 bounds
-  of test_attention_matches_float64; the C devices' dk sum to the one-device gradient."""
+  of test_attention_matches_float64; the C devices' dk sum to the one-device gradient. With
+  several groups of 2C chunks (the striped placement) each device's blocks are spread over
+  the whole sequence."""
   from k2jax.kernels import flash
   from k2jax.model import context
   seed, rng = seed_and_rng()
   B, H, D, Dv = 2, 3, 24, 16
-  T = 2 * C * chunk
+  T = 2 * C * chunk * groups
   q, k = (rng.standard_normal((B, T, H, D)) * 1.5 for _ in range(2))
   v, do = rng.standard_normal((B, T, H, Dv)), rng.standard_normal((B, T, H, Dv))
   seg = segments(B, T, rng, n_cuts=5)
   scale = D ** -0.5
-  order = context.placement(T, C)
+  order = context.placement(T, C, chunk)
   per = chunk // block
   dk_sum = 0
   for c in range(C):
-    rows = order[c * 2 * chunk:(c + 1) * 2 * chunk]          # ascending: head, then tail
+    rows = order[c * T // C:(c + 1) * T // C]                # ascending
     do_c = np.zeros_like(do)
     do_c[:, rows] = do[:, rows]
     want = reference(q, k, v, do_c, scale, seg, True)
     bound = error_bounds(want, q, k, v, do_c, scale, jnp.float32)
     smax = np.where(want["valid"] & want["counted"], want["s"], -np.inf)[:, :, rows].max(
         axis=(0, 2, 3))
-    ids = np.concatenate([c * per + np.arange(per), (2 * C - 1 - c) * per + np.arange(per)])
+    mine = [g * 2 * C + k for g in range(groups) for k in (c, 2 * C - 1 - c)]   # chunks
+    ids = np.concatenate([k * per + np.arange(per) for k in mine])
     f = lambda q_, k_, v_: flash.attention_blocks(
         q_, k_, v_, scale=scale, q_block_ids=ids, block=block,
         q_segment_ids=jnp.asarray(seg[:, rows]), k_segment_ids=jnp.asarray(seg))

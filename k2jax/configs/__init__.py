@@ -101,6 +101,8 @@ def validate_model(m: config_dict.ConfigDict, group: str = "model") -> None:
   if m.tie_word_embeddings:
     _fail(f"{group}.tie_word_embeddings", True, "K2 / DeepSeek-V3 use an untied lm_head; "
           "tied embeddings are not implemented")
+  if m.get("context_chunk", 128) < 1:
+    _fail(f"{group}.context_chunk", m.context_chunk, "must be >= 1")
   if m.get("ep_round_load", 2.0) < 1:
     _fail(f"{group}.ep_round_load", m.ep_round_load, "must be >= 1 (x the balanced load)")
   for key, allowed in (("dtype", ("float32", "bfloat16")), ("param_dtype", ("float32", "bfloat16")),

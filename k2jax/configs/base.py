@@ -81,6 +81,8 @@ def model_config():
       activation_storage="model",     # model | fp8: MoE up-projection / SwiGLU inputs kept in E4M3 (2.4.3)
       offload=False,                  # saved activations the remat policy keeps go to host memory (2.4.3)
       attention_impl="auto",          # k2jax.kernels.attention: auto | xla | chunked | pallas_gpu | pallas_tpu | tokamax
+      context_chunk=128,              # tokens per chunk of the context-parallel placement
+                                      # (k2jax.model.context; mesh.context > 1)
       bias_update_speed=0.001,        # gamma of the aux-loss-free balancing rule
   ))
 

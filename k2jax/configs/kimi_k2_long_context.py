@@ -31,4 +31,10 @@ def get_config():
                           decay_steps=900, tau=100.0 * mscale * mscale))
   c.train.update(dict(steps=900, batch_size=2048, seq_len=32768, eval_every=100,
                       checkpoint_every=100))
+  # Each 32k sequence split over 8 context devices (k2jax.model.context): PP16 x EP16 x CP8
+  # on 2,048 devices holds 4k tokens of a sequence per device, as pre-training did, so
+  # one sequence per microbatch gives the same 128 microbatches and the same residuals in
+  # flight (`python -m k2jax.plan --config kimi_k2_long_context`). Without it each device
+  # held 32k tokens: 16 microbatches (31% idle) and 300 GB of host residuals per device.
+  c.mesh.context = 8
   return c

@@ -5,14 +5,18 @@ trajectories run as long. The `context` axis (sharding_rules: logical `length`) 
 sequence over C devices; everything but attention works token by token, so only MLA needs
 to see the other devices' tokens.
 
-Placement (head-tail). The sequence is cut into 2C equal chunks and context device c holds
-chunks c and 2C - 1 - c. Under the causal mask a chunk's work grows with its place in the
-sequence, so each device gets one cheap and one dear chunk: every device runs the same
-number of (query block, key block) pairs, (2C + 1) (n / 2C)^2 / 2-ish with n blocks in
-all, where contiguous chunks leave the last device with (2C - 1) / C of the mean. The model
-permutes its tokens into this order as they enter (`to_placement`) and back before the head
-(`from_placement`); positions and segment ids travel with the tokens, so RoPE, document
-masks and padding are per token and the split is invisible outside the model.
+Placement (striped head-tail). The sequence is cut into chunks of `model.context_chunk`
+tokens (128) in groups of 2C, and context device c holds chunks c and 2C - 1 - c of every
+group. Under the causal mask a chunk's work grows with its place in the sequence, so each
+device gets one cheap and one dear chunk of every group: every device runs the same number
+of (query block, key block) pairs, where contiguous chunks leave the last device
+(2C - 1) / C of the mean. Packed documents make the work each token's place in its own
+document, not in the row: one head and one tail chunk of the whole row (chunk = T / 2C)
+leave the busiest of 8 devices 1.56x the mean on random-length documents at 32k, chunks of
+128 spread every long document over all devices, 1.04x (experiments/bench_context.py). The
+model permutes its tokens into this order as they enter (`to_placement`) and back before
+the head (`from_placement`); positions and segment ids travel with the tokens, so RoPE,
+document masks and padding are per token and the split is invisible outside the model.
 
 Attention: all-gather of the latent, not a ring. MLA's keys and values come from a
 per-token latent of kv_lora_rank + qk_rope_head_dim values (576 for K2) through kv_b; the
@@ -58,26 +62,36 @@ def size(mesh=None, manual: bool = False) -> int:
   return math.prod(mesh.shape[a] for a in axes(mesh, manual))
 
 
-def placement(T: int, C: int) -> np.ndarray:
-  """The token order whose C equal slices are the context devices' tokens: device c holds
-  chunks c and 2C - 1 - c of 2C. int [T]: placement(T, C)[i] is the place in the sequence
-  of the i-th token in that order."""
+def chunk_size(cfg, T: int, C: int) -> int:
+  """The placement's chunk: the largest divisor of T / 2C up to `model.context_chunk`."""
   if T % (2 * C):
     raise ValueError(f"sequence length {T} is not a multiple of 2 x context ({2 * C}): "
                      "set train.seq_len to a multiple of it")
-  chunks = np.arange(T).reshape(2 * C, T // (2 * C))
-  return np.concatenate([np.concatenate([chunks[c], chunks[2 * C - 1 - c]])
-                         for c in range(C)])
+  most = cfg.get("context_chunk", 128)
+  return max(b for b in range(1, min(T // (2 * C), most) + 1) if (T // (2 * C)) % b == 0)
 
 
-def to_placement(x, C: int, axis: int = 1):
+def placement(T: int, C: int, chunk: int) -> np.ndarray:
+  """The token order whose C equal slices are the context devices' tokens: the sequence in
+  chunks of `chunk` tokens, in groups of 2C; device c holds chunks c and 2C - 1 - c of every
+  group, in sequence order. int [T]: placement(...)[i] is the place in the sequence of the
+  i-th token in that order."""
+  if T % (2 * C * chunk):
+    raise ValueError(f"sequence length {T} is not a multiple of 2 x context x chunk "
+                     f"({2 * C * chunk}): set train.seq_len to a multiple of it")
+  groups = np.arange(T).reshape(-1, 2 * C, chunk)              # [group, 2C, chunk]
+  return np.concatenate([groups[:, [c, 2 * C - 1 - c]].reshape(-1) for c in range(C)])
+
+
+def to_placement(x, C: int, chunk: int = 1, axis: int = 1):
   """x with its token axis in placement order."""
-  return x if C == 1 else jnp.take(x, placement(x.shape[axis], C), axis=axis)
+  return x if C == 1 else jnp.take(x, placement(x.shape[axis], C, chunk), axis=axis)
 
 
-def from_placement(x, C: int, axis: int = 1):
+def from_placement(x, C: int, chunk: int = 1, axis: int = 1):
   """The inverse of `to_placement`."""
-  return x if C == 1 else jnp.take(x, np.argsort(placement(x.shape[axis], C)), axis=axis)
+  return x if C == 1 else jnp.take(x, np.argsort(placement(x.shape[axis], C, chunk)),
+                                   axis=axis)
 
 
 def block_size(chunk: int, most: int = 512) -> int:
@@ -105,11 +119,12 @@ def attend(cfg, q, latent, k_rope, kv_b, segment_ids):
   # every axis not manual yet: the body is per device (its query blocks depend on its place)
   manual = set(mesh.axis_names) - held
   T = q.shape[1] * (C if inside else 1)
-  chunk = T // (2 * C)
+  chunk = chunk_size(cfg, T, C)
   block = block_size(chunk)
   per_chunk = chunk // block
+  groups = T // (2 * C * chunk)
   # the gathered tokens come in placement order; this puts them in sequence order
-  natural = np.argsort(placement(T, C))
+  natural = np.argsort(placement(T, C, chunk))
   nope = cfg.qk_nope_head_dim
   seg = (jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None
          else segment_ids.astype(jnp.int32))
@@ -127,8 +142,9 @@ def attend(cfg, q, latent, k_rope, kv_b, segment_ids):
     k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_all[:, :, None, :],
                                                   k_nope.shape[:-1] + rope_all.shape[-1:])],
                         axis=-1)
-    ids = jnp.concatenate([c * per_chunk + jnp.arange(per_chunk),
-                           (2 * C - 1 - c) * per_chunk + jnp.arange(per_chunk)])
+    # this device's chunks, ascending: c and 2C - 1 - c of each group of 2C
+    mine = (jnp.arange(groups)[:, None] * 2 * C + jnp.stack([c, 2 * C - 1 - c])).reshape(-1)
+    ids = (mine[:, None] * per_chunk + jnp.arange(per_chunk)).reshape(-1)
     out, max_logits = flash.attention_blocks(
         q, k, v, scale=rope.softmax_scale(cfg), q_block_ids=ids, block=block,
         q_segment_ids=seg, k_segment_ids=seg_all)

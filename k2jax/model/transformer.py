@@ -199,8 +199,10 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
   # context parallelism: the tokens in the order the context devices hold them, and back
   # before the head (k2jax.model.context); positions and segment ids travel with them
   C = context.size()
-  tokens, positions = context.to_placement(tokens, C), context.to_placement(positions, C)
-  segment_ids = None if segment_ids is None else context.to_placement(segment_ids, C)
+  chunk = context.chunk_size(cfg, T, C) if C > 1 else 1
+  place = lambda a, axis=1: context.to_placement(a, C, chunk, axis)
+  tokens, positions = place(tokens), place(positions)
+  segment_ids = None if segment_ids is None else place(segment_ids)
   x = embed(params["embed"], tokens, dt)
   max_logits, moe_stats, cache = [], None, {}
   for st in stacks(cfg):
@@ -209,8 +211,8 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
     max_logits.append(layer_max)
     moe_stats = layer_moe if layer_moe is not None else moe_stats
     if lat:
-      cache[st.name] = jax.tree.map(lambda a: context.from_placement(a, C, axis=2), lat[0])
-  x = context.from_placement(x, C)
+      cache[st.name] = jax.tree.map(lambda a: context.from_placement(a, C, chunk, 2), lat[0])
+  x = context.from_placement(x, C, chunk)
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt),
                       preferred_element_type=jnp.float32)

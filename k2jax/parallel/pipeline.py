@@ -974,7 +974,9 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   # each sequence's tokens in the order the context devices hold them (k2jax.model.context):
   # every per-token array moves with them, and the losses are sums over tokens
   C = context.size(mesh)
-  mb = {k: context.to_placement(v, C, axis=2) for k, v in mb.items()}
+  if C > 1:
+    chunk = context.chunk_size(cfg, mb["inputs"].shape[2], C)
+    mb = {k: context.to_placement(v, C, chunk, axis=2) for k, v in mb.items()}
   rows = P(None, active_mesh_axes("batch", mesh, manual=True) or None,
            active_mesh_axes("length", mesh, manual=True) or None)
   inner, lead = inner_specs(cfg, {sp.stack.name: stack, **pre_params, **head}, mesh)
