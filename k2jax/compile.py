@@ -100,15 +100,15 @@ def hbm_bytes(device) -> float | None:
 
 
 def fit_mesh(config, n: int):
-  """`config` with mesh.data set so pipeline x data x expert = n devices (the config's own
+  """`config` with mesh.data set so pipeline x data x context x expert = n devices (the config's own
   mesh where it already is). ValueError (one line) where pipeline x expert does not divide n."""
   m = config.mesh
-  if math.prod(int(m[a]) for a in MESH_AXES) == n:
+  if math.prod(int(m.get(a, 1)) for a in MESH_AXES) == n:
     return config
-  pe = int(m.pipeline) * int(m.expert)
+  pe = int(m.pipeline) * int(m.expert) * int(m.get("context", 1))
   if n % pe:
-    raise ValueError(f"{n} devices are not a multiple of mesh.pipeline x mesh.expert = "
-                     f"{m.pipeline} x {m.expert}: set --config.mesh.* for this topology")
+    raise ValueError(f"{n} devices are not a multiple of mesh.pipeline x mesh.expert x "
+                     f"mesh.context = {pe}: set --config.mesh.* for this topology")
   config = copy.deepcopy(config)   # references unresolved: kimi_k2's microbatches follow
   config.mesh.data = n // pe
   return config.copy_and_resolve_references()
@@ -257,8 +257,8 @@ def table(name: str, topology: str, config, result: Compiled, est) -> str:
   heap, XLA's out-of-memory check and the thread-local buffers."""
   d, h = result.device, result.host
   partial = "heap" in d
-  mesh = ", ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES)
-  n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
+  mesh = ", ".join(f"{a}={config.mesh.get(a, 1)}" for a in MESH_AXES)
+  n = math.prod(int(config.mesh.get(a, 1)) for a in MESH_AXES)
   what = "XLA's buffer assignment of the train step for" if partial else "train step compiled for"
   lines = [f"{name}: {what} {topology} ({n} x {result.kind}; mesh {mesh}) in "
            f"{result.seconds:.0f} s" + (" (code generation not run)" if partial else ""),
@@ -315,7 +315,7 @@ def main(argv=None):
     est = None
     if not args.no_plan:
       from k2jax import plan
-      est = plan.estimate(config, {a: int(config.mesh[a]) for a in MESH_AXES},
+      est = plan.estimate(config, {a: int(config.mesh.get(a, 1)) for a in MESH_AXES},
                           platform=devices[0].platform)
     from k2jax import optim
     from k2jax.parallel import layout
@@ -356,7 +356,7 @@ def main(argv=None):
 def record(name, topology, config, result: Compiled, est) -> dict:
   """The figures of one compile as a flat dict (JSON, CSV rows)."""
   out = dict(config=name, topology=topology, compiled=True, kind=result.kind,
-             mesh={a: int(config.mesh[a]) for a in MESH_AXES}, seconds=result.seconds,
+             mesh={a: int(config.mesh.get(a, 1)) for a in MESH_AXES}, seconds=result.seconds,
              hbm=result.hbm, xla_device=result.device, xla_host=result.host,
              plan_device=est.device if est else None, plan_host=est.host if est else None,
              plan_states={k: v for k, v in est.states.items()

@@ -44,7 +44,7 @@ def _with_mesh(config, mesh_shape, virtual_stages=None, microbatches=None, param
   # The mesh goes in before references resolve: a preset deriving its microbatches from
   # the mesh (kimi_k2: one sequence per device) keeps that geometry on the planned mesh.
   config = copy.deepcopy(config)
-  config.mesh.update({a: mesh_shape[a] for a in MESH_AXES})
+  config.mesh.update({a: mesh_shape.get(a, 1) for a in MESH_AXES})
   config = config.copy_and_resolve_references()
   if virtual_stages:
     config.mesh.virtual_stages = virtual_stages
@@ -63,7 +63,7 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   stored = layout.stored_config(config)
   tx = optim.optimizer(stored)
   abstract = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
-  mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
+  mesh = AbstractMesh(tuple(mesh_shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
   sh = state_shardings(model.param_specs(stored.model), mesh, abstract, tx,
                        host_state=config.optimizer.host_state)
 
@@ -158,6 +158,7 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   m.update(dict(remat=settings["remat"], attention_impl=settings["attention_impl"],
                 activation_storage=settings["storage"]))
   stages = mesh_shape["pipeline"]
+  context = mesh_shape.get("context", 1)   # a sequence's tokens split over this many devices
 
   @functools.cache
   def layer(ffn, remat, memory="all"):     # bytes per token
@@ -165,11 +166,13 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
     c.remat, c.offload = remat, settings["offload"]
     with kernel_platform.target(platform):
       return transformer.layer_residual_bytes(c, ffn, seq_len, 1, mesh_shape["data"],
-                                              mesh_shape["expert"], memory=memory) / seq_len
+                                              mesh_shape["expert"], memory=memory,
+                                              context=context) / seq_len
   kinds = {st.ffn: st.size for st in model.stacks(m)}
   # the f32 logits and their gradient of one sequence: each pipeline device has its own
-  # slice of the vocabulary (k2jax.parallel.pipeline._head)
-  working = max(layer(ffn, "none") for ffn in kinds) + 8 * -(-m.vocab_size // stages)
+  # slice of the vocabulary (k2jax.parallel.pipeline._head), each context device its tokens
+  working = (max(layer(ffn, "none") for ffn in kinds)
+             + 8 * -(-m.vocab_size // stages) / context)
   if stages == 1:
     # Each layer's forward writes its offloaded residuals to host memory (and its backward
     # reads them back): `moved` is the largest layer's share.
@@ -195,10 +198,11 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
     _, cut = pipeline.split_cost(m, mesh_shape["data"], mesh_shape["expert"], seq_len,
                                  platform)
   stage = layer(sp.stack.ffn, m.remat) * sp.per_stage
-  buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size
+  # stage inputs / cotangents waiting in the loop's buffers: this device's tokens
+  buffers = (tab.sizes["act"] + tab.sizes["grad"]) * a * m.hidden_size / context
   # zbh1: what B hands W (bwsplit's cut) waits in `cut` slots of a stage's layers each; the
   # loop's buffers have the same shape on every pipeline device, so every device holds them.
-  cut_stage = sp.per_stage * cut / seq_len          # 0 unless the schedule splits
+  cut_stage = sp.per_stage * cut / seq_len / context   # 0 unless the schedule splits
   cut_slots = tab.sizes.get("cut", 0)
   m.offload = settings["offload"]
   where = pipeline.residual_stages(tab, pipeline.offloads(m))
@@ -215,7 +219,7 @@ def stack_layer_bytes(mcfg, name: str, mesh_shape) -> int:
   """Bytes of one layer of stack `name` on one device, in model.dtype, as computation needs
   it: split over the axes `param_spec` splits for work (the experts over `expert`), whole
   over those it splits only to save memory (whole=True)."""
-  mesh = AbstractMesh(tuple(mesh_shape[a] for a in MESH_AXES), MESH_AXES)
+  mesh = AbstractMesh(tuple(mesh_shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
   size = np.dtype(mcfg.dtype).itemsize
   total = 0
   for sp in jax.tree.leaves(model.param_specs(mcfg)[name], is_leaf=model_spec.is_spec):
@@ -259,17 +263,17 @@ def parse_mesh(text: str, devices: int | None) -> dict:
   for part in filter(None, text.split(",")):
     key, _, value = part.partition("=")
     if key not in mesh or not value.isdigit() or int(value) < 1:
-      raise ValueError(f"--mesh {text!r}: expected pipeline=P,expert=E,data=D with positive "
-                       f"integers, got {part!r}")
+      raise ValueError(f"--mesh {text!r}: expected pipeline=P,expert=E,data=D,context=C with "
+                       f"positive integers, got {part!r}")
     mesh[key] = int(value)
     given.add(key)
   if devices is not None:
-    rest = devices // (mesh["pipeline"] * mesh["expert"])
-    if "data" not in given and rest * mesh["pipeline"] * mesh["expert"] == devices:
-      mesh["data"] = rest
+    others = mesh["pipeline"] * mesh["expert"] * mesh["context"]
+    if "data" not in given and devices // others * others == devices:
+      mesh["data"] = devices // others
     if math.prod(mesh.values()) != devices:
-      raise ValueError(f"--devices {devices} is not pipeline x expert x data = "
-                       f"{mesh['pipeline']} x {mesh['expert']} x {mesh['data']}")
+      raise ValueError(f"--devices {devices} is not {' x '.join(MESH_AXES)} = "
+                       f"{' x '.join(str(mesh[a]) for a in MESH_AXES)}")
   return mesh
 
 
@@ -368,7 +372,7 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   P = mesh["pipeline"]
   act, used = acts.device, acts.settings
   n = math.prod(mesh.values())
-  lines = [f"{name} on mesh {', '.join(f'{a}={mesh[a]}' for a in MESH_AXES)} ({n} devices), "
+  lines = [f"{name} on mesh {', '.join(f'{a}={mesh.get(a, 1)}' for a in MESH_AXES)} ({n} devices), "
            f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
            f"micro_batch {micro_batch} ({geometry})",
            f"{'per device':<26}{'GB':>10}"]
@@ -515,7 +519,7 @@ def main(argv=None):
     args.platform = args.platform or "gpu"
     if args.mesh is None:
       m = config.mesh
-      args.mesh = ",".join(f"{a}={m[a]}" for a in MESH_AXES
+      args.mesh = ",".join(f"{a}={m.get(a, 1)}" for a in MESH_AXES
                            if a != "data" or args.devices is None)
     mesh = parse_mesh(args.mesh, args.devices)
     if args.microbatches is not None and args.microbatches < mesh["pipeline"]:
@@ -547,7 +551,7 @@ def compiled_beside(args, overrides, mesh, est, devices) -> str:
   where it refuses the step."""
   from k2jax import compile as xla
   # the step plan counted: its mesh, and its microbatches where plan rounded them for it
-  settings = [f"--config.mesh.{a}={mesh[a]}" for a in MESH_AXES]
+  settings = [f"--config.mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
   settings.append(f"--config.train.grad_accum={est.cfg.train.grad_accum}")
   for flag, key in (("seq_len", "train.seq_len"),
                     ("virtual_stages", "mesh.virtual_stages"), ("remat", "model.remat"),

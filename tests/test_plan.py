@@ -295,3 +295,22 @@ def test_an_expert_parallel_layer_keeps_what_report_2_4_3_keeps():
   rows = capacities(16 * 4096 * c.num_experts_per_tok, 16)[0]
   stored = rows * ((d + 2 * f) + 4 * (-(-d // 128) + 2 * -(-f // 128)) + 8)
   assert stored <= ep <= stored + local, (ep, stored, local)
+
+
+def test_long_context_on_context_devices_keeps_pretrainings_residuals_and_bubble():
+  """Issue 44: kimi_k2_long_context (32k tokens) on its layout, PP16 x EP16 x CP8, keeps in
+  host memory no more stage residuals per device than the 4k preset on PP16 x EP16 x DP8
+  (each device holds 4k tokens of a sequence either way) and idles <= 10% by stage FLOPs
+  (128 microbatches); the same 32k on DP8, without context, holds over 5x more."""
+  from k2jax import configs, plan
+  from k2jax.parallel import pipeline
+  long = configs.get_config("kimi_k2_long_context")
+  mesh = {a: long.mesh[a] for a in ("pipeline", "data", "context", "expert")}
+  assert mesh == {"pipeline": 16, "data": 1, "context": 8, "expert": 16}
+  est = plan.estimate(long, mesh)
+  short = plan.estimate("kimi_k2", {"pipeline": 16, "data": 8, "context": 1, "expert": 16})
+  assert est.acts.host <= short.acts.host * 1.001, (est.acts.host, short.acts.host)
+  assert est.cfg.train.grad_accum == 128
+  assert pipeline.table(est.cfg).idle_fraction(pipeline.costs(est.cfg)) <= 0.10
+  no_cp = plan.estimate(long, {"pipeline": 16, "data": 8, "context": 1, "expert": 16})
+  assert no_cp.acts.host > 5 * est.acts.host
