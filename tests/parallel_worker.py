@@ -654,9 +654,42 @@ def context_meshes(*specs):
   print("RESULT " + json.dumps(result))
 
 
+def generate_context():
+  """Greedy generation and its log probabilities for prompts of several lengths, without a
+  mesh and under context 4 x data 2 (the prompt's prefill split over context devices,
+  k2jax.model.context; decode steps of one token run whole on each), and the prefill
+  alone: whether the context path ran, and the largest log-probability difference."""
+  from unittest import mock
+  import jax.numpy as jnp
+  from k2jax import configs, generate, model, parallel
+  from k2jax.model import context
+  cfg = configs.get_config("tiny").model
+  cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
+  params = model.init(cfg, jax.random.key(3))
+  rng = np.random.default_rng(3)
+  prompts = [list(rng.integers(1, cfg.vocab_size, n)) for n in (5, 37, 20, 64)]
+  want, want_lp = generate.generate(cfg, params, prompts, max_new_tokens=6,
+                                    return_logprobs=True)
+  mc = configs.get_config("tiny").mesh
+  mc.update(data=2, context=4)
+  mesh = parallel.make_mesh(mc)
+  calls = []
+  attend = context.attend
+  with mock.patch.object(context, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k)):
+    generate._PROGRAMS.clear()
+    with jax.set_mesh(mesh):
+      got, got_lp = generate.generate(cfg, params, prompts, max_new_tokens=6,
+                                      return_logprobs=True)
+  generate._PROGRAMS.clear()
+  print("RESULT " + json.dumps({
+      "equal": got == want, "context_ran": bool(calls),
+      "logprob_err": max(abs(a - b) for r, w in zip(got_lp, want_lp) for a, b in zip(r, w))}))
+
+
 if __name__ == "__main__":
   {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
    "pipeline_collectives": pipeline_collectives, "tick_collectives": tick_collectives,
    "lower": lower,
    "attend_shards": attend_shards, "muon_local": muon_local,
-   "embedding": embedding, "context_meshes": context_meshes}[sys.argv[1]](*sys.argv[2:])
+   "embedding": embedding, "context_meshes": context_meshes,
+   "generate_context": generate_context}[sys.argv[1]](*sys.argv[2:])

@@ -31,6 +31,15 @@ def test_context_meshes_equal_one_device_and_faults_are_seen():
   assert got["pmax_fault"]["loss"] < 1e-5      # the fault touches the statistic only
 
 
+def test_generate_prefills_a_prompt_split_over_context_devices():
+  """Under a context 4 x data 2 mesh generate's prefill runs context-parallel (the prompts'
+  bucket of 64 tokens over 4 devices) and its decode steps whole on each: the greedy tokens
+  of prompts of 5 to 64 tokens are one device's, log probabilities within 1e-4."""
+  got = worker(8, "generate_context")
+  assert got["context_ran"] and got["equal"], got
+  assert got["logprob_err"] < 1e-4, got
+
+
 @pytest.mark.parametrize("C,chunk", [(1, 5), (2, 5), (3, 1), (8, 2)])
 def test_placement_is_a_permutation_of_head_and_tail_chunks(C, chunk):
   T = 2 * C * chunk * 3                                      # three groups of 2C chunks

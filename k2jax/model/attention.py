@@ -96,7 +96,7 @@ def mla(cfg, p, x, positions, segment_ids=None, *, return_latents=False):
   cos, sin = rope.cos_sin(cfg, positions)
   q = queries(cfg, p, x, cos, sin)
   lat = latents(cfg, p, x, cos, sin)
-  if context.axes(manual=True):   # tokens split over devices: the latent moves (model.context)
+  if context.engaged(x.shape[1]):   # tokens split over devices: the latent moves
     out, max_logits = context.attend(cfg, q, lat.latent, lat.k_rope, p["kv_b"], segment_ids)
     out = jnp.einsum("bthv,hvd->btd", out, p["o"].astype(dt))
     return (out, max_logits, lat) if return_latents else (out, max_logits)

@@ -62,6 +62,18 @@ def size(mesh=None, manual: bool = False) -> int:
   return math.prod(mesh.shape[a] for a in axes(mesh, manual))
 
 
+def engaged(T: int, mesh=None) -> bool:
+  """Whether a layer whose arrays show T tokens per sequence runs split over the context
+  axes: always inside a shard_map that holds them manual (the pipeline's: T is this device's
+  share), else where 2C chunks divide T. A decode step's one new token (or a prompt no
+  multiple of 2C) then runs whole on every context device."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  ctx = axes(mesh, manual=True)
+  if not ctx:
+    return False
+  return set(ctx) <= set(getattr(mesh, "manual_axes", ())) or T % (2 * size(mesh, True)) == 0
+
+
 def chunk_size(cfg, T: int, C: int) -> int:
   """The placement's chunk: the largest divisor of T / 2C up to `model.context_chunk`."""
   if T % (2 * C):

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax.configs import sharding_rules as rules
 from k2jax.kernels import moe as moe_kernels, routed_experts
-from k2jax.model import spec
+from k2jax.model import context, spec
 from k2jax.model.expert_parallel import experts_all_to_all
 from k2jax.model.layers import mlp, mlp_specs
 
@@ -147,7 +147,7 @@ def moe(cfg, p, x, valid=None):
   # a sequence's tokens split over context devices are tokens like any other here; those
   # an enclosing shard_map (the pipeline's) holds manual still sum the balance loss's
   # per-sequence counts
-  length_axes = rules.active_mesh_axes("length", mesh)
+  length_axes = rules.active_mesh_axes("length", mesh) if context.engaged(x.shape[1]) else ()
   held = getattr(mesh, "manual_axes", ())
   length_held = tuple(a for a in rules.active_mesh_axes("length", mesh, manual=True)
                       if a in held)

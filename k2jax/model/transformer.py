@@ -198,7 +198,7 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   # context parallelism: the tokens in the order the context devices hold them, and back
   # before the head (k2jax.model.context); positions and segment ids travel with them
-  C = context.size()
+  C = context.size() if context.engaged(T) else 1
   chunk = context.chunk_size(cfg, T, C) if C > 1 else 1
   place = lambda a, axis=1: context.to_placement(a, C, chunk, axis)
   tokens, positions = place(tokens), place(positions)
