@@ -458,7 +458,7 @@ def muon_local(*mesh_specs):
   out = {}
   for ms in mesh_specs:
     stored, mesh, tx = _muon_setup(ms)
-    P, D, E = mesh.devices.shape
+    P, D, E = (mesh.shape[a] for a in ("pipeline", "data", "expert"))
     mcfg = stored.model
     specs = model.param_specs(mcfg)
     state = init_state(stored, tx, jax.random.key(0))

@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
   eight = start_worker(8, "meshes", str(out / "eight"), "2x4", "8x1", "1x8", "4x2", "2x4/b16/a2",
                        "2x2/c2", "1x1x1/c8", "--", *CLI, *NO_CHECKPOINTS)
   runs = {**result(one), **result(eight)}  # the two compile concurrently, one per core
-  runs["dirs"] = {m: out / ("one" if m.startswith("1x1") else "eight") / m.replace("/", "_")
+  runs["dirs"] = {m: out / ("one" if m in ("1x1", "1x1/b16") else "eight") / m.replace("/", "_")
                   for m in runs}
   return runs
 
@@ -139,12 +139,14 @@ def test_checkpoint_moves_between_meshes(tmp_path, runs):
   finish(cli(8, src, "--config.train.checkpoint_every=2", "--config.mesh.data=2",
              "--config.mesh.expert=4"))
   assert_close(losses(src), runs["2x4"])
-  for devices, data, expert in ((8, 4, 2), (1, 1, 1)):
-    dst = tmp_path / f"to_{data}x{expert}"
+  # ... onto data 2 x context 2 x expert 2 too: optimizer states split over data x context
+  for devices, data, expert, context in ((8, 4, 2, 1), (1, 1, 1, 1), (8, 2, 2, 2)):
+    dst = tmp_path / f"to_{data}x{expert}x{context}"
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "checkpoints" / "4")   # resume from step 2 on the new mesh
     err = finish(cli(devices, dst, "--config.train.checkpoint_every=2",
-                     f"--config.mesh.data={data}", f"--config.mesh.expert={expert}"))
+                     f"--config.mesh.data={data}", f"--config.mesh.expert={expert}",
+                     f"--config.mesh.context={context}"))
     assert "resumed from checkpoint step 2" in err
     assert_close(losses(dst), runs["2x4"])
 

@@ -199,6 +199,25 @@ def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, v
   assert fig["fits"]
 
 
+def test_k2_shaped_context_parallel_step_passes_xlas_memory_check(tmp_path):
+  """Each 2,048-token sequence split over context 2 inside the pipeline (pipeline 2 x context
+  2 x expert 2, the long-context preset's layout in small: k2jax.model.context), the
+  preset's offload and host states, through XLA:TPU to its buffer assignment: arguments are
+  plan's device states, host memory plan's host bytes, XLA's check within 1.5x of plan."""
+  args = [a for a in K2_SHAPED if not a.startswith(("--config.mesh.", "--config.train."))]
+  r, fig = compile_cli(tmp_path, *args, "--config.mesh.pipeline=2", "--config.mesh.data=1",
+                       "--config.mesh.context=2", "--config.mesh.expert=2",
+                       "--config.mesh.virtual_stages=1", "--config.train.batch_size=8",
+                       "--config.train.seq_len=2048")
+  assert r.returncode == 0, r.stderr[-2000:]
+  d, h, st = fig["xla_device"], fig["xla_host"], fig["plan_states"]
+  on_device = st["params"] + st["optimizer"]
+  assert on_device <= d["arguments"] <= 1.02 * on_device + (8 << 20)
+  assert 0.95 * fig["plan_host"] <= h["peak"] <= 1.2 * fig["plan_host"] + (64 << 20)
+  assert fig["plan_device"] <= d["check"] <= 1.5 * fig["plan_device"], (d, fig["plan_device"])
+  assert fig["fits"]
+
+
 def test_k2_shaped_expert_parallel_step_without_a_pipeline_passes_xlas_memory_check(tmp_path):
   """The same K2-shaped layers with no pipeline: data 2 x expert 4 on v5p 2x2x2 (the
   microbatches in the trainer's scan, the expert exchange nested in the data x expert

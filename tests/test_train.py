@@ -62,7 +62,7 @@ BAD_INPUTS = [
     ("seq-too-long", ["--config", "tiny", "--workdir={tmp}/w", "--config.train.seq_len=4096"],
      "train.seq_len = 4096: must be <= model.max_position_embeddings (1024)"),
     ("mesh-devices", ["--config", "tiny", "--workdir={tmp}/w", "--config.mesh.data=3"],
-     "mesh pipeline x data x expert = 1 x 3 x 1 = 3 devices"),
+     "mesh pipeline x data x context x expert = 1 x 3 x 1 x 1 = 3 devices"),
     ("accum-split", ["--config", "tiny", "--workdir={tmp}/w", "--config.mesh.data=2",
                      "--config.mesh.expert=4", "--config.train.batch_size=8",
                      "--config.train.grad_accum=2", "DEVICES=8"],

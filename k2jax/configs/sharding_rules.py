@@ -125,7 +125,9 @@ def constrain(x, axes):
   held = tuple(getattr(mesh, "manual_axes", ()))
   if mesh.empty or set(mesh.axis_names) <= set(held):
     return x      # nothing left to constrain (the pipeline holds every axis manual)
-  return jax.lax.with_sharding_constraint(x, without(logical_spec(axes), held))
+  # ... nor axes the mesh does not have (one built with fewer names than MESH_AXES)
+  absent = tuple(a for a in MESH_AXES if a not in mesh.axis_names)
+  return jax.lax.with_sharding_constraint(x, without(logical_spec(axes), held + absent))
 
 
 def entry_axes(entry) -> tuple[str, ...]:

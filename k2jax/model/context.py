@@ -24,14 +24,19 @@ per-head keys and values are H (nope + rope + v) = 20,480 values per token at K2
 device all-gathers the latent (and segment ids) over `context`, up-projects the whole
 sequence's keys and values itself, and runs its own query blocks against them with the flash
 algorithm (k2jax.kernels.flash.attention_blocks, causal by each token's place in the
-sequence). What crosses the links is 35x less than gathering keys and values; what it costs
-is the up-projection of the whole sequence on every context device, kv_lora x H x
-(nope + v) x 2 FLOPs per token, about 819 C / T of the attention's own FLOPs at K2 (20% at
-32k on 8 devices). A ring over key blocks would overlap the transfer with compute but move
-the same bytes per layer and merge partial softmaxes across steps; the whole sequence's
-latent is 38 MB of bf16 at 32k, one all-gather that XLA can overlap with the query
-projection. The backward reduce-scatters the latent's cotangent (the all-gather's
-transpose). experiments/bench_context.py measures balance, bytes and step time.
+sequence). Measured in XLA:TPU's compiled HLO at K2's widths (experiments/bench_context.py):
+a device receives 3,456 (C - 1) bytes per token of its own per layer, forward and backward
+(the latent's all-gather, and an all-reduce of its cotangent that XLA:TPU makes of the
+transpose), against 81,920 (C - 1) to gather the keys and values and reduce-scatter their
+cotangents: 1/24. What it costs is the up-projection of the whole sequence on every context
+device, kv_lora x H x (nope + v) x 2 FLOPs per token, about 819 C / T of the attention's own
+FLOPs at K2 (20% at 32k on 8 devices), and the whole sequence's keys and values held during
+one layer's attention (1.3 GB of bf16 at K2's 32k; XLA:TPU's check for the 32k preset on
+v5p 8x16x16 is 56 GB of 96). A ring over key blocks would hold two blocks instead and
+overlap each step's transfer with compute, but it receives the same latent bytes and must
+merge partial softmaxes (and their max logits) across C steps, forward and backward; the
+whole sequence's latent is 38 MB of bf16 at 32k, one collective per layer. At 128k the held
+keys and values grow to 5.4 GB a layer: the place a ring would pay.
 
 QK-Clip: each device's per-head max over its own query rows, then a max over the context
 devices (and the batch's): the max over the whole sequence, exactly one device's figure.
