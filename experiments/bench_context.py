@@ -34,6 +34,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
@@ -43,6 +44,7 @@ import numpy as np  # noqa: E402
 from k2jax import configs, model, parallel  # noqa: E402
 from k2jax.model import attention, context  # noqa: E402
 from k2jax.step import lm_loss  # noqa: E402
+from bench_pipeline import matmul_rate  # noqa: E402  (the same ceiling the pipeline bench prints)
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "context")
 T_BALANCE, BLOCK = 32768, 512
@@ -146,16 +148,6 @@ def layer_bytes():
   return rows
 
 
-def _matmul_rate():
-  a = jnp.ones((1024, 1024), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  f(a).block_until_ready()
-  t = time.perf_counter()
-  for _ in range(5):
-    f(a).block_until_ready()
-  return 2 * 1024 ** 3 * 5 / (time.perf_counter() - t)
-
-
 def step_time():
   cfg = configs.get_config("tiny").model
   cfg.update(hidden_size=256, num_attention_heads=8, num_hidden_layers=4, n_routed_experts=16,
@@ -198,7 +190,7 @@ def step_time():
 
 def main():
   rows = balance(np.random.default_rng(0)) + layer_bytes() + step_time()
-  rate = _matmul_rate()
+  rate = matmul_rate()                    # GFLOP/s
   os.makedirs(OUT, exist_ok=True)
   print(f"{'C':>3} {'placement':<22} {'blocks worst/mean':>18} "
         f"{'pairs worst/mean (mean, max over packings)':>44}")
@@ -214,10 +206,10 @@ def main():
       print(f"{r['C']:>3} {r['bytes_per_token']:>18,.0f} {r['kv_gather_bytes_per_token']:>17,} "
             f"{r['latent_over_kv']:>7.3f}")
   print(f"\n{'C':>3} {'data':>5} {'step s':>8} {'vs CP=1':>8} {'temp MB/device':>15} "
-        f"{'vs CP=1':>8}   (this CPU: {rate / 1e9:.0f} GFLOP/s f32 matmul)")
+        f"{'vs CP=1':>8}   (this CPU: {rate:.0f} GFLOP/s f32 matmul)")
   for r in rows:
     if r["table"] == "step":
-      r["matmul_gflops"] = rate / 1e9
+      r["matmul_gflops"] = rate
       print(f"{r['C']:>3} {r['data']:>5} {r['seconds']:>8.3f} {r['vs_cp1']:>8.2f} "
             f"{r['temp_bytes_per_device'] / 1e6:>15.1f} {r['temp_vs_cp1']:>8.2f}")
   keys = sorted({k for r in rows for k in r})
