@@ -99,11 +99,18 @@ def hbm_bytes(device) -> float | None:
     return None
 
 
+def mesh_sizes(config) -> dict:
+  """{mesh axis: size} of a full config; an axis its mesh group lacks (a config written
+  before the axis existed) is 1."""
+  return {a: int(config.mesh.get(a, 1)) for a in MESH_AXES}
+
+
 def fit_mesh(config, n: int):
-  """`config` with mesh.data set so pipeline x data x context x expert = n devices (the config's own
-  mesh where it already is). ValueError (one line) where pipeline x expert does not divide n."""
+  """`config` with mesh.data set so pipeline x data x context x expert = n devices (the
+  config's own mesh where it already is). ValueError (one line) where pipeline x expert x
+  context does not divide n."""
   m = config.mesh
-  if math.prod(int(m.get(a, 1)) for a in MESH_AXES) == n:
+  if math.prod(mesh_sizes(config).values()) == n:
     return config
   pe = int(m.pipeline) * int(m.expert) * int(m.get("context", 1))
   if n % pe:
@@ -257,8 +264,9 @@ def table(name: str, topology: str, config, result: Compiled, est) -> str:
   heap, XLA's out-of-memory check and the thread-local buffers."""
   d, h = result.device, result.host
   partial = "heap" in d
-  mesh = ", ".join(f"{a}={config.mesh.get(a, 1)}" for a in MESH_AXES)
-  n = math.prod(int(config.mesh.get(a, 1)) for a in MESH_AXES)
+  sizes = mesh_sizes(config)
+  mesh = ", ".join(f"{a}={v}" for a, v in sizes.items())
+  n = math.prod(sizes.values())
   what = "XLA's buffer assignment of the train step for" if partial else "train step compiled for"
   lines = [f"{name}: {what} {topology} ({n} x {result.kind}; mesh {mesh}) in "
            f"{result.seconds:.0f} s" + (" (code generation not run)" if partial else ""),
@@ -315,7 +323,7 @@ def main(argv=None):
     est = None
     if not args.no_plan:
       from k2jax import plan
-      est = plan.estimate(config, {a: int(config.mesh.get(a, 1)) for a in MESH_AXES},
+      est = plan.estimate(config, mesh_sizes(config),
                           platform=devices[0].platform)
     from k2jax import optim
     from k2jax.parallel import layout
@@ -356,7 +364,7 @@ def main(argv=None):
 def record(name, topology, config, result: Compiled, est) -> dict:
   """The figures of one compile as a flat dict (JSON, CSV rows)."""
   out = dict(config=name, topology=topology, compiled=True, kind=result.kind,
-             mesh={a: int(config.mesh.get(a, 1)) for a in MESH_AXES}, seconds=result.seconds,
+             mesh=mesh_sizes(config), seconds=result.seconds,
              hbm=result.hbm, xla_device=result.device, xla_host=result.host,
              plan_device=est.device if est else None, plan_host=est.host if est else None,
              plan_states={k: v for k, v in est.states.items()

@@ -100,12 +100,12 @@ def placement(T: int, C: int, chunk: int) -> np.ndarray:
   return np.concatenate([groups[:, [c, 2 * C - 1 - c]].reshape(-1) for c in range(C)])
 
 
-def to_placement(x, C: int, chunk: int = 1, axis: int = 1):
+def to_placement(x, C: int, chunk: int, axis: int = 1):
   """x with its token axis in placement order."""
   return x if C == 1 else jnp.take(x, placement(x.shape[axis], C, chunk), axis=axis)
 
 
-def from_placement(x, C: int, chunk: int = 1, axis: int = 1):
+def from_placement(x, C: int, chunk: int, axis: int = 1):
   """The inverse of `to_placement`."""
   return x if C == 1 else jnp.take(x, np.argsort(placement(x.shape[axis], C, chunk)),
                                    axis=axis)

@@ -149,14 +149,14 @@ def moe(cfg, p, x, valid=None):
   # per-sequence counts
   length_axes = rules.active_mesh_axes("length", mesh) if context.engaged(x.shape[1]) else ()
   held = getattr(mesh, "manual_axes", ())
-  length_held = tuple(a for a in rules.active_mesh_axes("length", mesh, manual=True)
-                      if a in held)
+  length_all = rules.active_mesh_axes("length", mesh, manual=True)
+  length_held = tuple(a for a in length_all if a in held)
   ep = rules.active_mesh_axes("experts", mesh, manual=True)
   ep_axis = ep[0] if ep else None
   # every device of the batch agrees on the exchange's branch, those of an enclosing
   # shard_map's manual axes too
-  sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True)
-               + rules.active_mesh_axes("length", mesh, manual=True) if a != ep_axis)
+  sync = tuple(a for a in rules.active_mesh_axes("batch", mesh, manual=True) + length_all
+               if a != ep_axis)
   if ep_axis and ep_axis in held:
     # An enclosing shard_map (the pipeline's) already holds the expert axis manual: x is
     # this device's tokens, p["experts"] its shard of the experts and the rest whole. The
