@@ -136,8 +136,8 @@ def validate(cfg: config_dict.ConfigDict) -> None:
   if context > 1 and t.seq_len % (2 * context):
     _fail("train.seq_len", t.seq_len,
           f"must be a multiple of 2 x mesh.context ({2 * context}): each context device holds "
-          "one chunk from the front and one from the back of every sequence "
-          "(k2jax.model.context)")
+          "a chunk from the front half and its mirror from the back half of every group of "
+          "2 x mesh.context chunks (k2jax.model.context)")
   if mesh.get("virtual_stages", 1) < 1:
     _fail("mesh.virtual_stages", mesh.virtual_stages, "must be >= 1")
   if mesh.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe", "zbh1"):
