@@ -305,9 +305,10 @@ def attention_chunked(q, k, v, scale, segment_ids=None, causal=True, block=None)
 
 
 def attention_blocks(q, k, v, *, scale: float, q_block_ids, block: int, q_segment_ids=None,
-                     k_segment_ids=None, causal: bool = True):
-  """Some query blocks of a sequence against all of its keys (the flash algorithm of
-  `chunked`, same numerics): what one device of a context-parallel attention computes.
+                     k_segment_ids=None, causal: bool = True, impl: str = "chunked",
+                     interpret: bool = False, kernel_block: int | None = None):
+  """Some query blocks of a sequence against all of its keys: what one device of a
+  context-parallel attention computes (k2jax.model.context).
 
   q [B, nq * block, H, Dqk] holds the sequence's blocks q_block_ids (int [nq], ascending;
   block b is tokens b * block .. (b + 1) * block - 1); k [B, nk * block, H, Dqk] and
@@ -315,19 +316,62 @@ def attention_blocks(q, k, v, *, scale: float, q_block_ids, block: int, q_segmen
   token's place in the whole sequence: causal by place, same segment (q_segment_ids
   [B, nq * block] / k_segment_ids [B, nk * block], 0 = padding, None = one document).
   -> (out [B, nq * block, H, Dv], max_logits [H] over these rows).
+
+  impl: as `attention`'s. chunked is the flash loop above (the dkv loop starts at the first
+  q block at or after each key block); the Pallas kernels and tokamax take each row's place
+  (pallas_tpu: each of its blocks' first place, so its blocks split `block`); xla
+  materializes the [B, H, Tq, Tk] logits. interpret: the Pallas kernels' interpret mode
+  (CPU tests); kernel_block: their block size (tests; default their own choice).
   """
   B, Tq = q.shape[:2]
-  if Tq % block or k.shape[1] % block:
-    raise ValueError(f"attention_blocks: {Tq} query and {k.shape[1]} key tokens must be "
+  Tk = k.shape[1]
+  if Tq % block or Tk % block:
+    raise ValueError(f"attention_blocks: {Tq} query and {Tk} key tokens must be "
                      f"whole blocks of {block}")
   ones = lambda n: jnp.ones((B, n), jnp.int32)
   qseg = ones(Tq) if q_segment_ids is None else q_segment_ids.astype(jnp.int32)
-  kseg = ones(k.shape[1]) if k_segment_ids is None else k_segment_ids.astype(jnp.int32)
-  hm = lambda a: jnp.swapaxes(a, 1, 2)
-  out, row_max = _flash(hm(q), hm(k), hm(v), qseg, kseg,
-                        jnp.asarray(q_block_ids, jnp.int32), float(scale), bool(causal),
-                        int(block))
-  return finish(out, row_max, qseg, Tq)
+  kseg = ones(Tk) if k_segment_ids is None else k_segment_ids.astype(jnp.int32)
+  ids = jnp.asarray(q_block_ids, jnp.int32)
+  places = (ids[:, None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(-1)
+  if impl == "auto":
+    impl = auto_impl()
+  if impl == "chunked":
+    hm = lambda a: jnp.swapaxes(a, 1, 2)
+    out, row_max = _flash(hm(q), hm(k), hm(v), qseg, kseg, ids, float(scale), bool(causal),
+                          int(block))
+    return finish(out, row_max, qseg, Tq)
+  if impl == "xla":
+    return _blocks_xla(q, k, v, scale, places, qseg, kseg, causal)
+  if impl == "pallas_gpu":
+    from k2jax.kernels import flash_gpu
+    return flash_gpu.attention_blocks(q, k, v, scale=scale, q_positions=places,
+                                      q_segment_ids=qseg, k_segment_ids=kseg, causal=causal,
+                                      interpret=interpret, block=kernel_block)
+  if impl == "pallas_tpu":
+    from k2jax.kernels import flash_tpu
+    return flash_tpu.attention_blocks(q, k, v, scale=scale, q_block_ids=ids, block=block,
+                                      q_segment_ids=qseg, k_segment_ids=kseg, causal=causal,
+                                      interpret=interpret, kernel_block=kernel_block)
+  if impl == "tokamax":
+    from k2jax.kernels import flash_tokamax
+    return flash_tokamax.attention_blocks(q, k, v, scale=scale, q_positions=places,
+                                          q_segment_ids=qseg, k_segment_ids=kseg,
+                                          causal=causal)
+  raise ValueError(f"attention impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")
+
+
+def _blocks_xla(q, k, v, scale, places, qseg, kseg, causal):
+  """`attention_xla` for rows at `places` of the keys' sequence."""
+  q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))              # [B, H, T, D]
+  logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+  valid = (qseg[:, :, None] == kseg[:, None, :])[:, None]
+  if causal:
+    valid = valid & (places[:, None] >= jnp.arange(k.shape[2]))[None, None]
+  logits = jnp.where(valid, logits, -jnp.inf)
+  counted = (qseg > 0)[:, None, :, None]
+  max_logits = jnp.max(jnp.where(valid & counted, logits, -jnp.inf), axis=(0, 2, 3))
+  out = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+  return jnp.swapaxes(out, 1, 2), jax.lax.stop_gradient(max_logits)
 
 
 def flops(B: int, T: int, H: int, dqk: int, dv: int, causal: bool = True) -> float:

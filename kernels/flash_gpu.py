@@ -1,13 +1,18 @@
 """Flash attention for MLA shapes as Triton-lowered Pallas kernels, with per-head S_max.
 
 Three kernels, each over a grid of (block, batch, head) programs; rows of a head are
-contiguous in [B, T, H, D] arrays, read through BlockSpecs:
+contiguous in [B, T, H, D] arrays, read through BlockSpecs. Each query row carries its place
+in the key sequence (`q_pos`): arange(T) for self-attention, the device's rows of the whole
+sequence under context parallelism (k2jax.model.context; `attention_blocks`). The causal
+bounds of each program's loop are read from small per-block tables computed outside
+(`_bands`), so the kernels never assume that q block i sits at rows i bq of the keys:
 
-  forward   program (i, b, h): one q block against kv blocks 0..i (causal), online softmax
-            in f32; writes out, the log-sum-exp and the final running max per row. That
-            running max is, for a real row, the max of its counted scaled logits, so S_max
-            costs one extra [B, H, T] f32 store, reduced outside (k2jax.kernels.flash.finish).
-  dk, dv    program (j, b, h): one kv block against q blocks j.. (causal); recomputes
+  forward   program (i, b, h): one q block against the kv blocks up to its last row's place
+            (causal), online softmax in f32; writes out, the log-sum-exp and the final
+            running max per row. That running max is, for a real row, the max of its counted
+            scaled logits, so S_max costs one extra [B, H, T] f32 store, reduced outside
+            (k2jax.kernels.flash.finish).
+  dk, dv    program (j, b, h): one kv block against the q blocks at or after it; recomputes
             p = exp(s - lse) and accumulates dv += p^T do, dk += (p (do v^T - delta))^T q.
   dq        program (i, b, h): one q block against its kv blocks; dq += ds k.
 
@@ -95,20 +100,20 @@ def _loops(lo, mid, hi, body, carry, seg_a, seg_b_at, segmented):
   return jax.lax.fori_loop(mid, hi, run(True), carry)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *m_ref, scale, causal, bq, bk,
-                parts, nk, segmented):
+def _fwd_kernel(q_ref, k_ref, v_ref, segq_ref, segk_ref, pos_ref, full_ref, hi_ref, o_ref,
+                lse_ref, *m_ref, scale, bq, bk, parts, segmented):
   i = pl.program_id(0)
   rows = pl.ds(i * bq, bq)
   qs = _load_cols(q_ref, slice(None), parts)
-  seg_q = seg_ref[rows]
-  q_pos = i * bq + jnp.arange(bq)
+  seg_q = segq_ref[rows]
+  q_pos = pos_ref[rows]
   dv = o_ref.shape[-1]
 
   def body(j, carry, causal_block):
     acc, m, l = carry
     cols = pl.ds(j * bk, bk)
     s = _scores(qs, _load_cols(k_ref, cols, parts), scale * LOG2E,
-                _mask(seg_q, seg_ref[cols], q_pos, j * bk + jnp.arange(bk), causal_block,
+                _mask(seg_q, segk_ref[cols], q_pos, j * bk + jnp.arange(bk), causal_block,
                       segmented))
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
@@ -118,90 +123,114 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *m_ref, scale, cau
     acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
-  hi = ((i + 1) * bq + bk - 1) // bk if causal else nk
-  full = (i * bq) // bk if causal else nk      # blocks entirely below the diagonal
   init = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
-  acc, m, l = _loops(0, full, hi, body, init, seg_q, lambda j: seg_ref[pl.ds(j * bk, bk)],
-                     segmented)
+  # kv blocks [0, full) lie before every row's place, [full, hi) need the causal mask
+  acc, m, l = _loops(0, full_ref[i], hi_ref[i], body, init, seg_q,
+                     lambda j: segk_ref[pl.ds(j * bk, bk)], segmented)
   l_safe = jnp.where(l == 0, 1.0, l)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = (m + jnp.log2(l_safe)) / LOG2E          # natural units
+  # natural units; a row with no valid key (a padded query row of `attention_blocks` when
+  # the keys need no padding) gets +inf, so the backward's exp(s - lse) is 0, not NaN
+  lse_ref[...] = jnp.where(l == 0, jnp.inf, m + jnp.log2(l_safe)) / LOG2E
   if m_ref:  # S_max: the running max of each row (absent only when benchmarking its cost)
     m_ref[0][...] = m / LOG2E
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dk_ref, dv_ref, *,
-                 scale, causal, bq, bk, parts, nq, segmented):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref, pos_ref,
+                 lo_ref, full_ref, dk_ref, dv_ref, *, scale, bq, bk, parts, nq, segmented):
   j = pl.program_id(0)
   ks = _load_cols(k_ref, slice(None), parts)             # this program's kv block
   v = v_ref[...]
-  seg_k = seg_ref[pl.ds(j * bk, bk)]
+  seg_k = segk_ref[pl.ds(j * bk, bk)]
   k_pos = j * bk + jnp.arange(bk)
 
   def body(i, carry, causal_block):
     dks, dv = carry
     rows = pl.ds(i * bq, bq)
     qs = _load_cols(q_ref, rows, parts)
-    s = _scores(qs, ks, scale * LOG2E, _mask(seg_ref[rows], seg_k, i * bq + jnp.arange(bq),
-                                             k_pos, causal_block, segmented))
+    s = _scores(qs, ks, scale * LOG2E, _mask(segq_ref[rows], seg_k, pos_ref[rows], k_pos,
+                                             causal_block, segmented))
     p = jnp.exp2(s - (lse_ref[rows] * LOG2E)[:, None])                 # 0 where masked
     do = do_ref[rows, :]
     dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)                # p^T do
     ds = (p * (_dot(do, v, trans_b=True) - delta_ref[rows][:, None])).astype(qs[0].dtype)
     return [a + _dot(ds, qp, trans_a=True) for a, qp in zip(dks, qs)], dv   # ds^T q
 
-  lo = (j * bk) // bq if causal else 0
-  full = ((j + 1) * bk - 1 + bq - 1) // bq if causal else 0   # first fully visible
+  lo, full = lo_ref[j], full_ref[j]     # q blocks before lo end before this block
   init = ([jnp.zeros((bk, w), jnp.float32) for _, w in parts],
           jnp.zeros((bk, v.shape[-1]), jnp.float32))
   # masked blocks first ([lo, full)), then the fully visible ones ([full, nq))
-  carry = init
-  if causal:
-    carry = _loops(lo, lo, jnp.minimum(full, nq), body, carry, seg_k,
-                   lambda i: seg_ref[pl.ds(i * bq, bq)], segmented)
-  dks, dv = _loops(full if causal else 0, nq, nq, body, carry, seg_k,
-                   lambda i: seg_ref[pl.ds(i * bq, bq)], segmented)
+  seg_at = lambda i: segq_ref[pl.ds(i * bq, bq)]
+  carry = _loops(lo, lo, full, body, init, seg_k, seg_at, segmented)
+  dks, dv = _loops(full, nq, nq, body, carry, seg_k, seg_at, segmented)
   for (off, w), a in zip(parts, dks):
     dk_ref[:, pl.ds(off, w)] = (a * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, dq_ref, *, scale,
-               causal, bq, bk, parts, nk, segmented):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref, pos_ref,
+               full_ref, hi_ref, dq_ref, *, scale, bq, bk, parts, segmented):
   i = pl.program_id(0)
   rows = pl.ds(i * bq, bq)
   qs = _load_cols(q_ref, slice(None), parts)
-  seg_q = seg_ref[rows]
-  q_pos = i * bq + jnp.arange(bq)
+  seg_q = segq_ref[rows]
+  q_pos = pos_ref[rows]
   do = do_ref[...]
   lse2, delta = lse_ref[...] * LOG2E, delta_ref[...]
 
   def body(j, dqs, causal_block):
     cols = pl.ds(j * bk, bk)
     ks = _load_cols(k_ref, cols, parts)
-    s = _scores(qs, ks, scale * LOG2E, _mask(seg_q, seg_ref[cols], q_pos,
+    s = _scores(qs, ks, scale * LOG2E, _mask(seg_q, segk_ref[cols], q_pos,
                                              j * bk + jnp.arange(bk), causal_block, segmented))
     p = jnp.exp2(s - lse2[:, None])
     ds = (p * (_dot(do, v_ref[cols, :], trans_b=True) - delta[:, None])).astype(ks[0].dtype)
     return [a + _dot(ds, kp) for a, kp in zip(dqs, ks)]
 
-  hi = ((i + 1) * bq + bk - 1) // bk if causal else nk
-  full = (i * bq) // bk if causal else nk
-  dqs = _loops(0, full, hi, body, [jnp.zeros((bq, w), jnp.float32) for _, w in parts], seg_q,
-               lambda j: seg_ref[pl.ds(j * bk, bk)], segmented)
+  dqs = _loops(0, full_ref[i], hi_ref[i], body,
+               [jnp.zeros((bq, w), jnp.float32) for _, w in parts], seg_q,
+               lambda j: segk_ref[pl.ds(j * bk, bk)], segmented)
   for (off, w), a in zip(parts, dqs):
     dq_ref[:, pl.ds(off, w)] = (a * scale).astype(dq_ref.dtype)
 
 
-def _specs(B, H, Tp, bq, dq_pad, dv_pad):
-  """BlockSpecs over grid (block, b, h): a q-sized block, the whole sequence, rows of [B,H,T]."""
+def _specs(Tq, Tk):
+  """BlockSpecs over grid (block, b, h): a block of n rows, a whole [B, T, H, d] sequence of
+  Tq (q-side) or Tk (k-side) rows, rows of [B, H, Tq], whole [B, T] / [T] id vectors, and one
+  band table [n]."""
   block = lambda n, d: pl.BlockSpec((None, n, None, d), lambda i, b, h: (b, i, h, 0))
-  whole = lambda d: pl.BlockSpec((None, Tp, None, d), lambda i, b, h: (b, 0, h, 0))
+  whole = lambda T, d: pl.BlockSpec((None, T, None, d), lambda i, b, h: (b, 0, h, 0))
   row_block = lambda n: pl.BlockSpec((None, None, n), lambda i, b, h: (b, h, i))
-  row_whole = pl.BlockSpec((None, None, Tp), lambda i, b, h: (b, h, 0))
-  seg = pl.BlockSpec((None, Tp), lambda i, b, h: (b, 0))
-  return block, whole, row_block, row_whole, seg
+  row_whole = pl.BlockSpec((None, None, Tq), lambda i, b, h: (b, h, 0))
+  seg = lambda T: pl.BlockSpec((None, T), lambda i, b, h: (b, 0))
+  vec = lambda n: pl.BlockSpec((n,), lambda i, b, h: (0,))
+  return block, whole, row_block, row_whole, seg, vec
+
+
+def _bands(q_pos, bq, bk, nk, causal):
+  """The causal loop bounds of every program, from each query row's place (ascending):
+  ((full, hi) [n_q] for the q-block programs, (lo, full) [n_k] for the kv-block ones).
+
+    q block i:   kv blocks [0, full_i) lie before its first row's place (no mask needed),
+                 [full_i, hi_i) reach its last row's place (masked); none after
+    kv block j:  q blocks [lo_j, full_j) end inside or after it (masked), [full_j, n_q)
+                 start after its last key (no mask); q blocks before lo_j end before it
+
+  Self-attention (q_pos = arange) gives full_i = i bq // bk, hi_i = ((i + 1) bq + bk - 1)
+  // bk, lo_j = j bk // bq, full_j = ceil(((j + 1) bk - 1) / bq). Without the causal mask
+  every program runs every block unmasked."""
+  first, last = q_pos.reshape(-1, bq)[:, 0], q_pos.reshape(-1, bq)[:, -1]
+  nq = first.shape[0]
+  if not causal:
+    return ((jnp.full((nq,), nk, jnp.int32),) * 2, (jnp.zeros((nk,), jnp.int32),) * 2)
+  starts = jnp.arange(nk, dtype=jnp.int32) * bk
+  q_full = jnp.minimum(first // bk, nk)
+  q_hi = jnp.minimum(last // bk + 1, nk)
+  k_lo = jnp.searchsorted(last, starts, side="left")
+  k_full = jnp.searchsorted(first, starts + bk - 1, side="left")
+  i32 = lambda a: a.astype(jnp.int32)
+  return (i32(q_full), i32(q_hi)), (i32(k_lo), i32(k_full))
 
 
 # (block_q, block_k, num_warps, num_stages); experiments/bench_attention.py --gpu tunes them.
@@ -213,69 +242,105 @@ def _params(interpret, num_warps, num_stages=2):
   return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attn(q, k, v, seg, scale, causal, tuning, interpret, segmented):
-  out, _, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret, segmented)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attn(q, k, v, seg_q, seg_k, q_pos, scale, causal, tuning, interpret, segmented):
+  out, _, m = _forward(q, k, v, seg_q, seg_k, q_pos, scale, causal, tuning[0], interpret,
+                       segmented)
   return out, m
 
 
-def _forward(q, k, v, seg, scale, causal, fwd_tuning, interpret, segmented=True, write_max=True):
-  B, Tp, H, D = q.shape
-  Dv = v.shape[-1]
+def _forward(q, k, v, seg_q, seg_k, q_pos, scale, causal, fwd_tuning, interpret, segmented=True,
+             write_max=True):
+  B, Tq, H, D = q.shape
+  Tk, Dv = k.shape[1], v.shape[-1]
   bq, bk, warps, stages = fwd_tuning
-  nq, nk = Tp // bq, Tp // bk
-  block, whole, row_block, _, seg_spec = _specs(B, H, Tp, bq, _pow2(D), Dv)
-  kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, bq=bq, bk=bk,
-                             parts=_parts(D), nk=nk, segmented=segmented)
-  rows = jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)
+  nq, nk = Tq // bq, Tk // bk
+  block, whole, row_block, _, seg_spec, vec = _specs(Tq, Tk)
+  (full, hi), _ = _bands(q_pos, bq, bk, nk, causal)
+  kernel = functools.partial(_fwd_kernel, scale=scale, bq=bq, bk=bk, parts=_parts(D),
+                             segmented=segmented)
+  rows = jax.ShapeDtypeStruct((B, H, Tq), jnp.float32)
   return pallas_call(
       kernel, grid=(nq, B, H),
-      in_specs=[block(bq, _pow2(D)), whole(_pow2(D)), whole(Dv), seg_spec],
+      in_specs=[block(bq, _pow2(D)), whole(Tk, _pow2(D)), whole(Tk, Dv), seg_spec(Tq),
+                seg_spec(Tk), vec(Tq), vec(nq), vec(nq)],
       out_specs=[block(bq, Dv), row_block(bq)] + [row_block(bq)] * write_max,
-      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype), rows] + [rows] * write_max,
+      out_shape=[jax.ShapeDtypeStruct((B, Tq, H, Dv), v.dtype), rows] + [rows] * write_max,
       compiler_params=_params(interpret, warps, stages), interpret=interpret,
-      name="mla_flash_fwd")(q, k, v, seg)
+      name="mla_flash_fwd")(q, k, v, seg_q, seg_k, q_pos, full, hi)
 
 
-def _attn_fwd(q, k, v, seg, scale, causal, tuning, interpret, segmented):
-  out, lse, m = _forward(q, k, v, seg, scale, causal, tuning[0], interpret, segmented)
-  return (out, m), (q, k, v, seg, out, lse)
+def _attn_fwd(q, k, v, seg_q, seg_k, q_pos, scale, causal, tuning, interpret, segmented):
+  out, lse, m = _forward(q, k, v, seg_q, seg_k, q_pos, scale, causal, tuning[0], interpret,
+                         segmented)
+  return (out, m), (q, k, v, seg_q, seg_k, q_pos, out, lse)
 
 
 def _attn_bwd(scale, causal, tuning, interpret, segmented, res, cts):
-  q, k, v, seg, out, lse = res
+  q, k, v, seg_q, seg_k, q_pos, out, lse = res
   do = cts[0]
-  B, Tp, H, D = q.shape
-  Dv = v.shape[-1]
+  B, Tq, H, D = q.shape
+  Tk, Dv = k.shape[1], v.shape[-1]
   bq, bk, warps, stages = tuning[1]
-  nq, nk = Tp // bq, Tp // bk
+  nq, nk = Tq // bq, Tk // bk
   delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
-  block, whole, row_block, row_whole, seg_spec = _specs(B, H, Tp, bq, _pow2(D), Dv)
+  block, whole, row_block, row_whole, seg_spec, vec = _specs(Tq, Tk)
+  (q_full, q_hi), (k_lo, k_full) = _bands(q_pos, bq, bk, nk, causal)
   parts = _parts(D)
+  ids = (seg_q, seg_k, q_pos)
+  id_specs = [seg_spec(Tq), seg_spec(Tk), vec(Tq)]
   dk, dv = pallas_call(
-      functools.partial(_dkdv_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts,
-                        nq=nq, segmented=segmented),
+      functools.partial(_dkdv_kernel, scale=scale, bq=bq, bk=bk, parts=parts, nq=nq,
+                        segmented=segmented),
       grid=(nk, B, H),
-      in_specs=[whole(_pow2(D)), block(bk, _pow2(D)), block(bk, Dv), whole(Dv), row_whole,
-                row_whole, seg_spec],
+      in_specs=[whole(Tq, _pow2(D)), block(bk, _pow2(D)), block(bk, Dv), whole(Tq, Dv),
+                row_whole, row_whole, *id_specs, vec(nk), vec(nk)],
       out_specs=[block(bk, _pow2(D)), block(bk, Dv)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(interpret, warps, stages), interpret=interpret,
-      name="mla_flash_dkdv")(q, k, v, do, lse, delta, seg)
+      name="mla_flash_dkdv")(q, k, v, do, lse, delta, *ids, k_lo, k_full)
   dq = pallas_call(
-      functools.partial(_dq_kernel, scale=scale, causal=causal, bq=bq, bk=bk, parts=parts, nk=nk,
+      functools.partial(_dq_kernel, scale=scale, bq=bq, bk=bk, parts=parts,
                         segmented=segmented),
       grid=(nq, B, H),
-      in_specs=[block(bq, _pow2(D)), whole(_pow2(D)), whole(Dv), block(bq, Dv), row_block(bq),
-                row_block(bq), seg_spec],
+      in_specs=[block(bq, _pow2(D)), whole(Tk, _pow2(D)), whole(Tk, Dv), block(bq, Dv),
+                row_block(bq), row_block(bq), *id_specs, vec(nq), vec(nq)],
       out_specs=block(bq, _pow2(D)),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=_params(interpret, warps, stages), interpret=interpret,
-      name="mla_flash_dq")(q, k, v, do, lse, delta, seg)
-  return dq, dk, dv, None
+      name="mla_flash_dq")(q, k, v, do, lse, delta, *ids, q_full, q_hi)
+  return dq, dk, dv, None, None, None
 
 
 _attn.defvjp(_attn_fwd, _attn_bwd)
+
+
+def _run(q, k, v, seg_q, seg_k, q_pos, *, scale, causal, interpret, block, tuning,
+         segmented):
+  """Pad both sequences to the blocks, run the kernels, and finish: (out, max_logits)."""
+  B, Tq, H, D = q.shape
+  Tk, Dv = k.shape[1], v.shape[-1]
+  cap = max(16, _pow2(max(Tq, Tk)))
+  # f32 tiles take twice the shared memory of bf16 ones: halve the blocks (an H100 has 227 KB).
+  base = TUNING if q.dtype != jnp.float32 else {"fwd": (64, 64, 4, 2), "bwd": (64, 64, 8, 2)}
+  tuning = dict(base, **(tuning or {}))
+  fix = lambda t: (min(block or t[0], cap), min(block or t[1], cap), t[2], t[3])
+  tuning = (fix(tuning["fwd"]), fix(tuning["bwd"]))
+  step = max(max(t[0], t[1]) for t in tuning)
+  Tqp, Tkp = -(-Tq // step) * step, -(-Tk // step) * step
+  Dp = -(-D // 16) * 16                 # Triton tiles need widths of 16+; zeros leave q.k alone
+  Dvp = _pow2(max(Dv, 16))
+  pad_ids = lambda s, n: jnp.pad(s, ((0, 0), (0, n - s.shape[1])),
+                                 constant_values=flash.PAD_SEGMENT)
+  seg_q, seg_k = pad_ids(seg_q, Tqp), pad_ids(seg_k, Tkp)
+  # padded query rows come after every key, in order (the bands need ascending places)
+  q_pos = jnp.concatenate([q_pos.astype(jnp.int32), Tk + jnp.arange(Tqp - Tq, dtype=jnp.int32)])
+  pad = lambda a, n, d: jnp.pad(a, ((0, 0), (0, n - a.shape[1]), (0, 0), (0, d - a.shape[-1])))
+  out, m = _attn(pad(q, Tqp, Dp), pad(k, Tkp, Dp), pad(v, Tkp, Dvp), seg_q, seg_k, q_pos,
+                 float(scale), bool(causal), tuning, bool(interpret),
+                 bool(segmented or (not causal and Tkp != Tk)))
+  out, max_logits = flash.finish(jnp.swapaxes(out, 1, 2), m, seg_q, Tq)
+  return out[..., :Dv], max_logits
 
 
 def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False, block=None,
@@ -284,25 +349,20 @@ def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False,
 
   block: one size for every q / kv block (tests); tuning: {"fwd", "bwd"} -> (block_q,
   block_k, num_warps, num_stages), default TUNING. Blocks are clipped to the sequence."""
-  B, T, H, D = q.shape
-  Dv = v.shape[-1]
-  cap = max(16, _pow2(T))
-  # f32 tiles take twice the shared memory of bf16 ones: halve the blocks (an H100 has 227 KB).
-  base = TUNING if q.dtype != jnp.float32 else {"fwd": (64, 64, 4, 2), "bwd": (64, 64, 8, 2)}
-  tuning = dict(base, **(tuning or {}))
-  fix = lambda t: (min(block or t[0], cap), min(block or t[1], cap), t[2], t[3])
-  tuning = (fix(tuning["fwd"]), fix(tuning["bwd"]))
-  step = max(max(t[0], t[1]) for t in tuning)
-  Tp = -(-T // step) * step
-  Dp = -(-D // 16) * 16                 # Triton tiles need widths of 16+; zeros leave q.k alone
-  Dvp = _pow2(max(Dv, 16))
+  B, T = q.shape[:2]
   seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-  seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash.PAD_SEGMENT)
-  pad = lambda a, d: jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, d - a.shape[-1])))
   # Without segment ids a causal mask already hides the padded keys (they come after every
   # real query), so the kernels skip segment masks entirely.
-  segmented = segment_ids is not None or (not causal and Tp != T)
-  out, m = _attn(pad(q, Dp), pad(k, Dp), pad(v, Dvp), seg, float(scale), bool(causal), tuning,
-                 bool(interpret), segmented)
-  out, max_logits = flash.finish(jnp.swapaxes(out, 1, 2), m, seg, T)
-  return out[..., :Dv], max_logits
+  return _run(q, k, v, seg, seg, jnp.arange(T, dtype=jnp.int32), scale=scale, causal=causal,
+              interpret=interpret, block=block, tuning=tuning,
+              segmented=segment_ids is not None)
+
+
+def attention_blocks(q, k, v, *, scale, q_positions, q_segment_ids, k_segment_ids, causal=True,
+                     interpret=False, block=None, tuning=None):
+  """Rows of a sequence against all of its keys (k2jax.kernels.flash.attention_blocks with
+  impl="pallas_gpu"): q [B, Tq, H, D] at places q_positions (int [Tq], ascending) of k / v
+  [B, Tk, H, D / Dv]; segment ids of both sides [B, Tq] / [B, Tk]."""
+  return _run(q, k, v, q_segment_ids.astype(jnp.int32), k_segment_ids.astype(jnp.int32),
+              q_positions, scale=scale, causal=causal, interpret=interpret, block=block,
+              tuning=tuning, segmented=True)

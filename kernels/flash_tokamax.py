@@ -117,12 +117,9 @@ def _run_bounds(segment_ids):
   return start, end
 
 
-def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
-              name: str | None = None):
-  """-> (out [B, T, H, Dv] in v's dtype, max_logits [H] f32): kernels/flash.py's contract.
-
-  name: a tokamax implementation ("xla", "triton", "mosaic_gpu", "mosaic_tpu"); default
-  `implementation()`. Only names in RESIDUAL_MAX are accepted (module docstring)."""
+def _op(q, v, name):
+  """tokamax's op `name` (default `implementation()`), refused unless its S_max units are
+  checked (module docstring); -> (op, Mask)."""
   name = name or implementation(dtype=q.dtype)
   if name in REFUSED:
     raise ValueError(f"attention impl = 'tokamax' ({name}): {REFUSED[name]}")
@@ -133,7 +130,24 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
         f"`python experiments/gpu_check.py --only tokamax` and add the factor to "
         "kernels/flash_tokamax.RESIDUAL_MAX, or use attention_impl=auto")
   ops, Mask = _ops()
-  op = configured(ops[name], name, q, v)
+  return configured(ops[name], name, q, v), name, Mask
+
+
+def _run(op, name, q, k, v, scale, mask, q_segment_ids):
+  out, (row_max, _) = op(q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
+  row_max = jax.lax.stop_gradient(row_max).astype(jnp.float32) * RESIDUAL_MAX[name]
+  if q_segment_ids is not None:      # padding rows (id 0) are not counted
+    row_max = jnp.where((q_segment_ids > 0)[:, None, :], row_max, -jnp.inf)
+  return out.astype(v.dtype), jnp.max(row_max, axis=(0, 2))
+
+
+def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
+              name: str | None = None):
+  """-> (out [B, T, H, Dv] in v's dtype, max_logits [H] f32): kernels/flash.py's contract.
+
+  name: a tokamax implementation ("xla", "triton", "mosaic_gpu", "mosaic_tpu"); default
+  `implementation()`. Only names in RESIDUAL_MAX are accepted (module docstring)."""
+  op, name, Mask = _op(q, v, name)
   if segment_ids is None:
     mask = Mask(is_causal=causal)
   else:
@@ -141,11 +155,24 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
     # [B, 1, T]: one key range per query row, shared by the heads
     mask = Mask(k_start=start[:, None], k_end=None if causal else end[:, None],
                 is_causal=causal)
-  out, (row_max, _) = op(q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
-  row_max = jax.lax.stop_gradient(row_max).astype(jnp.float32) * RESIDUAL_MAX[name]
-  if segment_ids is not None:      # padding rows (id 0) are not counted
-    row_max = jnp.where((segment_ids > 0)[:, None, :], row_max, -jnp.inf)
-  return out.astype(v.dtype), jnp.max(row_max, axis=(0, 2))
+  return _run(op, name, q, k, v, scale, mask, segment_ids)
+
+
+def attention_blocks(q, k, v, *, scale: float, q_positions, q_segment_ids, k_segment_ids,
+                     causal: bool = True, name: str | None = None):
+  """Rows of a sequence against all of its keys (k2jax.kernels.flash.attention_blocks with
+  impl="tokamax"): q [B, Tq, H, D] at places q_positions (int [Tq]) of k / v [B, Tk, ...].
+
+  tokamax's causal flag compares row and key indices, which differ here, so both bounds of
+  each row's key range are given instead: from the start of its document's run to its own
+  place (causal) or the run's end."""
+  op, name, Mask = _op(q, v, name)
+  start, end = _run_bounds(k_segment_ids.astype(jnp.int32))      # [B, Tk]
+  pos = jnp.asarray(q_positions, jnp.int32)
+  k_end = (jnp.broadcast_to(pos + 1, (q.shape[0], pos.shape[0])) if causal
+           else end[:, pos])
+  mask = Mask(k_start=start[:, pos][:, None], k_end=k_end[:, None], is_causal=False)
+  return _run(op, name, q, k, v, scale, mask, q_segment_ids)
 
 
 def residual_check(name: str, B=2, T=256, H=4, D=192, Dv=128, dtype="float32",

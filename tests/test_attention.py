@@ -258,6 +258,31 @@ def test_pallas_kernels_lower_for_their_accelerator_with_and_without_x64(impl, p
       assert ("triton" if platform == "cuda" else "tpu_custom_call") in text.lower()
 
 
+@pytest.mark.parametrize("impl,platform", [("pallas_gpu", "cuda"), ("pallas_tpu", "tpu")])
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_pallas_kernels_lower_for_a_context_devices_query_blocks(impl, platform, x64):
+  """attention_blocks at MLA's head dims as a context device runs it (k2jax.model.context:
+  2 of 8 chunks of 128 tokens against the whole 1,024-token sequence, the places traced from
+  the device's index) lowers for its accelerator, forward and every gradient."""
+  from k2jax.kernels import flash
+  with jax.enable_x64(x64):
+    q = jax.ShapeDtypeStruct((1, 256, 2, 192), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1024, 2, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    seg_q, seg_k = (jax.ShapeDtypeStruct((1, n), jnp.int32) for n in (256, 1024))
+
+    def loss(q, k, v, seg_q, seg_k, c):
+      ids = jnp.stack([c, 7 - c]).astype(jnp.int32)
+      out, smax = flash.attention_blocks(q, k, v, scale=0.07, q_block_ids=ids, block=128,
+                                         q_segment_ids=seg_q, k_segment_ids=seg_k, impl=impl)
+      return out.astype(jnp.float32).sum() + smax.sum()
+    c = jax.ShapeDtypeStruct((), jnp.int32)
+    for f in (loss, jax.grad(loss, argnums=(0, 1, 2))):
+      text = jax.jit(f).trace(q, k, v, seg_q, seg_k, c).lower(
+          lowering_platforms=(platform,)).as_text()
+      assert ("triton" if platform == "cuda" else "tpu_custom_call") in text.lower()
+
+
 @pytest.mark.parametrize("T", [100, 300, 4096])
 def test_tpu_kernels_lower_with_segment_ids_and_their_band_at_several_lengths(T):
   """The Mosaic lowering (run on CPU) of forward and every gradient with segment ids, whose
@@ -300,8 +325,10 @@ def tpu_block_copies(monkeypatch, seg, bq, bk, causal):
 
   monkeypatch.setattr(flash_tpu, "pallas_call", record)
   x, rows = jnp.zeros((B, 1, Tp, 8)), jnp.zeros((B, 1, 1, Tp))
-  flash_tpu._forward(x, x, x, seg, 1.0, causal, bq, bk, True)
-  flash_tpu._attn_bwd(1.0, causal, bq, bk, True, (x, x, x, seg, x, rows), (x, None))
+  q_first = jnp.arange(Tp // bq, dtype=jnp.int32) * bq          # self-attention
+  flash_tpu._forward(x, x, x, seg, seg, q_first, 1.0, causal, bq, bk, True)
+  flash_tpu._attn_bwd(1.0, causal, bq, bk, True, (x, x, x, seg, seg, q_first, x, rows),
+                      (x, None))
   return calls
 
 
@@ -390,9 +417,20 @@ def test_tokamax_tiles_reach_the_op_only_on_their_device_kind_and_head_dims(monk
   assert ft.configured(op, "mosaic_gpu", q, v) is op          # no GPU here: no kind
 
 
-@pytest.mark.parametrize("C,chunk,block,groups", [(2, 12, 4, 1), (3, 8, 8, 1), (4, 6, 3, 1),
-                                                  (2, 4, 4, 3), (4, 2, 1, 2)])
-def test_query_blocks_against_the_whole_sequence_match_float64(C, chunk, block, groups):
+BLOCK_CASES = [("chunked", 2, 12, 4, 1, None), ("chunked", 3, 8, 8, 1, None),
+               ("chunked", 4, 6, 3, 1, None), ("chunked", 2, 4, 4, 3, None),
+               ("chunked", 4, 2, 1, 2, None), ("xla", 3, 4, 2, 2, None),
+               # the kernels' own blocks: several per chunk, straddling chunks (GPU, which
+               # reads each row's place), and query rows padded to a block (GPU, 24 of 32)
+               ("pallas_gpu", 2, 16, 16, 2, 16), ("pallas_gpu", 4, 8, 8, 1, 16),
+               ("pallas_gpu", 3, 4, 4, 1, None),
+               ("pallas_tpu", 2, 16, 16, 2, 8), ("pallas_tpu", 4, 8, 8, 1, None),
+               pytest.param("tokamax", 2, 8, 8, 2, None, marks=needs_tokamax)]
+
+
+@pytest.mark.parametrize("impl,C,chunk,block,groups,kernel_block", BLOCK_CASES)
+def test_query_blocks_against_the_whole_sequence_match_float64(impl, C, chunk, block, groups,
+                                                               kernel_block):
   """kernels.flash.attention_blocks, what each context device runs (k2jax.model.context):
   the device's head and tail chunks of queries against every key, causal by each token's
   place in the sequence, documents and padding respected across chunk borders. For every
@@ -400,7 +438,8 @@ def test_query_blocks_against_the_whole_sequence_match_float64(C, chunk, block, 
   the cotangent is zero elsewhere) and S_max over its rows, each within the float64 bounds
   of test_attention_matches_float64; the C devices' dk sum to the one-device gradient. With
   several groups of 2C chunks (the striped placement) each device's blocks are spread over
-  the whole sequence."""
+  the whole sequence. Every implementation: the Pallas kernels in interpret mode, tokamax's
+  XLA one on CPU."""
   from k2jax.kernels import flash
   from k2jax.model import context
   seed, rng = seed_and_rng()
@@ -425,11 +464,12 @@ def test_query_blocks_against_the_whole_sequence_match_float64(C, chunk, block, 
     ids = np.concatenate([k * per + np.arange(per) for k in mine])
     f = lambda q_, k_, v_: flash.attention_blocks(
         q_, k_, v_, scale=scale, q_block_ids=ids, block=block,
-        q_segment_ids=jnp.asarray(seg[:, rows]), k_segment_ids=jnp.asarray(seg))
+        q_segment_ids=jnp.asarray(seg[:, rows]), k_segment_ids=jnp.asarray(seg), impl=impl,
+        interpret=True, kernel_block=kernel_block)
     j = lambda a: jnp.asarray(a, jnp.float32)
     (out, got_max), vjp = jax.vjp(f, j(q[:, rows]), j(k), j(v))
     dq, dk, dv = vjp((j(do[:, rows]), jnp.zeros_like(got_max)))
-    what = f"C={C} device {c}"
+    what = f"{impl} C={C} device {c}"
     assert_within(f"{what} out", out, want["out"][:, rows], bound["out"][:, rows], seed)
     assert_within(f"{what} dq", dq, want["dq"][:, rows], bound["dq"][:, rows], seed)
     assert_within(f"{what} dk", dk, want["dk"], bound["dk"], seed)
