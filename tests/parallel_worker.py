@@ -654,6 +654,111 @@ def context_meshes(*specs):
   print("RESULT " + json.dumps(result))
 
 
+def serve_context():
+  """The server's engine (k2jax.engine, what k2jax.serve runs) on --mesh data=2,context=4
+  against generate on one device: greedy tokens and their log probabilities for prompts
+  of 5 to 100 tokens admitted together (the prefill of their 128-token bucket split over 4
+  context devices), and whether the context path ran."""
+  import threading
+  from unittest import mock
+  from k2jax import configs, generate, model
+  from k2jax.data import ByteTokenizer
+  from k2jax.engine import Engine, Job
+  from k2jax.model import context
+  cfg = configs.get_config("tiny").model
+  cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
+  params = model.init(cfg, jax.random.key(5))
+  rng = np.random.default_rng(5)
+  prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (5, 37, 100, 64)]
+  want, want_lp = generate.generate(cfg, params, prompts, max_new_tokens=6,
+                                    return_logprobs=True)
+  mesh = generate.inference_mesh("data=2,context=4")
+  calls, attend = [], context.attend
+  got = {}
+  with mock.patch.object(context, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k)):
+    engine = Engine(cfg, generate.on_mesh(cfg, params, mesh), ByteTokenizer(), max_batch=4,
+                    mesh=mesh, window_s=0.5)
+    done = threading.Semaphore(0)
+
+    def emit(i):
+      def on(e):
+        if e.kind in ("done", "error"):
+          got[i] = e
+          done.release()
+      return on
+    for i, p in enumerate(prompts):
+      engine.submit(Job(prompt=p, max_tokens=6, temperature=0.0, logprobs=0, emit=emit(i)))
+    for _ in prompts:
+      done.acquire()
+    engine.close()
+  errors = [str(e.error) for e in got.values() if e.kind == "error"]
+  tokens = [[entry[0] for entry in got[i].logprobs or []] for i in range(len(prompts))]
+  lps = [[entry[1] for entry in got[i].logprobs or []] for i in range(len(prompts))]
+  print("RESULT " + json.dumps({
+      "errors": errors, "context_ran": bool(calls), "prefills": engine.stats["prefills"],
+      "prefix": all(t == w[:len(t)] and len(t) > 0 for t, w in zip(tokens, want)),
+      "logprob_err": max(abs(a - b) for r, w in zip(lps, want_lp) for a, b in zip(r, w))}))
+
+
+def context_kernels(*impls):
+  """The model's loss, every gradient leaf and max logits in float32 on data 2 x context 4
+  with each attention implementation in `impls` (the Pallas kernels in interpret mode) as
+  every device's attention of its query blocks against the whole sequence, against one
+  device's chunked attention: max relative errors per implementation."""
+  import jax.numpy as jnp
+  from k2jax import configs, model, parallel
+  from k2jax.kernels import flash
+  from k2jax.step import lm_loss
+  called, real = [], flash.attention_blocks
+
+  def blocks(*a, impl, **k):          # interpret mode, and which implementation ran
+    called.append(impl)
+    return real(*a, impl=impl, interpret=True, **k)
+  flash.attention_blocks = blocks
+  cfg = configs.get_config("tiny").model
+  # chunks of 8 tokens (pallas_tpu's blocks are multiples of 8), 2 groups of 2C on C = 4
+  cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked", context_chunk=8)
+  B, T = 2, 128
+  seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+  rng = np.random.default_rng(seed)
+  cuts = np.sort(rng.choice(np.arange(1, T), size=4, replace=False))
+  seg = np.searchsorted(cuts, np.arange(T), side="right").astype(np.int32) + 1
+  seg = np.stack([seg, np.where(np.arange(T) < cuts[-1], seg, 0)])      # row 1 ends padded
+  starts = np.concatenate([[0], cuts])
+  pos = np.broadcast_to(np.arange(T) - starts[seg[0] - 1], (B, T))       # per document
+  batch = dict(inputs=rng.integers(0, cfg.vocab_size, (B, T)),
+               targets=rng.integers(0, cfg.vocab_size, (B, T)), positions=pos,
+               segment_ids=seg, loss_mask=(seg > 0).astype(np.float32))
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  params = model.init(cfg, jax.random.key(seed))
+
+  def run(impl, d, c):
+    cfg.attention_impl = impl
+    mc = configs.get_config("tiny").mesh
+    mc.update(data=d, context=c)
+    mesh = parallel.make_mesh(mc, jax.devices()[:d * c])
+
+    def f(p, b):
+      (ce, aux), g = jax.value_and_grad(lambda p: lm_loss(cfg, p, b)[::2], has_aux=True)(p)
+      return ce, g, aux.max_logits
+    with jax.set_mesh(mesh):
+      p = jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
+      return jax.jit(f)(p, batch)
+
+  rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))
+                           / max(float(np.max(np.abs(np.asarray(b, np.float64)))), 1e-30))
+  want = run("chunked", 1, 1)
+  result = {"seed": seed}
+  for impl in impls:
+    called.clear()
+    got = run(impl, 2, 4)
+    result[impl] = {"ran": sorted(set(called)), "loss": rel(got[0], want[0]), "max_logits": rel(got[2], want[2]),
+                    "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(got[1]),
+                                                           jax.tree.leaves(want[1]))),
+                    "leaves": len(jax.tree.leaves(got[1]))}
+  print("RESULT " + json.dumps(result))
+
+
 def generate_context():
   """Greedy generation and its log probabilities for prompts of several lengths, without a
   mesh and under context 4 x data 2 (the prompt's prefill split over context devices,
@@ -692,4 +797,6 @@ if __name__ == "__main__":
    "lower": lower,
    "attend_shards": attend_shards, "muon_local": muon_local,
    "embedding": embedding, "context_meshes": context_meshes,
-   "generate_context": generate_context}[sys.argv[1]](*sys.argv[2:])
+   "generate_context": generate_context,
+   "context_kernels": context_kernels, "serve_context": serve_context}[sys.argv[1]](
+       *sys.argv[2:])

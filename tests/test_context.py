@@ -10,6 +10,12 @@ from k2jax import configs
 from k2jax.model import context
 from tests.multidevice import worker
 
+try:
+  import tokamax  # noqa: F401  (optional extra)
+  HAVE_TOKAMAX = True
+except ImportError:
+  HAVE_TOKAMAX = False
+
 
 def test_context_meshes_equal_one_device_and_faults_are_seen():
   """Loss, every gradient leaf, max logits, the per-sequence balance loss and expert load of
@@ -31,12 +37,36 @@ def test_context_meshes_equal_one_device_and_faults_are_seen():
   assert got["pmax_fault"]["loss"] < 1e-5      # the fault touches the statistic only
 
 
+def test_the_accelerator_kernels_run_each_devices_query_blocks():
+  """model.attention_impl under context parallelism: our Pallas GPU and TPU kernels (interpret
+  mode) and, where installed, tokamax's XLA attention run each device's query blocks
+  against the gathered sequence on data 2 x context 4; loss, every gradient leaf and max
+  logits equal one device's chunked attention (rel < 1e-5, float32, packed documents with
+  padding, 2 groups of striped chunks)."""
+  impls = ["pallas_gpu", "pallas_tpu"] + (["tokamax"] if HAVE_TOKAMAX else [])
+  got = worker(8, "context_kernels", *impls)
+  for impl in impls:
+    err = got[impl]
+    assert err["ran"] == [impl], err
+    assert err["leaves"] > 20 and max(err["loss"], err["max_logits"], err["grads"]) < 1e-5, (
+        impl, err, got["seed"])
+
+
 def test_generate_prefills_a_prompt_split_over_context_devices():
   """Under a context 4 x data 2 mesh generate's prefill runs context-parallel (the prompts'
   bucket of 64 tokens over 4 devices) and its decode steps whole on each: the greedy tokens
   of prompts of 5 to 64 tokens are one device's, log probabilities within 1e-4."""
   got = worker(8, "generate_context")
   assert got["context_ran"] and got["equal"], got
+  assert got["logprob_err"] < 1e-4, got
+
+
+def test_the_server_engine_prefills_over_context_devices():
+  """k2jax.serve's engine on --mesh data=2,context=4: four prompts of 5 to 100 tokens admitted
+  in one prefill split over the context devices (their 128-token bucket), then decoded
+  whole on each; greedy tokens are generate's on one device, log probabilities within 1e-4."""
+  got = worker(8, "serve_context")
+  assert not got["errors"] and got["context_ran"] and got["prefix"], got
   assert got["logprob_err"] < 1e-4, got
 
 
@@ -96,6 +126,8 @@ def test_the_chunk_divides_what_the_sequence_allows():
   assert context.chunk_size(cfg, 2 * 8 * 96, 8) == 96
   cfg.context_chunk = 64
   assert context.chunk_size(cfg, 2 * 8 * 96, 8) == 48       # the largest divisor of 96 <= 64
+  # 136 = 8 x 17: 68 divides it, but the TPU kernel's blocks need a multiple of 8 rows
+  assert context.chunk_size(cfg, 2 * 4 * 136, 4) == 8
 
 
 def test_a_length_the_chunks_do_not_divide_is_refused():

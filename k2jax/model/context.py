@@ -22,10 +22,11 @@ Attention: all-gather of the latent, not a ring. MLA's keys and values come from
 per-token latent of kv_lora_rank + qk_rope_head_dim values (576 for K2) through kv_b; the
 per-head keys and values are H (nope + rope + v) = 20,480 values per token at K2. Each
 device all-gathers the latent (and segment ids) over `context`, up-projects the whole
-sequence's keys and values itself, and runs its own query blocks against them with the flash
-algorithm (k2jax.kernels.flash.attention_blocks, causal by each token's place in the
-sequence). Measured in XLA:TPU's compiled HLO at K2's widths (experiments/bench_context.py):
-a device receives 3,456 (C - 1) bytes per token of its own per layer, forward and backward
+sequence's keys and values itself, and runs its own query blocks against them with the
+model's attention kernel (k2jax.kernels.flash.attention_blocks: the chunked flash loop, our
+Pallas GPU / TPU kernels or tokamax's, causal by each token's place in the sequence).
+Measured in XLA:TPU's compiled HLO at K2's widths (experiments/bench_context.py): a device
+receives 3,456 (C - 1) bytes per token of its own per layer, forward and backward
 (the latent's all-gather, and an all-reduce of its cotangent that XLA:TPU makes of the
 transpose), against 81,920 (C - 1) to gather the keys and values and reduce-scatter their
 cotangents: 1/24. What it costs is the up-projection of the whole sequence on every context
@@ -80,12 +81,14 @@ def engaged(T: int, mesh=None) -> bool:
 
 
 def chunk_size(cfg, T: int, C: int) -> int:
-  """The placement's chunk: the largest divisor of T / 2C up to `model.context_chunk`."""
+  """The placement's chunk: the largest divisor of T / 2C up to `model.context_chunk`, a
+  multiple of 8 where one is (the TPU kernel's blocks are whole multiples of 8 rows)."""
   if T % (2 * C):
     raise ValueError(f"sequence length {T} is not a multiple of 2 x context ({2 * C}): "
                      "set train.seq_len to a multiple of it")
-  most = cfg.get("context_chunk", 128)
-  return max(b for b in range(1, min(T // (2 * C), most) + 1) if (T // (2 * C)) % b == 0)
+  n, most = T // (2 * C), cfg.get("context_chunk", 128)
+  fits = [b for b in range(1, min(n, most) + 1) if n % b == 0]
+  return max([b for b in fits if b % 8 == 0] or fits)
 
 
 def placement(T: int, C: int, chunk: int) -> np.ndarray:
@@ -125,15 +128,17 @@ def attend(cfg, q, latent, k_rope, kv_b, segment_ids):
   axis is split over the context axes -> (out [B, T, H, v], max_logits [H]) as
   kernels.attention returns them. Inside a shard_map that holds the context axes manual
   already (the pipeline's) the arrays are this device's and max_logits stays this
-  device's, for that shard_map to reduce with its other statistics.
+  device's over context, for that shard_map to reduce with its other statistics.
   """
   mesh = jax.sharding.get_abstract_mesh()
   ctx = axes(mesh, manual=True)
   C = size(mesh, manual=True)
   held = set(getattr(mesh, "manual_axes", ()))
   inside = set(ctx) <= held
-  batch = () if inside else rules.active_mesh_axes("batch", mesh)
-  # every axis not manual yet: the body is per device (its query blocks depend on its place)
+  batch = rules.active_mesh_axes("batch", mesh)        # the batch's axes not manual yet
+  # every axis not manual yet: the body is per device (its query blocks depend on its
+  # place), and Mosaic kernels refuse any automatic axis (inside the pipeline's shard_map
+  # too, where expert may still be one)
   manual = set(mesh.axis_names) - held
   T = q.shape[1] * (C if inside else 1)
   chunk = chunk_size(cfg, T, C)
@@ -143,6 +148,11 @@ def attend(cfg, q, latent, k_rope, kv_b, segment_ids):
   # the gathered tokens come in placement order; this puts them in sequence order
   natural = np.argsort(placement(T, C, chunk))
   nope = cfg.qk_nope_head_dim
+  # the model's kernel (model.attention_impl), run per device: every mesh axis is manual
+  # in `local`, as Mosaic needs
+  impl = flash.auto_impl() if cfg.attention_impl == "auto" else cfg.attention_impl
+  if impl == "pallas_tpu" and block % 8:
+    impl = "chunked"      # a prompt of a few tokens per device: blocks below the kernel's 8
   seg = (jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None
          else segment_ids.astype(jnp.int32))
 
@@ -164,12 +174,13 @@ def attend(cfg, q, latent, k_rope, kv_b, segment_ids):
     ids = (mine[:, None] * per_chunk + jnp.arange(per_chunk)).reshape(-1)
     out, max_logits = flash.attention_blocks(
         q, k, v, scale=rope.softmax_scale(cfg), q_block_ids=ids, block=block,
-        q_segment_ids=seg, k_segment_ids=seg_all)
-    return out, max_logits if inside else jax.lax.pmax(max_logits, tuple(batch) + tuple(ctx))
+        q_segment_ids=seg, k_segment_ids=seg_all, impl=impl)
+    over = tuple(batch) + (() if inside else tuple(ctx))
+    return out, jax.lax.pmax(max_logits, over) if over else max_logits
 
-  if inside:
+  if inside and not manual:
     return local(q, latent, k_rope, kv_b, seg)
-  act = P(batch or None, ctx)
+  act = P(batch or None, None if inside else ctx)
   # check_vma off: the flash loops' carries start invariant and become varying
   return jax.shard_map(local, in_specs=(act, act, act, P(), act), out_specs=(act, P()),
                        axis_names=manual, check_vma=False)(q, latent, k_rope, kv_b, seg)
