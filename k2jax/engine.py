@@ -41,6 +41,7 @@ while its tail could still become a stop string or a tool-call section, and whil
 an incomplete UTF-8 character.
 """
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -288,6 +289,9 @@ class Engine:
       next dispatch without waiting.
     seed: draws the sampling key of requests that give none (reproducible server runs).
     chunk: decode steps per dispatch (module docstring).
+    mesh: the devices to decode on (k2jax.generate.inference_mesh; params placed on it by
+      k2jax.generate.on_mesh); under context > 1 a prompt's prefill is split over the
+      context devices (k2jax.model.context). None: the default device.
     reuse_min: a new row continues the tokens a free slot's cache holds when they start its
       prompt for at least this many tokens (module docstring); None (default): every prompt
       is prefilled whole. Off by default: each (rows, new tokens, positions) bucket of a
@@ -297,8 +301,8 @@ class Engine:
 
   def __init__(self, cfg, params, tokenizer, *, max_batch: int = 16, max_len: int | None = None,
                window_s: float = 0.02, seed: int = 0, chunk: int = CHUNK,
-               reuse_min: int | None = None):
-    self.cfg, self.params, self.tok = cfg, params, tokenizer
+               reuse_min: int | None = None, mesh=None):
+    self.cfg, self.params, self.tok, self.mesh = cfg, params, tokenizer, mesh
     self.max_batch, self.window_s, self.chunk = max_batch, window_s, chunk
     self.reuse_min = reuse_min
     self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -396,6 +400,11 @@ class Engine:
     return True
 
   def _loop(self) -> None:
+    # the mesh is a per-thread setting: the engine's thread traces and runs every program
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      self._serve()
+
+  def _serve(self) -> None:
     while self._take():
       try:
         self._admit()

@@ -14,6 +14,7 @@ and, when given, apply a logits processor (e.g. k2jax.chat's tool-call constrain
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -350,6 +351,41 @@ class UserError(ValueError):
   pass
 
 
+MESH_HELP = ("devices to sample on, as data=D,context=C,expert=E (e.g. context=8: each long "
+             "prompt's prefill split over 8 devices, k2jax.model.context; default: one device)")
+
+
+def inference_mesh(text: str | None, flag: str = "--mesh"):
+  """The mesh a --mesh flag asks generate / serve to run on (data, context, expert; no
+  pipeline: a decode step is one token), over the first devices it needs; None for none.
+  UserError naming the flag and the fix when it cannot be had."""
+  if not text:
+    return None
+  from k2jax import parallel
+  from k2jax.parallel.mesh import parse_mesh
+  try:
+    shape = parse_mesh(text, flag=flag)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  if shape["pipeline"] > 1:
+    raise UserError(f"{flag} {text}: sampling has no pipeline (a decode step is one token); "
+                    "leave pipeline out and split over data, context or expert")
+  n, have = math.prod(shape.values()), len(jax.devices())
+  if n > have:
+    raise UserError(f"{flag} {text}: needs {n} devices and {have} are here: use a mesh of at "
+                    f"most {have}")
+  return parallel.make_mesh(shape, jax.devices()[:n])
+
+
+def on_mesh(cfg, params, mesh):
+  """params placed as the trainer shards them on `mesh` (experts over expert, the rest
+  whole on each device); unchanged without a mesh."""
+  if mesh is None:
+    return params
+  from k2jax import model, parallel
+  return jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
+
+
 def _check_run_dir(workdir: str) -> None:
   """UserError unless `workdir` looks like a k2jax.train run (before loading anything)."""
   if not os.path.isdir(workdir):
@@ -396,6 +432,7 @@ def main(argv=None):
   p.add_argument("--top_p", type=float, default=0.95)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+  p.add_argument("--mesh", default=None, help=MESH_HELP)
   args = p.parse_args(argv)
   from k2jax import interrupt
   generated: list[list[int]] = []   # per row, filled as it decodes: the stop line's count
@@ -420,7 +457,12 @@ def _main(args, generated):
       raise UserError("--stop '': an empty stop string would end every row at once")
     if args.workdir:
       _check_run_dir(args.workdir)
+    mesh = inference_mesh(args.mesh)         # before minutes of loading
     cfg, params, tok = load(args)
+    try:
+      params = on_mesh(cfg, params, mesh)
+    except ValueError as e:                  # a mesh the model's shapes do not divide
+      raise UserError(f"--mesh {args.mesh}: {str(e).splitlines()[0]}") from None
     stop_ids = [tok.eos_id]
     texts = args.prompt
     if args.chat:
@@ -438,7 +480,8 @@ def _main(args, generated):
     print(f"k2jax.generate: error: {e}", file=sys.stderr)
     raise SystemExit(2)
   generated.extend([] for _ in prompts)
-  _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated)
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    _sample(args, cfg, params, tok, texts, prompts, stop_ids, generated)
 
 
 def visible(text: str, stops) -> str:

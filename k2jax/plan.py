@@ -34,6 +34,7 @@ from k2jax.kernels import platform as kernel_platform
 from k2jax.model import spec as model_spec, transformer
 from k2jax.configs.sharding_rules import mesh_axes, param_spec
 from k2jax.parallel import MESH_AXES, layout, pipeline, state_shardings
+from k2jax.parallel.mesh import parse_mesh
 from k2jax.parallel.mesh import entry_axes
 from k2jax.step import differentiated, init_state
 
@@ -255,26 +256,6 @@ def micro_batch_of(cfg, mesh) -> int:
         f"the batch splits over) is {rows:g} sequences per device per microbatch: pass "
         "--micro_batch N, or --microbatches M (or --config.train.grad_accum) that divides it")
   return int(rows)
-
-
-def parse_mesh(text: str, devices: int | None) -> dict:
-  mesh = {a: 1 for a in MESH_AXES}
-  given = set()
-  for part in filter(None, text.split(",")):
-    key, _, value = part.partition("=")
-    if key not in mesh or not value.isdigit() or int(value) < 1:
-      raise ValueError(f"--mesh {text!r}: expected pipeline=P,expert=E,data=D,context=C with "
-                       f"positive integers, got {part!r}")
-    mesh[key] = int(value)
-    given.add(key)
-  if devices is not None:
-    others = mesh["pipeline"] * mesh["expert"] * mesh["context"]
-    if "data" not in given and devices // others * others == devices:
-      mesh["data"] = devices // others
-    if math.prod(mesh.values()) != devices:
-      raise ValueError(f"--devices {devices} is not {' x '.join(MESH_AXES)} = "
-                       f"{' x '.join(str(mesh[a]) for a in MESH_AXES)}")
-  return mesh
 
 
 class Estimate(NamedTuple):

@@ -46,6 +46,7 @@ import uuid
 
 from k2jax import chat, console, interrupt
 from k2jax.engine import Engine, Event, Job
+from k2jax.generate import MESH_HELP
 
 log = logging.getLogger("k2jax.serve")
 
@@ -908,6 +909,7 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=0, metavar="PROMPT_TOKENS",
                  help="before listening, compile every batch bucket for prompts of this length "
                  "(0: compile on first use)")
+  p.add_argument("--mesh", default=None, help=MESH_HELP)
   args = p.parse_args(argv)
   console.setup()
   try:
@@ -921,7 +923,7 @@ def main(argv=None):
 
 
 def _serve(args):
-  from k2jax.generate import UserError, _check_run_dir, load
+  from k2jax.generate import UserError, _check_run_dir, inference_mesh, load, on_mesh
   try:
     if not 0 < args.port < 65536:
       raise UserError(f"--port {args.port}: must be in 1..65535")
@@ -937,7 +939,12 @@ def _serve(args):
     if args.workdir:
       _check_run_dir(args.workdir)
     _port_free(args.host, args.port)         # before minutes of loading
+    mesh = inference_mesh(args.mesh)
     cfg, params, tok = load(args)
+    try:
+      params = on_mesh(cfg, params, mesh)
+    except ValueError as e:                  # a mesh the model's shapes do not divide
+      raise UserError(f"--mesh {args.mesh}: {str(e).splitlines()[0]}") from None
   except UserError as e:
     print(f"k2jax.serve: error: {e}", file=sys.stderr)
     raise SystemExit(2)
@@ -945,7 +952,7 @@ def _serve(args):
   name = args.model_name or os.path.basename(os.path.normpath(args.workdir or args.hf))
   engine = Engine(cfg, params, tok, max_batch=args.max_batch, max_len=args.max_len,
                   window_s=args.batch_window_ms / 1e3, seed=args.seed,
-                  reuse_min=args.reuse_min or None)
+                  reuse_min=args.reuse_min or None, mesh=mesh)
   if args.warmup:
     log.info("compiling prefills of 1..%d rows for %d-token prompts", args.max_batch,
              args.warmup)

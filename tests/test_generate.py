@@ -256,6 +256,12 @@ BAD_INPUTS = [
     ("empty-stop", ["--workdir={run}", "--stop", ""], "--stop '': an empty stop string"),
     ("prompt-over-context", ["--workdir={run}", "--prompt", "x" * 1030],
      "--prompt of 1031 tokens + --max_new_tokens 200 exceeds the model's context of 1024"),
+    ("mesh-over-devices", ["--workdir={run}", "--mesh", "context=64"],
+     "--mesh context=64: needs 64 devices"),
+    ("mesh-pipeline", ["--workdir={run}", "--mesh", "pipeline=2"],
+     "--mesh pipeline=2: sampling has no pipeline"),
+    ("mesh-unknown-axis", ["--workdir={run}", "--mesh", "ctx=2"],
+     "--mesh 'ctx=2': expected pipeline=P,expert=E,data=D,context=C"),
     ("no-such-dir", ["--workdir={tmp}/nope"], "no such directory"),
     ("empty-config", ["--workdir={tmp}/empty_config"], "/config.json is not a readable run config"),
     ("hf-as-workdir", ["--workdir={tmp}/hf"], "holds a Hugging Face checkpoint (safetensors), "

@@ -402,7 +402,9 @@ def test_cli_serves_a_trained_run_and_refuses_bad_input(tmp_path):
     for args, fragment in [(["--workdir", str(tmp_path / "nope")], "no such directory"),
                            (["--workdir", str(run), "--port", str(busy)], "cannot listen there"),
                            (["--workdir", str(run), "--max_batch", "0"], "--max_batch 0"),
-                           (["--workdir", str(run), "--max_queue", "0"], "--max_queue 0")]:
+                           (["--workdir", str(run), "--max_queue", "0"], "--max_queue 0"),
+                           (["--workdir", str(run), "--mesh", "context=64"],
+                            "--mesh context=64: needs 64 devices")]:
       p = subprocess.run([sys.executable, "-m", "k2jax.serve", *args], capture_output=True,
                          text=True, timeout=120)
       assert p.returncode == 2 and fragment in p.stderr.strip().splitlines()[-1], p.stderr

@@ -29,6 +29,29 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
+def parse_mesh(text: str, devices: int | None = None, flag: str = "--mesh") -> dict:
+  """"pipeline=P,data=D,context=C,expert=E" (any subset; the rest 1) -> {axis: size}. With
+  `devices`, data defaults to what the others leave of them and the product must be them.
+  ValueError naming the flag and the fix otherwise."""
+  mesh = {a: 1 for a in MESH_AXES}
+  given = set()
+  for part in filter(None, text.split(",")):
+    key, _, value = part.partition("=")
+    if key not in mesh or not value.isdigit() or int(value) < 1:
+      raise ValueError(f"{flag} {text!r}: expected pipeline=P,expert=E,data=D,context=C with "
+                       f"positive integers, got {part!r}")
+    mesh[key] = int(value)
+    given.add(key)
+  if devices is not None:
+    others = mesh["pipeline"] * mesh["expert"] * mesh["context"]
+    if "data" not in given and devices // others * others == devices:
+      mesh["data"] = devices // others
+    if math.prod(mesh.values()) != devices:
+      raise ValueError(f"--devices {devices} is not {' x '.join(MESH_AXES)} = "
+                       f"{' x '.join(str(mesh[a]) for a in MESH_AXES)}")
+  return mesh
+
+
 def _check_divisible(name, shape, pspec, mesh, fix="change the mesh or the model size"):
   for dim, (size, axes) in enumerate(zip(shape, pspec)):
     if axes is None:
