@@ -186,7 +186,7 @@ def _host_link(nbytes, reps=5):
 
 
 def offload(name="offload.csv", tiny=True, reps=3):
-  """The pipeline's stage residuals in host memory (model.offload, pipeline._Slots) against
+  """The pipeline's stage residuals in host memory (model.offload, executor.Slots) against
   device memory, on one device (pipeline 1 x 8 virtual stages of one layer, 1f1b, 8
   microbatches): the largest gradient difference (relative to the gradient leaf's largest
   entry), the compiled step's device and host temp bytes, step time. On a GPU / TPU XLA's

@@ -171,7 +171,7 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
                                               context=context) / seq_len
   kinds = {st.ffn: st.size for st in model.stacks(m)}
   # the f32 logits and their gradient of one sequence: each pipeline device has its own
-  # slice of the vocabulary (k2jax.parallel.pipeline._head), each context device its tokens
+  # slice of the vocabulary (k2jax.parallel.stage.head), each context device its tokens
   working = (max(layer(ffn, "none") for ffn in kinds)
              + 8 * -(-m.vocab_size // stages) / context)
   if stages == 1:
@@ -188,7 +188,7 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   sp = layout.split(m, stages, virtual_stages)
   # The phase at work on one layer also holds that layer's weights as the loop reads them
   # (in model.dtype, whole over the axes only memory is split over: they are gathered) and
-  # their gradients before they join the float32 sums (k2jax.parallel.pipeline._add_at):
+  # their gradients before they join the float32 sums (k2jax.parallel.stage.add_at):
   # twice the layer. (XLA:TPU holds ~3.3 layers of expert weights there at K2: a
   # transposed copy for the backward's matmuls besides.)
   layer_bytes = 2 * stack_layer_bytes(m, sp.stack.name, mesh_shape)
@@ -401,7 +401,7 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
                  f"{'the update' if est.update > est.loop else 'the gradient loop'}")
   if acts.host and P > 1:
     lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   stage residuals waiting "
-                 f"for their backward (k2jax.parallel.pipeline._Slots); a tick moves "
+                 f"for their backward (k2jax.parallel.executor.Slots); a tick moves "
                  f"{acts.moved / GB:.2f} GB there and reads back what its backward needs")
   elif acts.host:
     lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   what the remat policy "

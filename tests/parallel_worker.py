@@ -353,8 +353,8 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   if shape in ("tiny", "data"):
     # every tiny slot leaf is under the size XLA:TPU needs before it moves a leaf to host
     # memory (a compile-time refusal, not a lowering one); lower them all to host here
-    from k2jax.parallel import pipeline
-    pipeline._Slots.HOST_MIN = 0
+    from k2jax.parallel import executor
+    executor.Slots.HOST_MIN = 0
   if shape == "k2":
     from k2jax import configs
     c.model = configs.get_config("kimi_k2").model
@@ -506,7 +506,7 @@ def embedding():
   """k2jax.model.embedding's lookup and written backward against jnp.take and its autodiff on
   one device: the lookup bit for bit, the gradient of sum(x w) in float64 (and with bf16
   cotangents into a float32 table), on data 2 x expert 4, expert 8 and pipeline 2 x expert
-  4 with the lookup inside a shard_map over `pipeline` (as pipeline._pre runs it);
+  4 with the lookup inside a shard_map over `pipeline` (as stage.pre runs it);
   vocabularies the expert group divides (264: the table split on its rows) and does not
   (203: stored whole, padded for the backward's exchange); fresh random ids with an id on
   every device, one device's tokens all one id, and a block of the last id; rows sent in ep

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from k2jax import configs, model
-from k2jax.parallel import layout, pipeline, schedules
+from k2jax.parallel import executor, layout, pipeline, schedules
 from k2jax.step import lm_loss, microbatches
 from tests.numerics import replay, seed_and_rng
 
 
 def test_host_slots_give_back_what_was_put_narrow_leaves_as_rows_of_128():
-  """_Slots with host memory: each leaf read back from its slot is the value written there,
+  """Slots with host memory: each leaf read back from its slot is the value written there,
   bit for bit, for small (device) leaves, wide ones, and ones narrower than a TPU tile's
   128 lanes in their last dimension, which host memory keeps as rows of 128 (XLA:TPU padded
   a [tokens, 16] float32 leaf to 128 lanes)."""
-  store = pipeline._Slots(True)
+  store = executor.Slots(True)
   rng = np.random.default_rng(0)
   avals = [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((3, 7), jnp.int32),
            jax.ShapeDtypeStruct((20000, 16), jnp.float32),

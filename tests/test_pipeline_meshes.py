@@ -79,7 +79,7 @@ FAULTS = ("1x1/f2x", "1x1/a2/fdrop")
 # on meshes where XLA:CPU places no collective-permute inside a branch, so it runs here
 # (4 x 3 stages of 1 for 8 layers: stage 0 and the last stages are padding, skipped per
 # layer). "o": model.offload, the residual (and
-# zbh1's cut) slots in host memory (pipeline._Slots; the transfers are no-ops on CPU, the
+# zbh1's cut) slots in host memory (executor.Slots; the transfers are no-ops on CPU, the
 # slot logic with its write-only slot is what runs). "g": zbh1 on its grid of one task per
 # device and tick (schedules._grid: the table stages of equal cost get; the tiny model's
 # traced costs, W 4-7x B, pick 1F1B's ticks with the W's placed in them, which the V = 3
@@ -169,13 +169,15 @@ def test_no_weight_moves_between_pipeline_devices():
   columns are split over them) and statistics, never the stack (0.80x its bytes per step
   before the stored layout); inside, the ring transfers of stage activations and their
   cotangents, and the head phase's sums (the last stage's output to every device, the
-  log-sum-exp's pieces, the cotangent back)."""
+  log-sum-exp's pieces, the cotangent reduce-scattered over tokens and the stage's input
+  cotangent all-gathered: stage.head)."""
   r = worker(8, "pipeline_collectives")
   # evaluation through the pipeline (forward phases only) = the unpipelined loss
   np.testing.assert_allclose(r["eval"], r["eval_ref"], rtol=1e-5)
   assert r["outside"] <= 1.02 * r["rest"], r
   assert r["outside"] < 0.1 * r["stack"], r
-  assert r["loop_ops"] == ["all-reduce", "collective-permute"], r
+  assert r["loop_ops"] == ["all-gather", "all-reduce", "collective-permute",
+                           "reduce-scatter"], r
   assert 0 < r["loop"] < 0.1 * r["stack"] * r["ticks"], r
 
 

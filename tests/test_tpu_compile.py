@@ -5,7 +5,7 @@ What these add to the CPU suite: XLA:TPU's own passes (layout tiling, host offlo
 async copies, memory-space assignment, its out-of-memory check) see the step; lowering text
 never reaches them. They caught a host-slot write XLA:TPU refuses ("Lane slice updating is
 not supported in async dynamic update slice") and one its DMA emitter aborts on
-(k2jax.parallel.pipeline._Slots). Each compile runs in a subprocess: a libtpu abort must not
+(k2jax.parallel.executor.Slots). Each compile runs in a subprocess: a libtpu abort must not
 take a pytest worker with it."""
 
 import json
@@ -74,9 +74,9 @@ def test_a_topology_libtpu_does_not_know_is_a_user_error(tmp_path):
 
 
 def test_host_residual_slots_compile_for_tpu_and_live_in_host_memory():
-  """The pipeline's residual slots with model.offload (pipeline._Slots) in the loop form the
+  """The pipeline's residual slots with model.offload (executor.Slots) in the loop form the
   step uses, with the leaf kinds a K2 stage keeps: a scalar, routing integers, a flag, a
-  small float row (all under _Slots.HOST_MIN: device slots) and bf16 / FP8 activations
+  small float row (all under Slots.HOST_MIN: device slots) and bf16 / FP8 activations
   (host slots). XLA:TPU refused the scalar's [slots] host buffer ("Lane slice updating is
   not supported in async dynamic update slice") and aborted on the small leaves in host
   memory. XLA's own count puts every slot of the large leaves in host memory, and none of
@@ -86,7 +86,7 @@ def test_host_residual_slots_compile_for_tpu_and_live_in_host_memory():
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from k2jax import compile as kc
-  from k2jax.parallel import pipeline
+  from k2jax.parallel import executor
 
   devices = kc.topology_devices("v5p:2x2x1")
   mesh = Mesh(np.asarray(devices[:1]), ("x",))
@@ -94,7 +94,7 @@ def test_host_residual_slots_compile_for_tpu_and_live_in_host_memory():
            jax.ShapeDtypeStruct((1, 2), jnp.bool_), jax.ShapeDtypeStruct((2, 4096), jnp.float32),
            jax.ShapeDtypeStruct((2, 1, 1024, 2048), jnp.bfloat16),
            jax.ShapeDtypeStruct((2, 1280, 1024), jnp.float8_e4m3fn)]
-  store, n, ticks = pipeline._Slots(True), 5, 9
+  store, n, ticks = executor.Slots(True), 5, 9
   big = [a for a in avals if store.on_host(a)]
   assert [a.shape for a in big] == [(2, 1, 1024, 2048), (2, 1280, 1024)]
 

@@ -33,6 +33,18 @@ import optax
 from k2jax.model import transformer
 
 
+def stage_of(v, p, P: int):
+  """The stage device p runs as its v-th of the pipeline's P devices: s = v P + p (the
+  round-robin placement of the module docstring). ints or integer arrays; every placement
+  in k2jax.parallel asks this and `placed`."""
+  return v * P + p
+
+
+def placed(s, P: int):
+  """(v, p) of stage s: the inverse of `stage_of`."""
+  return s // P, s % P
+
+
 class Split(NamedTuple):
   """How the pipelined stack is cut and stored (module docstring)."""
   stack: transformer.Stack   # the pipelined stack (the model's last), logical
@@ -64,7 +76,7 @@ class Split(NamedTuple):
     P, V, L = self.stages, self.virtual, self.per_stage
     n = self.layers_per_stage()
     start = np.cumsum(n) - n
-    s = np.arange(V)[None, :, None] * P + np.arange(P)[:, None, None]     # stage v P + p
+    s = stage_of(np.arange(V)[None, :, None], np.arange(P)[:, None, None], P)
     l = np.arange(L)[None, None, :]
     return np.where(l < n[s], start[s] + l, -1)
 
@@ -97,7 +109,7 @@ def _balanced_counts(cfg, stack, P: int, V: int, L: int) -> tuple:
   extra = np.zeros(S)
   extra[0] += 4 / 3 * sum(counting.layer_flops(cfg, st.ffn, T) * st.size
                           for st in transformer.stacks(cfg) if st != stack) / unit
-  device = np.arange(S) % P
+  device = placed(np.arange(S), P)[1]
   for _ in range(S * L - stack.size):
     per_device = np.bincount(device, weights=n, minlength=P)
     # ties go to the later stage, so an equal-cost split pads its last stages

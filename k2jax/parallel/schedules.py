@@ -44,6 +44,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from k2jax.parallel.layout import placed, stage_of
+
 SCHEDULES = ("1f1b", "gpipe", "zbh1")
 # Work per task in forward units: a backward does twice a forward's matmuls; split, its
 # input and weight halves one each (what `build` plans with; real stages: `stage_costs`).
@@ -140,7 +142,7 @@ def _phase_costs(task, P, V, costs):
     if costs is None:
       out[k] = (v >= 0) * (SPLIT_COST if "W" in task else COST)[k]
     else:
-      s = np.maximum(v, 0) * P + np.arange(P)[None, :]
+      s = stage_of(np.maximum(v, 0), np.arange(P)[None, :], P)
       out[k] = np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
   if costs is not None and "H" in costs:
     out["H"] = np.outer(_head_ticks(task, P, V), np.full(P, costs["H"]))
@@ -238,7 +240,7 @@ def build(name: str, P: int, V: int, M: int, costs=None, per_device: bool = True
         if i >= total:
           continue
         v, m = orders[k][i]
-        s = v * P + p
+        s = stage_of(v, p, P)
         if k == "F":
           ok = s == 0 or done["F"].get((s - 1, m), t) < t
           ok = ok and i - nxt["B"][p] < _warmup(name, P, V, M, p)   # in flight
@@ -288,7 +290,7 @@ def _place_w(task, P, V, costs=None):
   def of(k, v):          # cost of stage-task kind k for virtual stages v [ticks, P]
     if costs is None:
       return (v >= 0) * SPLIT_COST[k]
-    s = np.maximum(v, 0) * P + np.arange(P)
+    s = stage_of(np.maximum(v, 0), np.arange(P), P)
     return np.where(v >= 0, np.asarray(costs[k])[s], 0.0)
   cost = of("F", task["F"][..., 0]) + of("B", task["B"][..., 0])
   if costs is not None and "H" in costs:
@@ -345,7 +347,7 @@ def _grid(P, V, M, costs=None, in_flight: int = 1, cuts: int = 1):
   orders = _orders("zbh1", P, V, M)
 
   def cost(k, v, p):
-    return SPLIT_COST[k] if costs is None else float(np.asarray(costs[k])[v * P + p])
+    return SPLIT_COST[k] if costs is None else float(np.asarray(costs[k])[stage_of(v, p, P)])
   nxt = {"F": [0] * P, "B": [0] * P}
   waiting = [[] for _ in range(P)]       # each device's B's whose W has not run, in order
   w_done = [0] * P
@@ -361,12 +363,13 @@ def _grid(P, V, M, costs=None, in_flight: int = 1, cuts: int = 1):
       i = nxt["F"][p]
       if i < total and i - w_done[p] < in_flight:
         v, m = orders["F"][i]
-        if v * P + p == 0 or done["F"].get((v * P + p - 1, m), t) < t:
+        s = stage_of(v, p, P)
+        if s == 0 or done["F"].get((s - 1, m), t) < t:
           r["F"] = (v, m)
       i = nxt["B"][p]
       if i < total and len(waiting[p]) < cuts:
         v, m = orders["B"][i]
-        s = v * P + p      # after the next stage's B; the last stage, after its own F
+        s = stage_of(v, p, P)      # after the next stage's B; the last stage, after its own F
         if (done["F"].get((s, m), t) if s == S - 1 else done["B"].get((s + 1, m), t)) < t:
           r["B"] = (v, m)
       if waiting[p]:
@@ -387,7 +390,7 @@ def _grid(P, V, M, costs=None, in_flight: int = 1, cuts: int = 1):
           waiting[p].pop(0)
           w_done[p] += 1
         else:
-          done[k][(v * P + p, m)] = t
+          done[k][(stage_of(v, p, P), m)] = t
           nxt[k][p] += 1
       if row["B"][p][0] >= 0:       # its W may run from the next tick on
         waiting[p].append(row["B"][p])
@@ -448,9 +451,10 @@ def _slots(task, P, V):
     if "W" in task:
       live["cut"] = []
     for (q, v, m), tf in when["F"].items():
-      s = v * P + q
-      if s + 1 < S and (s + 1) % P == p:     # stage s's output, stored on arrival
-        v2, tr = (s + 1) // P, when["F"][(p, (s + 1) // P, m)]
+      s = stage_of(v, q, P)
+      if s + 1 < S and placed(s + 1, P)[1] == p:     # stage s's output, stored on arrival
+        v2 = placed(s + 1, P)[0]
+        tr = when["F"][(p, v2, m)]
         live["act"].append((tf + 1, tr, (v2, m), {"act_in": tf + 1, "act_read": tr}))
       if q != p:
         continue
@@ -465,9 +469,9 @@ def _slots(task, P, V):
       if s == S - 1:                          # the head's cotangent, from this tick's head
         live["grad"].append((tf, tb, (v, m), {"head_write": tf, "grad_read": tb}))
     for (q, v, m), tb in when["B"].items():
-      s = v * P + q
-      if s > 0 and (s - 1) % P == p:         # stage s's input cotangent, stored on arrival
-        v2 = (s - 1) // P
+      s = stage_of(v, q, P)
+      if s > 0 and placed(s - 1, P)[1] == p:  # stage s's input cotangent, stored on arrival
+        v2 = placed(s - 1, P)[0]
         tr = when["B"][(p, v2, m)]
         live["grad"].append((tb + 1, tr, (v2, m), {"grad_in": tb + 1, "grad_read": tr}))
     for name, iv in live.items():
