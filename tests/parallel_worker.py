@@ -580,6 +580,23 @@ def embedding():
   print("RESULT " + json.dumps({"seed": seed, "cases": out}))
 
 
+def _packed_batch(cfg, seg, pos, rng):
+  """A batch of packed rows with segment ids `seg` and positions `pos` [B, T], random
+  tokens and targets, loss on every real token."""
+  import jax.numpy as jnp
+  B, T = seg.shape
+  batch = dict(inputs=rng.integers(0, cfg.vocab_size, (B, T)),
+               targets=rng.integers(0, cfg.vocab_size, (B, T)), positions=pos,
+               segment_ids=seg, loss_mask=(seg > 0).astype(np.float32))
+  return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def _rel(a, b) -> float:
+  """max |a - b| / max |b| in float64."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
 def context_meshes(*specs):
   """The model's loss, every gradient leaf, max logits, balance loss and expert load in float32
   on DxCxE (data x context x expert) meshes against one device, on packed documents with
@@ -587,7 +604,6 @@ def context_meshes(*specs):
   loss that is per sequence; then two faults that the comparison must see: the token
   placement and the query blocks disagreeing, and max logits not reduced over context."""
   from unittest import mock
-  import jax.numpy as jnp
   from k2jax import configs, model, parallel
   from k2jax.model import context
   from k2jax.step import lm_loss
@@ -609,10 +625,7 @@ def context_meshes(*specs):
       n = min(int(rng.integers(1, T // 2)), T - t)
       seg[b, t:t + n], pos[b, t:t + n] = s, np.arange(n)
       s, t = s + 1, t + n
-  batch = dict(inputs=rng.integers(0, cfg.vocab_size, (B, T)),
-               targets=rng.integers(0, cfg.vocab_size, (B, T)), positions=pos,
-               segment_ids=seg, loss_mask=(seg > 0).astype(np.float32))
-  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  batch = _packed_batch(cfg, seg, pos, rng)
   params = model.init(cfg, jax.random.key(seed))
 
   def run(d, c, e):
@@ -633,8 +646,7 @@ def context_meshes(*specs):
                 load=aux.expert_load)
 
   def errors(got, want):
-    rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))
-                             / max(float(np.max(np.abs(np.asarray(b, np.float64)))), 1e-30))
+    rel = _rel
     out = {k: rel(got[k], want[k]) for k in ("loss", "max_logits", "aux", "load")}
     out["grads"] = {jax.tree_util.keystr(path): rel(a, b) for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(got["grads"]), jax.tree.leaves(want["grads"]))}
@@ -705,7 +717,6 @@ def context_kernels(*impls):
   with each attention implementation in `impls` (the Pallas kernels in interpret mode) as
   every device's attention of its query blocks against the whole sequence, against one
   device's chunked attention: max relative errors per implementation."""
-  import jax.numpy as jnp
   from k2jax import configs, model, parallel
   from k2jax.kernels import flash
   from k2jax.step import lm_loss
@@ -726,10 +737,7 @@ def context_kernels(*impls):
   seg = np.stack([seg, np.where(np.arange(T) < cuts[-1], seg, 0)])      # row 1 ends padded
   starts = np.concatenate([[0], cuts])
   pos = np.broadcast_to(np.arange(T) - starts[seg[0] - 1], (B, T))       # per document
-  batch = dict(inputs=rng.integers(0, cfg.vocab_size, (B, T)),
-               targets=rng.integers(0, cfg.vocab_size, (B, T)), positions=pos,
-               segment_ids=seg, loss_mask=(seg > 0).astype(np.float32))
-  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  batch = _packed_batch(cfg, seg, pos, rng)
   params = model.init(cfg, jax.random.key(seed))
 
   def run(impl, d, c):
@@ -745,8 +753,7 @@ def context_kernels(*impls):
       p = jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
       return jax.jit(f)(p, batch)
 
-  rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))
-                           / max(float(np.max(np.abs(np.asarray(b, np.float64)))), 1e-30))
+  rel = _rel
   want = run("chunked", 1, 1)
   result = {"seed": seed}
   for impl in impls:
@@ -765,7 +772,6 @@ def generate_context():
   k2jax.model.context; decode steps of one token run whole on each), and the prefill
   alone: whether the context path ran, and the largest log-probability difference."""
   from unittest import mock
-  import jax.numpy as jnp
   from k2jax import configs, generate, model, parallel
   from k2jax.model import context
   cfg = configs.get_config("tiny").model
