@@ -30,9 +30,11 @@ def test_context_meshes_equal_one_device_and_faults_are_seen():
     assert max(err["loss"], err["max_logits"], err["aux"], err["load"], worst) < 1e-5, (
         mesh, err, got["seed"])
   assert len(got["meshes"]["2x2x2"]["grads"]) > 20          # every leaf, not a summary
-  assert got["placement_fault"]["loss"] > 1e-4, got["placement_fault"]
-  # (NaN counts as far off: a query row the wrong blocks leave without keys)
-  assert any(not e <= 1e-3 for e in got["placement_fault"]["grads"].values())
+  # The fault is far off in the gradients (NaN counts as far off: a query row the wrong
+  # blocks leave without keys). Its loss, a sum over every token, moved by only 8e-5 for
+  # one random packing (CI, 2026-11-28), so the loss alone is not asked to show it.
+  assert any(not e <= 1e-3 for e in got["placement_fault"]["grads"].values()), (
+      got["placement_fault"], got["seed"])
   assert got["pmax_fault"]["max_logits"] > 1e-3, got["pmax_fault"]
   assert got["pmax_fault"]["loss"] < 1e-5      # the fault touches the statistic only
 
