@@ -377,13 +377,17 @@ def inference_mesh(text: str | None, flag: str = "--mesh"):
   return parallel.make_mesh(shape, jax.devices()[:n])
 
 
-def on_mesh(cfg, params, mesh):
+def on_mesh(cfg, params, mesh, flag: str = "--mesh"):
   """params placed as the trainer shards them on `mesh` (experts over expert, the rest
-  whole on each device); unchanged without a mesh."""
+  whole on each device); unchanged without a mesh. UserError naming `flag` (the flag and
+  its value) for a mesh the model's shapes do not divide."""
   if mesh is None:
     return params
   from k2jax import model, parallel
-  return jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
+  try:
+    return jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
+  except ValueError as e:
+    raise UserError(f"{flag}: {str(e).splitlines()[0]}") from None
 
 
 def _check_run_dir(workdir: str) -> None:
@@ -459,10 +463,7 @@ def _main(args, generated):
       _check_run_dir(args.workdir)
     mesh = inference_mesh(args.mesh)         # before minutes of loading
     cfg, params, tok = load(args)
-    try:
-      params = on_mesh(cfg, params, mesh)
-    except ValueError as e:                  # a mesh the model's shapes do not divide
-      raise UserError(f"--mesh {args.mesh}: {str(e).splitlines()[0]}") from None
+    params = on_mesh(cfg, params, mesh, flag=f"--mesh {args.mesh}")
     stop_ids = [tok.eos_id]
     texts = args.prompt
     if args.chat:

@@ -941,10 +941,7 @@ def _serve(args):
     _port_free(args.host, args.port)         # before minutes of loading
     mesh = inference_mesh(args.mesh)
     cfg, params, tok = load(args)
-    try:
-      params = on_mesh(cfg, params, mesh)
-    except ValueError as e:                  # a mesh the model's shapes do not divide
-      raise UserError(f"--mesh {args.mesh}: {str(e).splitlines()[0]}") from None
+    params = on_mesh(cfg, params, mesh, flag=f"--mesh {args.mesh}")
   except UserError as e:
     print(f"k2jax.serve: error: {e}", file=sys.stderr)
     raise SystemExit(2)

@@ -332,7 +332,9 @@ class Executor:
     st = dict(st, ce=st["ce"] + jnp.where(last, ce, 0.0))
     if self.grads:    # each device its columns' and its tokens' share of the norm's
       # (or, where dh was all-reduced, the norm's once: the last device's)
-      g_norm = jnp.where(last, g["final_norm"], 0.0) if g["whole_norm"] else g["final_norm"]
+      g_norm = g["final_norm"]
+      if not stage.scatters_dh(y.shape[0] * y.shape[1], jax.lax.axis_size(AXIS)):
+        g_norm = jnp.where(last, g_norm, 0.0)
       st["g_norm"] = st["g_norm"] + g_norm
       st["g_lm"] = st["g_lm"] + g["lm_head"]
     return dy.astype(self.dt), st

@@ -217,12 +217,17 @@ def head(cfg, hp, y, targets, loss_mask, grads: bool):
   head tick, beside the 110 of y's bf16 psum). Where P does not divide the microbatch's
   tokens, dh is all-reduced as before.
   -> ce, or (ce, dy, {"final_norm": g, "lm_head": g_p}) with `grads` (g: this device's
-  tokens' share, or the whole where dh was all-reduced: then only the last device's counts)."""
+  tokens' share where `scatters_dh`, else the whole: then only one device's may count)."""
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
   w = hp["lm_head"].astype(dt)
   vp = w.shape[1]
   lo = jax.lax.axis_index(AXIS) * vp
-  h, norm_vjp = jax.vjp(lambda y, g: rms_norm(y, g, cfg.rms_norm_eps), y, hp["final_norm"])
+  Pn, (b, t, d) = jax.lax.axis_size(AXIS), y.shape
+  norm = lambda y, g: rms_norm(y, g, cfg.rms_norm_eps)
+  if grads and not scatters_dh(b * t, Pn):
+    h, norm_vjp = jax.vjp(norm, y, hp["final_norm"])
+  else:     # the norm's backward, if any, runs on this device's tokens only (below)
+    h = norm(y, hp["final_norm"])
   z = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=f32)
   col = lo + jnp.arange(vp)
   z = jnp.where(col < cfg.vocab_size, z, -jnp.inf)
@@ -240,18 +245,23 @@ def head(cfg, hp, y, targets, loss_mask, grads: bool):
   dz = ((jnp.exp(z - lse[..., None]) - onehot) * mask[..., None]).astype(dt)
   dh = jnp.einsum("btv,dv->btd", dz, w, preferred_element_type=f32)   # this device's columns'
   g_w = jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=f32)
-  Pn, (b, t, d) = jax.lax.axis_size(AXIS), y.shape
-  if (b * t) % Pn:
+  if not scatters_dh(b * t, Pn):
     dy, g_norm = norm_vjp(jax.lax.psum(dh, AXIS).astype(h.dtype))
-    return ce, dy, {"final_norm": g_norm.astype(f32), "lm_head": g_w, "whole_norm": True}
+    return ce, dy, {"final_norm": g_norm.astype(f32), "lm_head": g_w}
   n = b * t // Pn
   dh = jax.lax.psum_scatter(dh.reshape(b * t, d), AXIS, scatter_dimension=0, tiled=True)
   y_mine = jax.lax.dynamic_slice_in_dim(y.reshape(b * t, d), jax.lax.axis_index(AXIS) * n, n)
-  _, norm_vjp = jax.vjp(lambda y, g: rms_norm(y, g, cfg.rms_norm_eps), y_mine,
-                        hp["final_norm"])
+  _, norm_vjp = jax.vjp(norm, y_mine, hp["final_norm"])
   dy, g_norm = norm_vjp(dh.astype(h.dtype))
   dy = jax.lax.all_gather(dy.astype(dt), AXIS, axis=0, tiled=True).reshape(b, t, d)
-  return ce, dy, {"final_norm": g_norm.astype(f32), "lm_head": g_w, "whole_norm": False}
+  return ce, dy, {"final_norm": g_norm.astype(f32), "lm_head": g_w}
+
+
+def scatters_dh(tokens: int, P: int) -> bool:
+  """Whether `head` reduce-scatters the head's dh over a microbatch's `tokens` (P divides
+  them: each device's norm gradient is then its tokens' share) or all-reduces it (each
+  device's is the whole)."""
+  return tokens % P == 0
 
 
 def pre(cfg, sp: Split, params, inputs, positions, segment_ids):
