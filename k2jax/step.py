@@ -176,12 +176,21 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   old_opt = on_device(ocfg, state.opt_state)
   updates, opt_state = tx.update(grads, old_opt, state.params,
                                  max_logits=aux.max_logits, expert_load=aux.expert_load)
-  params = optax.apply_updates(state.params, updates)
+  opt_state = _gate(finite, opt_state, old_opt)
+  if isinstance(opt_state, optim.MasterWeightsState):
+    # bf16 params are their float32 master's rounding (optim.master: what apply_updates gives
+    # up to f32 rounding of p + (w' - p)); taken from the master, the old params are not read
+    # after the gradient loop, and XLA:TPU need not hold a float32 update tree and the old
+    # params beside the new ones: -4.4 GB per device at the update's peak (the 8-chip K2 step
+    # with host states, experiments/results/compile/compile_tpu.csv)
+    params = jax.tree.map(lambda w, p: w.astype(p.dtype), opt_state.master, state.params)
+  else:
+    params = _gate(finite, optax.apply_updates(state.params, updates), state.params)
   nan_streak = jnp.where(finite, 0, state.nan_streak + 1)
   new_state = TrainState(
       step=state.step + 1,
-      params=_gate(finite, params, state.params),
-      opt_state=_gate(finite, opt_state, old_opt),
+      params=params,
+      opt_state=opt_state,
       nan_streak=nan_streak,
       skipped=state.skipped + (~finite).astype(jnp.int32))
   sp = layout.of(config)
