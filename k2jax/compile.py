@@ -19,6 +19,8 @@ instruction it names, exit code 1 (a config the trainer itself refuses: exit cod
 `--memory_only` stops once XLA has placed every buffer (its buffer assignment, where its
 out-of-memory check runs) and reads the figures from there: for K2 on 2,048 chips that is
 a minute or two on a small machine, where code generation takes longer than the rest.
+`--explain N` then says what the heap holds at its fullest, by the k2jax line that made each
+buffer (k2jax.xla_heap): where XLA's figure and plan's part.
 """
 
 import argparse
@@ -202,25 +204,27 @@ def buffer_assignment(text: str) -> tuple[dict, dict]:
 
 
 def until_buffer_assignment(argv, timeout: float = 3600, poll: float = 2.0,
-                            grace: float = 10.0):
+                            grace: float = 10.0, dump: str | None = None):
   """Run `python -m k2jax.compile *argv` (without --memory_only) in a child process that
   dumps XLA's passes, and stop it once the buffer assignment is written and XLA's
   out-of-memory check has had `grace` seconds to refuse it. -> (device, host, seconds) from
   `buffer_assignment`, or (None, the child's last k2jax.compile line, seconds) where the
-  child ended with an error (XLA refused the step)."""
+  child ended with an error (XLA refused the step). XLA's dump is left in `dump` where given
+  (`xla_heap.explain` reads it)."""
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="k2jax-compile-") as d:
+    xla = dump or os.path.join(d, "xla")
     env = dict(os.environ)
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     err = os.path.join(d, "stderr")
     with open(err, "w") as e:
       child = subprocess.Popen([sys.executable, "-m", "k2jax.compile", *argv, "--no_plan",
-                                "--dump", os.path.join(d, "xla")],
+                                "--dump", xla],
                                stdout=subprocess.DEVNULL, stderr=e, env=env)
     try:
       while True:
         # the memory-usage report is written after the buffer assignment is complete
-        done = glob.glob(os.path.join(d, "xla", "*jit_train_step*memory-usage-report.txt"))
+        done = glob.glob(os.path.join(xla, "*jit_train_step*memory-usage-report.txt"))
         if done or child.poll() is not None or time.perf_counter() - t0 > timeout:
           break
         time.sleep(poll)
@@ -234,8 +238,7 @@ def until_buffer_assignment(argv, timeout: float = 3600, poll: float = 2.0,
       child.kill()
       child.wait()
     seconds = time.perf_counter() - t0
-    found = glob.glob(os.path.join(d, "xla",
-                                   "*jit_train_step*after_optimizations-buffer-assignment.txt"))
+    found = glob.glob(os.path.join(xla, "*jit_train_step*after_optimizations-buffer-assignment.txt"))
     if done and found:
       with open(found[0]) as f:
         return (*buffer_assignment(f.read()), seconds)
@@ -310,6 +313,10 @@ def main(argv=None):
   p.add_argument("--memory_only", action="store_true",
                  help="stop at XLA's buffer assignment (where its out-of-memory check runs) "
                  "and report its figures from there, without code generation")
+  p.add_argument("--explain", type=int, default=0, metavar="N",
+                 help="also print XLA's device heap at its fullest by the k2jax line that made "
+                 "each buffer, the N largest (k2jax.xla_heap; dumps to --dump or a temporary "
+                 "directory)")
   try:
     from k2jax.params import parse_config
     args, config, overrides = parse_config("k2jax.compile", p, argv)
@@ -340,22 +347,28 @@ def main(argv=None):
     print(f"k2jax.compile: {line}", file=sys.stderr)
     raise SystemExit(1)
 
+  scratch = tempfile.TemporaryDirectory(prefix="k2jax-explain-") if (
+      args.explain and not args.dump) else None
+  dump = args.dump or (scratch.name if scratch else None)
   if args.memory_only:
     device, host, seconds = until_buffer_assignment(
-        ["--config", args.config, "--topology", args.topology, *overrides])
+        ["--config", args.config, "--topology", args.topology, *overrides], dump=dump)
     if device is None:
       refused(host.removeprefix("k2jax.compile: "))
     result = Compiled(None, seconds, device, host, devices[0].device_kind,
                       devices[0].platform, hbm_bytes(devices[0]))
   else:
     try:
-      result = compile_step(config, devices, dump=args.dump)
+      result = compile_step(config, devices, dump=dump)
     except ValueError as e:   # the trainer's own checks (batch geometry on this mesh)
       print(f"k2jax.compile: error: {str(e).splitlines()[0]}", file=sys.stderr)
       raise SystemExit(2)
     except Exception as e:   # XLA's refusal: a compile error or out of memory
       refused(refusal(e))
   print(table(args.config, args.topology, config, result, est))
+  if args.explain:
+    from k2jax import xla_heap
+    print(xla_heap.table(xla_heap.explain(dump, top=args.explain)))
   if args.json:
     rec = record(args.config, args.topology, config, result, est)
     _write_json(args.json, dict(rec, stage="buffer assignment") if args.memory_only else rec)

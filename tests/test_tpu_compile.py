@@ -10,6 +10,7 @@ take a pytest worker with it."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -142,8 +143,9 @@ def test_buffer_assignment_is_read_by_memory_space_and_kind():
 def test_memory_only_stops_at_the_buffer_assignment_with_xlas_own_counts(tmp_path):
   """--memory_only reads the figures where XLA's out-of-memory check runs, without code
   generation: its arguments are the same bytes the full compile's memory analysis counts
-  (the tiny step's state and batch on one v5e chip)."""
-  r, fig = compile_cli(tmp_path, "--config", "tiny", "--topology", "v5e:1x1", "--memory_only")
+  (the tiny step's state and batch on one v5e chip). --explain prints that heap by line."""
+  r, fig = compile_cli(tmp_path, "--config", "tiny", "--topology", "v5e:1x1", "--memory_only",
+                       "--explain", "4")
   assert r.returncode == 0, r.stderr[-2000:]
   assert "(code generation not run)" in r.stdout
   assert fig["stage"] == "buffer assignment" and fig["fits"]
@@ -152,6 +154,14 @@ def test_memory_only_stops_at_the_buffer_assignment_with_xlas_own_counts(tmp_pat
   assert expect <= d["arguments"] <= 1.06 * expect + 4096
   assert d["heap"] >= st["grads"] and d["check"] == d["arguments"] + d["heap"]
   assert d["peak"] == d["check"] + d["thread_local"]
+  # --explain: the same heap, its fullest moment charged to the step's own lines
+  lines = r.stdout.split("XLA's device heap ", 1)[1].splitlines()
+  assert float(lines[0].split()[0]) == pytest.approx(d["heap"] / 1e9, abs=0.006)
+  rows = lines[1:-1]
+  assert 4 <= len(rows) <= 5 and all(re.search(r" (k2jax|kernels)/\S+\.py:\d+ ", ln)
+                                     or "copy of state." in ln or "more sources" in ln
+                                     for ln in rows), r.stdout
+  assert "packing:" in lines[-1]
 
 
 def test_memory_only_reports_xlas_refusal_in_one_line(tmp_path):
@@ -260,3 +270,65 @@ def test_plan_asks_the_compiler_and_prints_its_peak_beside_its_own(tmp_path):
   ours = [ln for ln in bad.stderr.splitlines() if ln.startswith("k2jax.plan")]  # libtpu's aside
   assert bad.returncode == 2 and len(ours) == 1, bad.stderr
   assert ours[0].startswith("k2jax.plan: error: --compile 'v9z:3x3'")
+
+
+def test_heap_peak_is_the_most_bytes_live_at_once_brute_force():
+  """xla_heap.fullest against brute force on fresh random values: at every moment, the union
+  of the live values' [offset, offset + size) (values sharing a place, or overlapping, count
+  once); the sweep must find the largest, and the moment it names must have that many."""
+  import numpy as np
+  from k2jax import xla_heap
+  rng = np.random.default_rng()
+  for _ in range(20):
+    values, ranges = {}, {}
+    for i in range(int(rng.integers(1, 60))):
+      offset, size = int(rng.integers(0, 40)) * 8, int(rng.integers(1, 12)) * 8
+      a = int(rng.integers(0, 50))
+      values[f"v.{i}{{}}"] = (size, offset, "f32[2]")
+      ranges[f"v.{i}{{}}"] = (a, a + int(rng.integers(0, 20)))
+
+    def union(t):
+      cover = set()
+      for name, (size, offset, _) in values.items():
+        if ranges[name][0] <= t <= ranges[name][1]:
+          cover.update(range(offset, offset + size))
+      return len(cover)
+    best = max(union(t) for t in range(80))
+    t, live, places = xla_heap.fullest(values, ranges)
+    assert live == best == union(t)
+    assert all(ranges[n][0] <= t <= ranges[n][1] for names in places.values() for n in names)
+
+
+def test_explain_charges_the_heap_to_the_lines_that_made_it(tmp_path):
+  """A program compiled for one v5e chip, dumped: the loop's float32 accumulator (its carry,
+  made by jnp.zeros before the loop) is charged to the line of that jnp.zeros through the
+  while loop's body parameter and its initial tuple; the rows add up to the bytes live at the
+  heap's fullest moment, which is no more than the heap the buffer assignment reports."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import SingleDeviceSharding
+  from k2jax import compile as kc, xla_heap
+
+  dev = kc.topology_devices("v5e:1x1")[0]
+  n, k = 2048, 16            # 256 MB: not in the chip's 128 MiB of on-chip memory
+
+  def accumulate(x):
+    acc = jnp.zeros((k, n, n), jnp.float32)                      # the accumulator's line
+    def body(i, acc):
+      return acc.at[i % k].add(jnp.tanh(x * i.astype(x.dtype)) @ x)
+    return jax.lax.fori_loop(0, 7, body, acc).sum()
+
+  line = accumulate.__code__.co_firstlineno + 1
+  arg = jax.ShapeDtypeStruct((n, n), jnp.float32, sharding=SingleDeviceSharding(dev))
+  jax.jit(accumulate).trace(arg).lower().compile(
+      compiler_options={"xla_dump_to": str(tmp_path)})
+  peak = xla_heap.explain(str(tmp_path), top=50, roots=("/tests/",))
+  rows = {r.source.split()[0]: r for r in peak.rows}
+  mine = rows.get(f"tests/test_tpu_compile.py:{line}")
+  assert mine is not None and mine.bytes >= k * n * n * 4, xla_heap.table(peak)
+  assert mine.example.startswith(f"f32[{k},{n},{n}]")
+  ba = open(next(tmp_path.glob("*jit_accumulate*after_optimizations-buffer-assignment.txt")))
+  assert peak.heap == kc.buffer_assignment(ba.read())[0]["heap"]
+  assert peak.live <= peak.heap and sum(r.bytes for r in peak.rows) >= peak.live
+  assert np.isclose(sum(r.bytes for r in peak.rows), peak.live, rtol=0.05)
