@@ -354,13 +354,15 @@ class Executor:
     first = (stage_of(v, self.p, self.Pn) == 0) & valid
     pre_params = self.pre_params
 
-    def pre_grads():   # in the params' dtype; added to the float32 sums below
+    # Added to the float32 sums inside the branch: returned from it, the embedding's gradient
+    # (a whole vocabulary slice, in the params' dtype) and the sums plus it were two more
+    # vocabulary-sized buffers beside the sums (-4.25 GB at the 8-chip K2 step's peak, PP2:
+    # k2jax.compile --explain). The mask: in the tick's mode the branch runs on every device.
+    def pre_grads(sums):
       _, vjp = jax.vjp(lambda pp: self.embed(pp, m)[0], pre_params)
-      return vjp(dx.astype(self.dt))[0]
-    g_pre = self.branch(first, embeds, pre_grads,
-                        lambda: jax.tree.map(jnp.zeros_like, pre_params))
-    g_pre = jax.tree.map(lambda a, b: a + jnp.where(first, b.astype(a.dtype), 0.0),
-                         g["pre"], g_pre)
+      return jax.tree.map(lambda a, b: a + jnp.where(first, b.astype(a.dtype), 0.0), sums,
+                          vjp(dx.astype(self.dt))[0])
+    g_pre = self.branch(first, embeds, pre_grads, lambda sums: sums, g["pre"])
     return dx.astype(self.dt), cut, dict(stage=g_stage, pre=g_pre)
 
   def weight_grad_phase(self, t, res_buf, cut_buf, g):
