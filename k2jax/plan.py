@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh
 
 from k2jax import configs, model, optim
 from k2jax.kernels import platform as kernel_platform
-from k2jax.model import spec as model_spec, transformer
+from k2jax.model import expert_parallel, spec as model_spec, transformer
 from k2jax.configs.sharding_rules import mesh_axes, param_spec
 from k2jax.parallel import MESH_AXES, layout, pipeline, state_shardings
 from k2jax.parallel.mesh import parse_mesh
@@ -189,9 +189,14 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   # The phase at work on one layer also holds that layer's weights as the loop reads them
   # (in model.dtype, whole over the axes only memory is split over: they are gathered) and
   # their gradients before they join the float32 sums (k2jax.parallel.stage.add_at):
-  # twice the layer. (XLA:TPU holds ~3.3 layers of expert weights there at K2: a
-  # transposed copy for the backward's matmuls besides.)
+  # twice the layer. Where the expert exchange's worst case runs in rounds, the backward's
+  # scan over the rounds sums the routed experts' gradient in its carry beside the round's
+  # own: once more (XLA:TPU at K2, `k2jax.compile --explain`: 2.1 GB each, the layer's
+  # experts, the carry and the round's).
   layer_bytes = 2 * stack_layer_bytes(m, sp.stack.name, mesh_shape)
+  if expert_parallel.runs_in_rounds(mesh_shape["expert"], m.get("ep_round_load", 2.0),
+                                    platform):
+    layer_bytes += stack_layer_bytes(m, sp.stack.name, mesh_shape, only="experts")
   tab = pipeline.schedule_table(m, stages, virtual_stages, M, schedule, mesh_shape["data"],
                                 mesh_shape["expert"], seq_len, platform)
   cut = 0.0
@@ -216,14 +221,18 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
                      + layer_bytes, 0.0, settings)
 
 
-def stack_layer_bytes(mcfg, name: str, mesh_shape) -> int:
+def stack_layer_bytes(mcfg, name: str, mesh_shape, only: str | None = None) -> int:
   """Bytes of one layer of stack `name` on one device, in model.dtype, as computation needs
   it: split over the axes `param_spec` splits for work (the experts over `expert`), whole
-  over those it splits only to save memory (whole=True)."""
+  over those it splits only to save memory (whole=True). `only`: the leaves under that key
+  (e.g. "experts")."""
   mesh = AbstractMesh(tuple(mesh_shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
   size = np.dtype(mcfg.dtype).itemsize
   total = 0
-  for sp in jax.tree.leaves(model.param_specs(mcfg)[name], is_leaf=model_spec.is_spec):
+  for path, sp in jax.tree_util.tree_leaves_with_path(model.param_specs(mcfg)[name],
+                                                      is_leaf=model_spec.is_spec):
+    if only and only not in (getattr(k, "key", None) for k in path):
+      continue
     shape, axes = sp.shape[1:], sp.axes[1:]
     spec = param_spec(axes, shape, mesh, whole=True)
     total += int(np.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(shape))) * size

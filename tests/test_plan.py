@@ -314,3 +314,27 @@ def test_long_context_on_context_devices_keeps_pretrainings_residuals_and_bubble
   assert pipeline.table(est.cfg).idle_fraction(pipeline.costs(est.cfg)) <= 0.10
   no_cp = plan.estimate(long, {"pipeline": 16, "data": 8, "context": 1, "expert": 16})
   assert no_cp.acts.host > 5 * est.acts.host
+
+
+def test_the_loop_holds_a_third_layer_of_experts_only_where_the_exchange_runs_in_rounds():
+  """The working set's layer weights: twice the layer (its weights and their gradient), plus
+  the routed experts once more where the exchange's worst case runs in rounds (ragged, off
+  CPU, expert > model.ep_round_load: the rounds' scan sums their gradient in its carry beside
+  the round's own). The experts' share by hand: E / expert experts of gate, up [d, f] and
+  down [f, d] in bf16. At K2's expert 16 on TPU: rounds of 2x the balanced load, none when a
+  round may take all 16x."""
+  c = configs.get_config("kimi_k2")
+  m, T = c.model, c.train.seq_len
+  d, f, E = m.hidden_size, m.moe_intermediate_size, m.n_routed_experts
+  mesh = {"pipeline": 16, "data": 8, "expert": 16}
+
+  def device(round_load, platform="tpu"):
+    k = m.copy_and_resolve_references()
+    k.ep_round_load = round_load
+    return plan.activation_bytes(k, mesh, T, virtual_stages=2, microbatches=32,
+                                 platform=platform).device
+
+  experts = E // 16 * 3 * d * f * 2
+  assert plan.stack_layer_bytes(m, "moe_layers", mesh, only="experts") == experts
+  assert device(2.0) - device(16.0) == pytest.approx(experts, rel=1e-6)
+  assert device(2.0, "cpu") == pytest.approx(device(16.0, "cpu"), rel=1e-9)   # no rounds

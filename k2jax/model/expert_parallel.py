@@ -83,8 +83,14 @@ from k2jax.kernels.pallas_utils import cotangent_for, varying_like
 TRANSPORTS = ("ragged", "bucketed", "padded")
 
 
-def auto_transport() -> str:
-  return "bucketed" if platform.backend() == "cpu" else "ragged"
+def auto_transport(backend: str | None = None) -> str:
+  return "bucketed" if (backend or platform.backend()) == "cpu" else "ragged"
+
+
+def runs_in_rounds(ep: int, round_load: float, backend: str) -> bool:
+  """Whether the exchange's worst case on `backend` (every assignment to one shard: ep x the
+  balanced load) runs in rounds of `round_load` x the balanced load (module docstring)."""
+  return auto_transport(backend) == "ragged" and ep > round_load
 
 
 def _exclusive_cumsum(x, axis=-1):
