@@ -20,7 +20,7 @@ instruction it names, exit code 1 (a config the trainer itself refuses: exit cod
 out-of-memory check runs) and reads the figures from there: for K2 on 2,048 chips that is
 a minute or two on a small machine, where code generation takes longer than the rest.
 `--explain N` then says what the heap holds at its fullest, by the k2jax line that made each
-buffer (k2jax.xla_heap): where XLA's figure and plan's part.
+buffer (k2jax.xla_heap): where XLA's figure departs from plan's.
 """
 
 import argparse
@@ -350,6 +350,11 @@ def main(argv=None):
   scratch = tempfile.TemporaryDirectory(prefix="k2jax-explain-") if (
       args.explain and not args.dump) else None
   dump = args.dump or (scratch.name if scratch else None)
+  if args.dump and os.path.isdir(args.dump) and os.listdir(args.dump):
+    # never read an earlier run's files as this one's: a new directory inside the one given
+    dump = tempfile.mkdtemp(prefix="k2jax-compile-", dir=args.dump)
+    print(f"k2jax.compile: {args.dump} is not empty: XLA's dump goes to {dump}",
+          file=sys.stderr)
   if args.memory_only:
     device, host, seconds = until_buffer_assignment(
         ["--config", args.config, "--topology", args.topology, *overrides], dump=dump)

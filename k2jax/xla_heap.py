@@ -33,6 +33,12 @@ import re
 from typing import NamedTuple
 
 
+# our source directories: a frame is charged to the innermost one in them (the repository's
+# k2jax and kernels, wherever it is checked out or installed; not optax or jax)
+ROOTS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d)
+              for d in ("k2jax", "kernels"))
+
+
 class Row(NamedTuple):
   bytes: int
   source: str        # "k2jax/parallel/stage.py:41 layer_at", "copy of state.params[...]"
@@ -47,11 +53,12 @@ class HeapPeak(NamedTuple):
 
 
 def _one(dump: str, suffix: str) -> str:
-  found = sorted(glob.glob(os.path.join(dump, f"*jit_*{suffix}")))
+  found = glob.glob(os.path.join(dump, f"*jit_*{suffix}"))
   if not found:
     raise FileNotFoundError(f"no *{suffix} in {dump}: compile with --dump {dump}")
-  # the train step's module (a dump may hold smaller programs, e.g. the state's init)
-  found.sort(key=lambda p: ("train_step" not in p, p))
+  # the train step's module (a dump may hold smaller programs, e.g. the state's init), the
+  # newest where several were written
+  found.sort(key=lambda p: ("train_step" not in p, -os.path.getmtime(p)))
   with open(found[0]) as f:
     return f.read()
 
@@ -61,19 +68,21 @@ _VALUE = re.compile(r" value: <\d+ (\S+)(?: \(phi\))? @\S+> \(size=(\d+),offset=
 
 
 def heap_values(text: str) -> tuple[int, dict]:
-  """The device heap of a buffer assignment: (its size, {value: (size, offset, shape)})."""
-  size, values, inside = 0, {}, False
+  """The device heap of a buffer assignment: (its size, {value: (size, offset, shape)}).
+  Should XLA make several heaps, they are laid end to end (offsets past the ones before)."""
+  size, values, inside, base = 0, {}, False, 0
   for line in text.splitlines():
     m = _ALLOC.match(line)
     if m:   # the device heap: preallocated-temp in memory space 0 (no color named)
       inside = "preallocated-temp" in m.group(2) and "color" not in m.group(2)
       if inside:
-        size = int(m.group(1))
+        base, size = size, size + int(m.group(1))
       continue
     v = _VALUE.match(line) if inside else None
     if v:
       name = v.group(1) if "{" in v.group(1) else v.group(1) + "{}"
-      values[name] = (int(v.group(2)), int(v.group(3)), v.group(4).split("{")[0])
+      values[name] = (int(v.group(2)), base + int(v.group(3)),
+                      v.group(4).lstrip("(").split("{")[0])
   return size, values
 
 
@@ -131,8 +140,8 @@ class Sources:
 
   _INST = re.compile(r"^\s+(ROOT )?%(\S+) = (.*)$")
 
-  def __init__(self, hlo: str, roots=("/k2jax/", "/kernels/")):
-    self.roots = roots
+  def __init__(self, hlo: str, roots=None):
+    self.roots = [os.path.abspath(r).rstrip(os.sep) + os.sep for r in (roots or ROOTS)]
     def section(name, nxt):
       part = hlo.split("\n" + name + "\n", 1)
       if len(part) < 2:
@@ -167,7 +176,7 @@ class Sources:
       operands = re.findall(r"%([\w.\-]+)", args)
       frame = re.search(r"stack_frame_id=(\d+)", rest)
       op_name = re.search(r'op_name="([^"]*)"', rest)
-      at = re.search(r"\bindex=(\d+)", rest)
+      at = re.search(r"\bindex=(\d+)", rest[op.end():]) if op else None   # not the types
       self.inst[name] = (opcode, operands, frame.group(1) if frame else None,
                          op_name.group(1) if op_name else "", computation,
                          at.group(1) if at else "")
@@ -197,8 +206,9 @@ class Sources:
       f, fn, line = self.locs[loc]
       path = self.files.get(f, "")
       for root in self.roots:
-        if root in path:
-          return f"{root.strip('/')}/{path.split(root, 1)[1]}:{line} {self.funcs.get(fn, '')}"
+        if path.startswith(root):
+          name = os.path.relpath(path, os.path.dirname(root.rstrip(os.sep)))
+          return f"{name}:{line} {self.funcs.get(fn, '')}"
       fid = parent
     return None
 
@@ -211,9 +221,8 @@ class Sources:
     if depth > 40 or name not in self.inst:
       return None
     opcode, operands, frame, op_name, computation, at = self.inst[name]
-    found = self._frame(frame)
-    if found:
-      return found
+    # what passes a value on (a loop, a tuple, a copy) has the line of what it passes, even
+    # where it has a line of its own (a loop's output is its carry, not the loop's line)
     if opcode == "parameter":
       if computation in self.caller:      # a loop's carry, a branch's operand: where it began,
         init, user = self.caller[computation]   # else (a buffer XLA allocated) the loop's line
@@ -224,27 +233,30 @@ class Sources:
       return self._of(operands[0], (int(at),) + index, depth + 1)
     if opcode == "tuple" and index and index[0] < len(operands):
       return self._of(operands[index[0]], index[1:], depth + 1)
-    if opcode == "while" and operands:
-      return self._of(operands[0], index, depth + 1)
+    if opcode in ("while", "copy", "bitcast", "copy-start", "copy-done") and operands:
+      inner = self._of(operands[0], index, depth + 1)
+      if inner and inner.startswith("argument ") and opcode in ("copy", "copy-start"):
+        return "copy of " + inner.removeprefix("argument ")
+      if inner:
+        return inner
+    found = self._frame(frame)
+    if found:
+      return found
     if opcode == "fusion" and ("fusion " + name) in self.caller:
       called, _ = self.caller["fusion " + name]
       inner = self._of(self.root.get(called, ""), index, depth + 1)
       if inner:
         return inner
-    if opcode in ("copy", "bitcast", "copy-start", "copy-done") and operands:
-      inner = self._of(operands[0], index, depth + 1)
-      if inner and inner.startswith("argument ") and opcode in ("copy", "copy-start"):
-        return "copy of " + inner.removeprefix("argument ")
-      return inner
     # an instruction XLA made (a fusion of the update's math, a host call's result): the line
     # of the first operand that has one
     return next((s for s in (self._of(o, (), depth + 1) for o in operands) if s), None)
 
 
-def explain(dump: str, top: int = 25, roots=("/k2jax/", "/kernels/")) -> HeapPeak:
+def explain(dump: str, top: int = 25, roots=None) -> HeapPeak:
   """The device heap of the train step compiled into `dump` (XLA's dump directory: the buffer
   assignment, live ranges and optimized HLO) at its fullest moment, charged to the innermost
-  frame under one of `roots` (paths) of the Python that traced each buffer."""
+  frame in one of the directories `roots` (default: ours, ROOTS) of the Python that traced
+  each buffer."""
   heap, values = heap_values(_one(dump, "after_optimizations-buffer-assignment.txt"))
   t, live, places = fullest(values, live_ranges(_one(dump, "after_optimizations-live-range.txt")))
   src = Sources(_one(dump, "after_optimizations.txt"), roots)
