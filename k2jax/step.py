@@ -179,10 +179,12 @@ def train_step(config, tx, schedule, state: TrainState, batch):
   opt_state = _gate(finite, opt_state, old_opt)
   if isinstance(opt_state, optim.MasterWeightsState):
     # bf16 params are their float32 master's rounding (optim.master: what apply_updates gives
-    # up to f32 rounding of p + (w' - p)); taken from the master, the old params are not read
-    # after the gradient loop, and XLA:TPU need not hold a float32 update tree and the old
-    # params beside the new ones: -4.4 GB per device at the update's peak (the 8-chip K2 step
-    # with host states, experiments/results/compile/compile_tpu.csv)
+    # up to f32 rounding of p + (w' - p)); a skipped step keeps the old master, whose
+    # rounding is the old params as long as params were made from it (init_state, tx.init
+    # of loaded params, every step since). Taken from the master, the old params are not
+    # read after the gradient loop, and XLA:TPU need not hold a float32 update tree and the
+    # old params beside the new ones: -4.4 GB per device at the update's peak (the 8-chip K2
+    # step with host states, experiments/results/compile/compile_tpu.csv)
     params = jax.tree.map(lambda w, p: w.astype(p.dtype), opt_state.master, state.params)
   else:
     params = _gate(finite, optax.apply_updates(state.params, updates), state.params)

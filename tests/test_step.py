@@ -122,13 +122,16 @@ def test_bfloat16_step_is_finite_and_keeps_float32_params():
   assert all(x.dtype in (jnp.float32,) for x in jax.tree.leaves(state.params))
 
 
-def test_a_skipped_step_keeps_one_clock(monkeypatch):
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_a_skipped_step_keeps_one_clock(monkeypatch, param_dtype):
   """A non-finite step is skipped (params and moments kept) but every optax step counter
   still advances with the trainer's step, so the logged learning rate is the one optax
-  applies (schedule(count)) and a WSD decay still completes on time."""
+  applies (schedule(count)) and a WSD decay still completes on time. bf16 params: the kept
+  params are the kept master's rounding (step.train_step), equal to the old ones."""
   from k2jax import step as step_lib
   cfg = configs.get_config("tiny")
   cfg.model.num_hidden_layers = 2
+  cfg.model.param_dtype = param_dtype
   cfg.optimizer.update(dict(warmup_steps=2, decay_steps=3))
   cfg.train.steps = 5
   original = step_lib.lm_loss
