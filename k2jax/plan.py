@@ -195,7 +195,7 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   # experts, the carry and the round's).
   layer_bytes = 2 * stack_layer_bytes(m, sp.stack.name, mesh_shape)
   if expert_parallel.runs_in_rounds(mesh_shape["expert"], m.get("ep_round_load", 2.0),
-                                    platform):
+                                    m.get("ep_transport", "auto"), platform):
     layer_bytes += stack_layer_bytes(m, sp.stack.name, mesh_shape, only="experts")
   tab = pipeline.schedule_table(m, stages, virtual_stages, M, schedule, mesh_shape["data"],
                                 mesh_shape["expert"], seq_len, platform)

@@ -87,10 +87,13 @@ def auto_transport(backend: str | None = None) -> str:
   return "bucketed" if (backend or platform.backend()) == "cpu" else "ragged"
 
 
-def runs_in_rounds(ep: int, round_load: float, backend: str) -> bool:
-  """Whether the exchange's worst case on `backend` (every assignment to one shard: ep x the
-  balanced load) runs in rounds of `round_load` x the balanced load (module docstring)."""
-  return auto_transport(backend) == "ragged" and ep > round_load
+def runs_in_rounds(ep: int, round_load: float, transport: str, backend: str) -> bool:
+  """Whether the exchange's worst case with `transport` (model.ep_transport; auto: as on
+  `backend`) runs in rounds: every assignment to one shard, ep x the balanced load, above a
+  round's `round_load` x (module docstring; at a few rows the bound's rounding up to 8 rows
+  can cover it)."""
+  transport = auto_transport(backend) if transport == "auto" else transport
+  return transport == "ragged" and ep > round_load
 
 
 def _exclusive_cumsum(x, axis=-1):
