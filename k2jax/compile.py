@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import jax
 
-from k2jax import configs, kernels, parallel
+from k2jax import configs, kernels, parallel, xla_heap
 from k2jax.kernels import platform as kernel_platform
 from k2jax.parallel import MESH_AXES
 
@@ -174,7 +174,6 @@ def compile_step(config, devices, dump: str | None = None) -> Compiled:
 # Colors of XLA:TPU's memory spaces in a buffer assignment (libtpu 0.0.42.1): 0 is HBM,
 # 5 host memory (its memory-usage report calls it cmem); the others are on-chip scratch.
 _DEVICE_COLOR, _HOST_COLOR = 0, 5
-_ALLOCATION = re.compile(r"allocation \d+: size (\d+)(.*)")
 
 
 def buffer_assignment(text: str) -> tuple[dict, dict]:
@@ -186,15 +185,8 @@ def buffer_assignment(text: str) -> tuple[dict, dict]:
   counts, arguments + heap (its "HLO temporaries" in the refusals of the 32k step, to the
   hundredth of a GiB); peak: all three, the device memory space's total."""
   out = {c: dict(arguments=0, heap=0, thread_local=0) for c in (_DEVICE_COLOR, _HOST_COLOR)}
-  for line in text.splitlines():
-    m = _ALLOCATION.match(line)
-    if not m:
-      continue
-    size, rest = int(m.group(1)), m.group(2)
-    c = re.search(r"color (\d+)", rest)
-    color = int(c.group(1)) if c else 0
-    kind = ("arguments" if "parameter" in rest else "heap" if "preallocated-temp" in rest
-            else "thread_local" if "thread-local" in rest else None)
+  for a in filter(None, map(xla_heap.allocation, text.splitlines())):
+    size, color, kind = a
     if kind and color in out:
       out[color][kind] += size
   for d in out.values():
@@ -372,7 +364,6 @@ def main(argv=None):
       refused(refusal(e))
   print(table(args.config, args.topology, config, result, est))
   if args.explain:
-    from k2jax import xla_heap
     print(xla_heap.table(xla_heap.explain(dump, top=args.explain)))
   if args.json:
     rec = record(args.config, args.topology, config, result, est)

@@ -67,16 +67,31 @@ _ALLOC = re.compile(r"allocation \d+: size (\d+)(.*)")
 _VALUE = re.compile(r" value: <\d+ (\S+)(?: \(phi\))? @\S+> \(size=(\d+),offset=(\d+)\): (\S+)")
 
 
+def allocation(line: str) -> tuple[int, int, str | None] | None:
+  """(size, color, kind) of a buffer assignment's "allocation N: ..." line, else None. color:
+  XLA's memory space (0 the device's, no color named); kind: "arguments" (an entry
+  parameter), "heap" (the preallocated temporaries), "thread_local", or None (constants,
+  outputs)."""
+  m = _ALLOC.match(line)
+  if not m:
+    return None
+  rest = m.group(2)
+  c = re.search(r"color (\d+)", rest)
+  kind = ("arguments" if "parameter" in rest else "heap" if "preallocated-temp" in rest
+          else "thread_local" if "thread-local" in rest else None)
+  return int(m.group(1)), int(c.group(1)) if c else 0, kind
+
+
 def heap_values(text: str) -> tuple[int, dict]:
   """The device heap of a buffer assignment: (its size, {value: (size, offset, shape)}).
   Should XLA make several heaps, they are laid end to end (offsets past the ones before)."""
   size, values, inside, base = 0, {}, False, 0
   for line in text.splitlines():
-    m = _ALLOC.match(line)
-    if m:   # the device heap: preallocated-temp in memory space 0 (no color named)
-      inside = "preallocated-temp" in m.group(2) and "color" not in m.group(2)
+    a = allocation(line)
+    if a:
+      inside = a[1:] == (0, "heap")
       if inside:
-        base, size = size, size + int(m.group(1))
+        base, size = size, size + a[0]
       continue
     v = _VALUE.match(line) if inside else None
     if v:
