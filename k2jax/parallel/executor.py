@@ -168,7 +168,8 @@ class Executor:
     self.act_shape = mb["inputs"].shape[1:] + (cfg.hidden_size,)
     self.n_pre = sum(s.size for s in transformer.stacks(cfg) if s != sp.stack)
     # the device running the last stage (the head's input and its cotangent live there)
-    self.last_device = self.p == placed(Pn * V - 1, Pn)[1]
+    self.last = placed(Pn * V - 1, Pn)[1]
+    self.last_device = self.p == self.last
     self._layer_functions()
     # Shapes of one F phase's outputs, for the buffers and the idle branch.
     self.x0 = jnp.zeros(self.act_shape, self.dt)
@@ -396,9 +397,8 @@ class Executor:
         fv >= 0, self.busy["F"][t], self.forward_phase, self.forward_idle,
         (jnp.maximum(fv, 0), jnp.maximum(fm, 0), fv >= 0, self.embeds["F"][t], act, st))
     y, st = order((y, st))
-    last = placed(self.Pn * self.V - 1, self.Pn)[1]
     dh, st = jax.lax.cond(self.head_tick[t], self.head_phase, self.head_idle,
-                          (y, jnp.maximum(task["F"][t, last, 1], 0), st))
+                          (y, jnp.maximum(task["F"][t, self.last, 1], 0), st))
     if not self.grads:
       return (jax.lax.ppermute(y, AXIS, self.fwd_ring), st_b, act_buf, grad_buf, res_buf,
               cut_buf, st, g), None
