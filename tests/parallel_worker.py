@@ -235,9 +235,6 @@ def ep_transports(part="0/1"):
       np.add.at(grads[name], e, outer)
     return y, grads
 
-  def rel(got, want):
-    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
-
   out = {}
   stored = [(t, "none", False) for t in ("padded", "bucketed", "ragged")]
   stored += [("ragged", "selective", False), ("bucketed", "full", False),
@@ -264,7 +261,7 @@ def ep_transports(part="0/1"):
     y, grads = jax.jit(both)(p, x, w)
     got = dict(grads[0], x=grads[1], w=grads[2])
     case = f"{name}/{transport}/{remat}/{'fp8' if fp8 else 'exact'}"
-    out[case] = dict(y=rel(y, y64), **{n: rel(got[n], g64[n]) for n in g64})
+    out[case] = dict(y=_rel(y, y64), **{n: _rel(got[n], g64[n]) for n in g64})
     if fp8:
       # Against the E4M3-rounded reference, entry by entry: the share of each gradient's
       # entries off by more than 1e-4 of its largest. Where f32 and f64 round a value lying
@@ -420,8 +417,7 @@ def attend_shards():
           *args)
     cfg.attention_impl = "xla"
     (_, (out0, m0)), g0 = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-    errors[impl] = max([rel(out, out0), rel(m, m0)] + [rel(a, b) for a, b in zip(g, g0)])
+    errors[impl] = max([_rel(out, out0), _rel(m, m0)] + [_rel(a, b) for a, b in zip(g, g0)])
   print("RESULT " + json.dumps(errors))
 
 
@@ -646,9 +642,8 @@ def context_meshes(*specs):
                 load=aux.expert_load)
 
   def errors(got, want):
-    rel = _rel
-    out = {k: rel(got[k], want[k]) for k in ("loss", "max_logits", "aux", "load")}
-    out["grads"] = {jax.tree_util.keystr(path): rel(a, b) for (path, a), b in zip(
+    out = {k: _rel(got[k], want[k]) for k in ("loss", "max_logits", "aux", "load")}
+    out["grads"] = {jax.tree_util.keystr(path): _rel(a, b) for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(got["grads"]), jax.tree.leaves(want["grads"]))}
     return out
 
@@ -753,14 +748,13 @@ def context_kernels(*impls):
       p = jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
       return jax.jit(f)(p, batch)
 
-  rel = _rel
   want = run("chunked", 1, 1)
   result = {"seed": seed}
   for impl in impls:
     called.clear()
     got = run(impl, 2, 4)
-    result[impl] = {"ran": sorted(set(called)), "loss": rel(got[0], want[0]), "max_logits": rel(got[2], want[2]),
-                    "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(got[1]),
+    result[impl] = {"ran": sorted(set(called)), "loss": _rel(got[0], want[0]), "max_logits": _rel(got[2], want[2]),
+                    "grads": max(_rel(a, b) for a, b in zip(jax.tree.leaves(got[1]),
                                                            jax.tree.leaves(want[1]))),
                     "leaves": len(jax.tree.leaves(got[1]))}
   print("RESULT " + json.dumps(result))
