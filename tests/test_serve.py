@@ -491,9 +491,10 @@ def test_an_api_key_metrics_and_a_bound_on_waiting_rows():
       assert _metric(text, 'k2jax_request_refused_total{status="401"}') == 2
       assert _metric(text, "k2jax_time_to_first_token_seconds_count") == 1
       assert _metric(text, "k2jax_num_requests_running") == 0
-      # one slot: a long stream holds it, a second request waits, a third is one too many
-      stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=900,
-                                              stream=True)
+      # one slot: a long stream holds it, a second request waits, a third is one too many.
+      # min_tokens: a sampled stop token must not end the stream (and free the slot) early.
+      stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=800,
+                                              stream=True, extra_body={"min_tokens": 800})
       next(iter(stream))
       with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(client.chat.completions.create, model="tiny", messages=USER,
