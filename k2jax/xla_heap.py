@@ -22,6 +22,13 @@ instruction XLA made from its first operand that has one. A copy of an entry par
 named by the argument's path ("copy of state.params[...]": XLA's copy of a donated
 argument, or a host-resident one brought to the device). heap - live(t) is what packing
 lost: values of different lifetimes that could not share the heap's space.
+
+The heap is not all of it: a donated argument's buffer is free once the argument's last
+reader has run, and XLA places temporaries there. It does so on purpose at K2's step
+(libtpu 0.0.42.1): the expert stacks are copied into the heap before the tick loop and the
+loop's float32 gradient sums live in their donated buffers. A "copy of" row is then a move,
+not a cost; what the arguments' buffers hold at the heap's fullest moment, other than the
+arguments themselves, is charged the same way (`HeapPeak.in_arguments`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class HeapPeak(NamedTuple):
   live: int          # bytes live at its fullest moment
   time: int          # that moment, in XLA's schedule (the live-range dump's clock)
   rows: list         # [Row], largest first
+  in_arguments: list = []   # [Row]: temporaries in the arguments' own buffers at that moment
 
 
 def _one(dump: str, suffix: str) -> str:
@@ -82,14 +90,15 @@ def allocation(line: str) -> tuple[int, int, str | None] | None:
   return int(m.group(1)), int(c.group(1)) if c else 0, kind
 
 
-def heap_values(text: str) -> tuple[int, dict]:
+def heap_values(text: str, kind: str = "heap") -> tuple[int, dict]:
   """The device heap of a buffer assignment: (its size, {value: (size, offset, shape)}).
-  Should XLA make several heaps, they are laid end to end (offsets past the ones before)."""
+  Should XLA make several heaps, they are laid end to end (offsets past the ones before).
+  kind="arguments": the same of the entry parameters' device buffers, one after another."""
   size, values, inside, base = 0, {}, False, 0
   for line in text.splitlines():
     a = allocation(line)
     if a:
-      inside = a[1:] == (0, "heap")
+      inside = a[1:] == (0, kind)
       if inside:
         base, size = size, size + a[0]
       continue
@@ -272,20 +281,33 @@ def explain(dump: str, top: int = 25, roots=None) -> HeapPeak:
   assignment, live ranges and optimized HLO) at its fullest moment, charged to the innermost
   frame in one of the directories `roots` (default: ours, ROOTS) of the Python that traced
   each buffer."""
-  heap, values = heap_values(_one(dump, "after_optimizations-buffer-assignment.txt"))
-  t, live, places = fullest(values, live_ranges(_one(dump, "after_optimizations-live-range.txt")))
+  assignment = _one(dump, "after_optimizations-buffer-assignment.txt")
+  heap, values = heap_values(assignment)
+  ranges = live_ranges(_one(dump, "after_optimizations-live-range.txt"))
+  t, live, places = fullest(values, ranges)
   src = Sources(_one(dump, "after_optimizations.txt"), roots)
-  charged, example = collections.Counter(), {}
-  for place, names in places.items():
-    found = next((s for s in map(src.of, names) if s), None) or "unnamed (XLA's own)"
-    charged[found] += place[1]
-    big = max(names, key=lambda n: values[n][0])
-    if place[1] > example.get(found, (0, ""))[0]:
-      example[found] = (place[1], values[big][2])
-  rows = [Row(b, s, example[s][1]) for s, b in charged.most_common()]
-  return HeapPeak(heap, live, t, rows[:top] + ([Row(sum(r.bytes for r in rows[top:]),
-                                                     f"{len(rows) - top} more sources", "")]
-                                               if len(rows) > top else []))
+
+  def charge(places, values):
+    charged, example = collections.Counter(), {}
+    for place, names in places.items():
+      found = next((s for s in map(src.of, names) if s), None) or "unnamed (XLA's own)"
+      charged[found] += place[1]
+      big = max(names, key=lambda n: values[n][0])
+      if place[1] > example.get(found, (0, ""))[0]:
+        example[found] = (place[1], values[big][2])
+    rows = [Row(b, s, example[s][1]) for s, b in charged.most_common()]
+    return rows[:top] + ([Row(sum(r.bytes for r in rows[top:]), f"{len(rows) - top} more sources",
+                              "")] if len(rows) > top else [])
+
+  # the arguments' buffers at the same moment: what lives there that is not the argument
+  _, held = heap_values(assignment, "arguments")
+  own = {n for n in held if src.inst.get(n.split("{")[0], ("",))[0] == "parameter"
+         and (src.of(n) or "").startswith("argument ")}
+  there = collections.defaultdict(list)
+  for n, (size, offset, _) in held.items():
+    if n not in own and n in ranges and ranges[n][0] <= t <= ranges[n][1]:
+      there[(offset, size)].append(n)
+  return HeapPeak(heap, live, t, charge(places, values), charge(there, held))
 
 
 def table(peak: HeapPeak) -> str:
@@ -297,4 +319,10 @@ def table(peak: HeapPeak) -> str:
             for r in peak.rows]
   lines.append(f"  {(peak.heap - peak.live) / GB:8.2f}  packing: heap space no value of that "
                f"moment could use")
+  if peak.in_arguments:
+    moved = sum(r.bytes for r in peak.in_arguments)
+    lines.append(f"and {moved / GB:.2f} GB of temporaries in the donated arguments' own buffers "
+                 f"at that moment (where a \"copy of\" row moved an argument out):")
+    lines += [f"  {r.bytes / GB:8.2f}  {r.source}" + (f"   ({r.example})" if r.example else "")
+              for r in peak.in_arguments]
   return "\n".join(lines)

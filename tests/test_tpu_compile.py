@@ -316,3 +316,36 @@ def test_explain_charges_the_heap_to_the_lines_that_made_it(tmp_path):
   assert peak.heap == kc.buffer_assignment(ba.read())[0]["heap"]
   assert peak.live <= peak.heap and sum(r.bytes for r in peak.rows) >= peak.live
   assert np.isclose(sum(r.bytes for r in peak.rows), peak.live, rtol=0.05)
+
+
+def test_explain_names_temporaries_in_a_donated_arguments_buffer(tmp_path):
+  """A donated argument read only before a loop: XLA:TPU keeps the loop's carry (made from it
+  by the line below) in the argument's own buffer, so the heap holds nothing of it. explain
+  finds it there, charged to that line, and does not count the argument itself."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import SingleDeviceSharding
+  from k2jax import compile as kc, xla_heap
+
+  dev = kc.topology_devices("v5e:1x1")[0]
+  n, k = 2048, 16            # 256 MB: not in the chip's 128 MiB of on-chip memory
+
+  def update(p, x):
+    acc = p * 2.0                                                 # p's last reader
+    def body(i, acc):
+      return acc.at[i % k].add(jnp.tanh(acc[(i + 1) % k]) @ x)
+    return jnp.tanh(jax.lax.fori_loop(0, 7, body, acc)) + 1.0
+
+  line = update.__code__.co_firstlineno + 1
+  on = SingleDeviceSharding(dev)
+  jax.jit(update, donate_argnums=0).trace(
+      jax.ShapeDtypeStruct((k, n, n), jnp.float32, sharding=on),
+      jax.ShapeDtypeStruct((n, n), jnp.float32, sharding=on)).lower().compile(
+          compiler_options={"xla_dump_to": str(tmp_path)})
+  tests = os.path.dirname(os.path.abspath(__file__))
+  peak = xla_heap.explain(str(tmp_path), top=50, roots=(tests,))
+  there = {r.source.split()[0]: r for r in peak.in_arguments}
+  mine = there.get(f"tests/test_tpu_compile.py:{line}")
+  assert mine is not None and mine.bytes >= k * n * n * 4, xla_heap.table(peak)
+  assert not any(r.source.startswith("argument ") for r in peak.in_arguments)
+  assert peak.heap < k * n * n * 4 and "donated arguments' own buffers" in xla_heap.table(peak)

@@ -50,3 +50,24 @@ def test_several_heaps_are_laid_end_to_end_and_other_memory_spaces_left_out():
   assert values == {"a{}": (100, 0, "f32[25]"), "b{}": (40, 100, "bf16[20]")}
   t, live, places = xla_heap.fullest(values, {"a{}": (0, 5), "b{}": (3, 9)})
   assert (live, sorted(places)) == (140, [(0, 100), (100, 40)]) and 3 <= t <= 5
+
+
+def test_argument_buffers_are_read_apart_from_the_heap():
+  """kind="arguments": the entry parameters' device buffers, one after another, with what
+  XLA placed in them; the heap, host-resident arguments and outputs left out."""
+  text = "\n".join([
+      "allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}, maybe-live-out:",
+      " value: <1 param.0 @0> (size=64,offset=0): f32[16]{0}",
+      " value: <2 fusion.3 @0> (size=64,offset=0): f32[16]{0}",
+      "allocation 1: size 32, color 5, parameter 1, shape |f32[8]| at ShapeIndex {}:",
+      " value: <3 param.1 @0> (size=32,offset=0): f32[8]{0}",
+      "allocation 2: size 100, preallocated-temp:",
+      " value: <4 a @0> (size=100,offset=0): f32[25]{0}",
+      "allocation 3: size 40, parameter 2, shape |f32[10]| at ShapeIndex {}:",
+      " value: <5 param.2 @0> (size=40,offset=0): f32[10]{0}",
+      " value: <6 while.1{2} (phi) @0> (size=40,offset=0): f32[10]{0}"])
+  size, values = xla_heap.heap_values(text, "arguments")
+  assert size == 104
+  assert values == {"param.0{}": (64, 0, "f32[16]"), "fusion.3{}": (64, 0, "f32[16]"),
+                    "param.2{}": (40, 64, "f32[10]"), "while.1{2}": (40, 64, "f32[10]")}
+  assert xla_heap.heap_values(text) == (100, {"a{}": (100, 0, "f32[25]")})
