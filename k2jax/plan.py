@@ -33,7 +33,7 @@ from k2jax import configs, model, optim
 from k2jax.kernels import platform as kernel_platform
 from k2jax.model import expert_parallel, spec as model_spec, transformer
 from k2jax.configs.sharding_rules import mesh_axes, param_spec
-from k2jax.parallel import MESH_AXES, layout, pipeline, state_shardings
+from k2jax.parallel import MESH_AXES, grad_shardings, layout, pipeline, state_shardings
 from k2jax.parallel.mesh import parse_mesh
 from k2jax.parallel.mesh import entry_axes
 from k2jax.step import differentiated, init_state
@@ -65,8 +65,11 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   tx = optim.optimizer(stored)
   abstract = jax.eval_shape(functools.partial(init_state, stored, tx), jax.random.key(0))
   mesh = AbstractMesh(tuple(mesh_shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
-  sh = state_shardings(model.param_specs(stored.model), mesh, abstract, tx,
-                       host_state=config.optimizer.host_state)
+  specs = model.param_specs(stored.model)
+  sh = state_shardings(specs, mesh, abstract, tx, host_state=config.optimizer.host_state)
+  # the gradients as the update takes them: ZeRO-1's slices (k2jax.step.program), and so
+  # the accumulator of a step without a pipeline, which XLA keeps in that sharding
+  to = grad_shardings(specs, mesh, abstract.params)
 
   def per_device(tree, shardings, itemsize=None, memory_kind=None):
     return sum(int(np.prod(s.shard_shape(a.shape))) * (itemsize or a.dtype.itemsize)
@@ -94,7 +97,7 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   cast_tree = jax.eval_shape(functools.partial(differentiated, stored), abstract.params)
   cast = [(c, s) for c, a, s in zip(jax.tree.leaves(cast_tree), jax.tree.leaves(abstract.params),
                                     jax.tree.leaves(sh.params)) if c.dtype != a.dtype]
-  grads = sums = per_device(abstract.params, sh.params, grad_bytes)
+  grads = sums = per_device(abstract.params, to, grad_bytes)
   loop_copy = 0
   if mesh_shape["pipeline"] > 1:
     # The pipeline's shard_map holds the weights stored split only to save memory whole,

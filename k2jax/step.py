@@ -59,12 +59,12 @@ def microbatches(batch, n: int):
                       batch)
 
 
-def _pipelined_grads(mcfg, params, batch, tab, skip=None):
+def _pipelined_grads(mcfg, params, batch, tab, skip=None, reduce_to=None):
   """_grads with the microbatches flowing through pipeline stages as schedule table `tab`
   says (k2jax.parallel.pipeline); params, grads and per-layer statistics in the stored
   layout (k2jax.parallel.layout)."""
   ce_sum, n, _, aux, g = pipeline.loss_and_grads(mcfg, params, microbatches(batch, tab.M), tab,
-                                                 skip)
+                                                 skip, reduce_to)
   n = jnp.maximum(n, 1.0)
   return jax.tree.map(lambda x: (x / n).astype(jnp.float32), g), ce_sum / n, aux
 
@@ -84,7 +84,7 @@ def differentiated(config, params):
   return spec.cast_once(model.param_specs(config.model), params, config.model.dtype)
 
 
-def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None):
+def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None, reduce_to=None):
   """Gradients of mean token loss (+ aux loss), accumulated over microbatches in float32
   (report 2.4.2's fp32 gradient buffer, whatever the parameters' dtype).
 
@@ -92,10 +92,11 @@ def _grads(mcfg, params, batch, grad_accum, tab=None, skip=None):
   microbatches). Accumulator shapes come from the config, not from a trial forward pass.
   With a pipeline schedule table `tab` the microbatches run through the pipeline instead.
   `params` may hold leaves already cast to model.dtype (`differentiated`); gradients still
-  accumulate in float32.
+  accumulate in float32. reduce_to: the gradients' shardings (parallel.grad_shardings), or
+  None.
   """
   if tab is not None:
-    return _pipelined_grads(mcfg, params, batch, tab, skip)
+    return _pipelined_grads(mcfg, params, batch, tab, skip, reduce_to)
   # The objective is  ce_sum / N + aux,  N the batch's loss tokens and aux the mean over
   # its sequences of the sequence-wise balance loss, however the batch is split: each of
   # the A microbatches (equal numbers of sequences) adds its aux, a mean over its own
@@ -164,13 +165,18 @@ def on_device(ocfg, opt_state):
   return jax.device_put(opt_state, jax.memory.Space.Device)
 
 
-def train_step(config, tx, schedule, state: TrainState, batch):
+def train_step(config, tx, schedule, state: TrainState, batch, grad_shardings=None):
   """-> (new state, metrics). `config` is the full config (model, optimizer, train, mesh);
   with a pipeline, `state` is in the stored layout (k2jax.parallel.layout) and `tx` was
-  built for it (`optim.optimizer(layout.stored_config(config))`)."""
+  built for it (`optim.optimizer(layout.stored_config(config))`). grad_shardings: where
+  the gradients are reduced to for the update (`parallel.grad_shardings`: ZeRO-1's slices;
+  None leaves it to XLA, which all-reduces them whole)."""
   mcfg, ocfg = config.model, config.optimizer
   grads, loss, aux = _grads(mcfg, differentiated(config, state.params), batch,
-                            config.train.grad_accum, _table(config), pipeline.skip_of(config))
+                            config.train.grad_accum, _table(config), pipeline.skip_of(config),
+                            grad_shardings)
+  if grad_shardings is not None:
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   old_opt = on_device(ocfg, state.opt_state)
@@ -266,11 +272,14 @@ def program(config, mesh) -> Program:
   schedule = optim.learning_rate_schedule(config)
   # the key is made inside: nothing runs, even where the mesh's devices cannot
   abstract = jax.eval_shape(lambda: init_state(stored, tx, jax.random.key(config.train.seed)))
-  shardings = parallel.state_shardings(model.param_specs(stored.model), mesh, abstract, tx,
+  specs = model.param_specs(stored.model)
+  shardings = parallel.state_shardings(specs, mesh, abstract, tx,
                                        host_state=config.optimizer.host_state)
+  grads = parallel.grad_shardings(specs, mesh, abstract.params)
   t = config.train
   batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
-  step = jax.jit(functools.partial(train_step, config, tx, schedule), donate_argnums=0,
+  step = jax.jit(functools.partial(train_step, config, tx, schedule, grad_shardings=grads),
+                 donate_argnums=0,
                  in_shardings=(shardings, batch_sharding),
                  out_shardings=(shardings, parallel.replicated(mesh)))
   return Program(step, tx, schedule, abstract, shardings, batch_sharding)

@@ -78,8 +78,8 @@ def _faulty_grads(grads_fn, fault):
   microbatches out of the gradient (the loss still counts it)."""
   import jax.numpy as jnp
 
-  def faulty(mcfg, params, batch, grad_accum, tab=None, skip=None):
-    g, loss, aux = grads_fn(mcfg, params, batch, grad_accum, tab, skip)
+  def faulty(mcfg, params, batch, grad_accum, tab=None, skip=None, reduce_to=None):
+    g, loss, aux = grads_fn(mcfg, params, batch, grad_accum, tab, skip, reduce_to)
     if fault == "2x":
       hit = lambda path: "['experts']['down']" in jax.tree_util.keystr(path)
       assert any(hit(p) for p, _ in jax.tree_util.tree_flatten_with_path(g)[0])
@@ -89,7 +89,7 @@ def _faulty_grads(grads_fn, fault):
       # microbatch i holds rows i, i + A, ... (step.microbatches): drop the rows of i = 0
       rest = jax.tree.map(lambda x: x.reshape((-1, grad_accum) + x.shape[1:])[:, 1:].reshape(
           (-1,) + x.shape[1:]), batch)
-      g = grads_fn(mcfg, params, rest, grad_accum - 1, tab, skip)[0]
+      g = grads_fn(mcfg, params, rest, grad_accum - 1, tab, skip, reduce_to)[0]
     else:
       raise ValueError(f"unknown fault {fault!r}")
     return jax.tree.map(lambda x: x.astype(jnp.float32), g), loss, aux
@@ -132,6 +132,57 @@ def zero1():
       "opt_per_device": per_device(abstract.opt_state, sh.opt_state),
       "opt_total": total(abstract.opt_state),
       "param_specs_mention_data": any("data" in str(s.spec) for s in jax.tree.leaves(sh.params))}))
+
+
+def reduce_into():
+  """pipeline._reduce on fresh random sums [lead, ...] of a data 2 x expert 4 mesh, into
+  ZeRO-1-like shardings; and parallel.grad_shardings against the optimizer states that
+  mirror each parameter (tiny on data 8)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from k2jax import configs, model, optim, parallel
+  from k2jax.parallel import pipeline
+  from k2jax.step import init_state
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  rng = np.random.default_rng(7)
+  out = {}
+  cases = {   # name: (global shape, its spec, lead axes, target spec)
+      "scatter_on_expert_dim": ((2, 8, 6), P("data", "expert", None), ("data",),
+                                P(("expert", "data"), None)),
+      "scatter_on_free_dim": ((2, 8, 6), P("data", "expert", None), ("data",),
+                              P("expert", "data")),
+      "both_leads": ((8, 8, 6), P(("data", "expert"), None, None), ("data", "expert"),
+                     P(("expert", "data"), None)),
+      "summed_not_scattered": ((2, 8, 6), P("data", "expert", None), ("data",),
+                               P("expert", None)),
+      "lead_not_last": ((2, 8, 6), P("data", "expert", None), ("data",),
+                        P(("data", "expert"), None)),
+  }
+  with jax.set_mesh(mesh):
+    for name, (shape, spec, lead, target) in cases.items():
+      host = rng.standard_normal(shape).astype(np.float32)
+      g = jax.device_put(host, NamedSharding(mesh, spec))
+      r = jax.jit(lambda g: pipeline._reduce(g, lead, NamedSharding(mesh, target)))(g)
+      if r is None:
+        out[name] = None
+        continue
+      out[name] = {"err": float(np.max(np.abs(np.asarray(r) - host.sum(0)))),
+                   "scale": float(np.max(np.abs(host.sum(0)))),
+                   "spec_ok": r.sharding.is_equivalent_to(NamedSharding(mesh, target), r.ndim)}
+  cfg = configs.get_config("tiny")
+  cfg.mesh.data = 8
+  cfg.model.param_dtype = "bfloat16"     # float32 master weights in the optimizer state
+  m8 = parallel.make_mesh(cfg.mesh)
+  tx = optim.optimizer(cfg)
+  abstract = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
+  specs = model.param_specs(cfg.model)
+  sh = parallel.state_shardings(specs, m8, abstract, tx)
+  grads = parallel.grad_shardings(specs, m8, abstract.params)
+  master = sh.opt_state.master
+  out["grad_equals_master"] = all(
+      g.is_equivalent_to(m, len(a.shape)) for g, m, a in zip(
+          jax.tree.leaves(grads), jax.tree.leaves(master), jax.tree.leaves(abstract.params)))
+  out["grad_split_over_data"] = sum("data" in str(g.spec) for g in jax.tree.leaves(grads))
+  print("RESULT " + json.dumps(out))
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -792,7 +843,7 @@ def generate_context():
 
 
 if __name__ == "__main__":
-  {"meshes": meshes, "zero1": zero1, "ep_transports": ep_transports,
+  {"meshes": meshes, "zero1": zero1, "reduce_into": reduce_into, "ep_transports": ep_transports,
    "pipeline_collectives": pipeline_collectives, "tick_collectives": tick_collectives,
    "lower": lower,
    "attend_shards": attend_shards, "muon_local": muon_local,

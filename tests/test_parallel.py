@@ -111,6 +111,20 @@ def test_embedding_exchange_equals_take_and_its_autodiff():
   assert wrong["wrong_routing_err"] > 0.1 and not wrong["wrong_routing_forward_equal"]
 
 
+def test_gradient_sums_reduce_into_zero1_slices():
+  """pipeline._reduce: sums unreduced over the lead axes come out summed (against numpy on
+  fresh random values) and in the target sharding, reduce-scattered where the target splits
+  over a lead axis; a target whose entry puts a lead axis before another axis is refused
+  (None: the caller sums). The trainer's grad_shardings are the master weights' shardings."""
+  r = worker(8, "reduce_into")
+  for name in ("scatter_on_expert_dim", "scatter_on_free_dim", "both_leads",
+               "summed_not_scattered"):
+    assert r[name]["spec_ok"], (name, r[name])
+    assert r[name]["err"] <= 1e-5 * r[name]["scale"], (name, r[name])
+  assert r["lead_not_last"] is None
+  assert r["grad_equals_master"] and r["grad_split_over_data"] > 0
+
+
 def test_zero1_shards_optimizer_state_not_params():
   r = worker(8, "zero1")
   assert r["params_per_device"] == r["params_total"]      # params replicated over data
