@@ -11,7 +11,9 @@ XLA compiled it (or its one-line refusal), XLA's device and host bytes per chip,
 their ratio, and the compile time on this machine. With --memory_only each compile stops at
 XLA's buffer assignment (`k2jax.compile --memory_only`): the device figure is then the
 device memory space's total, and the note gives XLA's out-of-memory check (arguments +
-temporary heap).
+temporary heap), and `--explain` adds the bytes live at the heap's fullest moment in all
+device memory (arguments + heap, before XLA's packing: xla_heap.HeapPeak.all_live), with
+plan's figure over both.
 """
 
 import argparse
@@ -80,7 +82,7 @@ def run(name, preset, topology, overrides, timeout, memory_only=False):
     try:
       r = subprocess.run([sys.executable, "-m", "k2jax.compile", "--config", preset,
                           "--topology", topology, "--json", path, *overrides,
-                          *(["--memory_only"] if memory_only else [])],
+                          *(["--memory_only", "--explain", "1"] if memory_only else [])],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
       fig = json.load(open(path)) if os.path.exists(path) else None
       note = r.stderr.strip().splitlines()[-1] if r.returncode and r.stderr.strip() else ""
@@ -102,6 +104,11 @@ def run(name, preset, topology, overrides, timeout, memory_only=False):
         "plan_device_gb"] else ""
     row["host_ratio"] = row["xla_host_gb"] / row["plan_host_gb"] if row["plan_host_gb"] else ""
     if fig.get("stage") == "buffer assignment":
+      row["xla_check_gb"] = dev["check"] / GB
+      if fig.get("xla_live") and fig["plan_device"]:
+        row["xla_live_gb"] = fig["xla_live"] / GB
+        row["check_ratio"] = dev["check"] / fig["plan_device"]
+        row["live_ratio"] = fig["xla_live"] / fig["plan_device"]
       row["refusal"] = (
           f"buffer assignment only (k2jax.compile --memory_only): XLA's out-of-memory check "
           f"(arguments + heap) {dev['check'] / GB:.2f} GB ({dev['check'] / 2**30:.2f} GiB), "
@@ -130,10 +137,19 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   fields = ["row", "config", "topology", "overrides", "compiled", "xla_device_gb",
             "xla_arguments_gb", "xla_temporaries_gb", "xla_host_gb", "plan_device_gb",
-            "plan_host_gb", "device_ratio", "host_ratio", "hbm_gb", "fits", "seconds", "refusal"]
+            "plan_host_gb", "device_ratio", "host_ratio", "hbm_gb", "fits", "seconds", "refusal",
+            "xla_check_gb", "xla_live_gb", "check_ratio", "live_ratio"]
   new = not os.path.exists(args.out)
-  print(f"{'row':<28}{'XLA dev GB':>11}{'plan GB':>9}{'ratio':>7}{'XLA host':>10}"
-        f"{'plan host':>10}{'HBM':>7}{'s':>6}")
+  if not new:   # rows from before a column was added keep their figures, the new ones empty
+    with open(args.out, newline="") as f:
+      old = list(csv.DictReader(f))
+    if old and list(old[0]) != fields:
+      with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fields)
+        w.writeheader()
+        w.writerows({k: r.get(k, "") for k in fields} for r in old)
+  print(f"{'row':<30}{'XLA dev GB':>11}{'check':>7}{'live':>7}{'plan GB':>9}{'check/plan':>11}"
+        f"{'live/plan':>10}{'XLA host':>10}{'plan host':>10}{'s':>5}")
   for name in names:
     row = run(name, *ROWS[name], args.timeout, args.memory_only)
     with open(args.out, "a", newline="") as f:
@@ -144,9 +160,10 @@ def main():
       w.writerow(row)
     if row["compiled"]:
       fmt = lambda k: f"{row[k]:.2f}" if isinstance(row.get(k), float) else "-"
-      print(f"{name:<28}{fmt('xla_device_gb'):>11}{fmt('plan_device_gb'):>9}"
-            f"{fmt('device_ratio'):>7}{fmt('xla_host_gb'):>10}{fmt('plan_host_gb'):>10}"
-            f"{fmt('hbm_gb'):>7}{row['seconds']:>6}")
+      print(f"{name:<30}{fmt('xla_device_gb'):>11}{fmt('xla_check_gb'):>7}"
+            f"{fmt('xla_live_gb'):>7}{fmt('plan_device_gb'):>9}{fmt('check_ratio'):>11}"
+            f"{fmt('live_ratio'):>10}{fmt('xla_host_gb'):>10}{fmt('plan_host_gb'):>10}"
+            f"{row['seconds']:>5}")
     else:
       print(f"{name:<28} refused ({row['seconds']} s): {row['refusal']}")
 

@@ -363,10 +363,16 @@ def main(argv=None):
     except Exception as e:   # XLA's refusal: a compile error or out of memory
       refused(refusal(e))
   print(table(args.config, args.topology, config, result, est))
-  if args.explain:
-    print(xla_heap.table(xla_heap.explain(dump, top=args.explain)))
+  peak = xla_heap.explain(dump, top=args.explain) if args.explain else None
+  if peak:
+    print(xla_heap.table(peak))
+    if est:   # plan counts what the program holds; XLA's check adds its packing
+      print(f"plan's device figure {est.device / 1e9:.2f} GB; XLA's live bytes at its fullest / "
+            f"plan: {peak.all_live / est.device:.2f}")
   if args.json:
     rec = record(args.config, args.topology, config, result, est)
+    if peak:
+      rec["xla_live"] = peak.all_live
     _write_json(args.json, dict(rec, stage="buffer assignment") if args.memory_only else rec)
 
 

@@ -98,7 +98,15 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   cast = [(c, s) for c, a, s in zip(jax.tree.leaves(cast_tree), jax.tree.leaves(abstract.params),
                                     jax.tree.leaves(sh.params)) if c.dtype != a.dtype]
   grads = sums = per_device(abstract.params, to, grad_bytes)
-  loop_copy = 0
+  loop_copy = loop_grad = 0
+  if mesh_shape["pipeline"] == 1:
+    # The transpose of the layers' scan hands back a stack's whole gradient (model.dtype,
+    # split as its weights) for each microbatch; only then is it reduced into the float32
+    # accumulator's slices (step._grads). XLA:TPU holds the largest stack's beside the
+    # accumulator (`k2jax.compile --explain`, the 8-chip K2 step without a pipeline).
+    size = np.dtype(config.model.dtype).itemsize
+    loop_grad = max(per_device(abstract.params[s.name], sh.params[s.name], size)
+                    for s in model.stacks(stored.model))
   if mesh_shape["pipeline"] > 1:
     # The pipeline's shard_map holds the weights stored split only to save memory whole,
     # gathered once as it opens, and its float32 sums of every weight's gradient shaped
@@ -117,7 +125,7 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
         jax.tree.leaves(abstract.params)) if h.shard_shape(a.shape) != s.shard_shape(b.shape))
   return dict(params=per_device(abstract.params, sh.params),
               cast_copy=per_device([c for c, _ in cast], [s for _, s in cast]),
-              loop_copy=loop_copy, loop_sums=sums,
+              loop_copy=loop_copy, loop_sums=sums, loop_grad=loop_grad,
               grads=grads,
               optimizer=per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
               optimizer_host=per_device(abstract.opt_state, sh.opt_state,
@@ -286,7 +294,7 @@ class Estimate(NamedTuple):
     weights, activations."""
     st = self.states
     return (st["params"] + st["loop_sums"] + st["optimizer"] + st["cast_copy"]
-            + st["loop_copy"] + self.acts.device)
+            + st["loop_copy"] + st["loop_grad"] + self.acts.device)
 
   @property
   def update(self) -> float:
@@ -396,6 +404,11 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
     lines.append(f"  {'weights in ' + cfg.model.dtype:<24}{st['cast_copy'] / GB:>10.2f}   cast once "
                  f"per step for its {M} microbatches (train.cast_once)")
     states += st["cast_copy"]
+  if st["loop_grad"]:
+    lines.append(f"  {'a stack gradient':<24}{st['loop_grad'] / GB:>10.2f}   the largest stack's "
+                 f"gradient in {cfg.model.dtype}, as the layers' scan returns it for a "
+                 f"microbatch, before it joins the accumulator")
+    states += st["loop_grad"]
   offloaded = "" if not acts.host else (
       ", the stage residuals of the microbatches in flight in host memory (model.offload)"
       if P > 1 else ", the layers' saved activations in host memory (model.offload)")

@@ -58,6 +58,13 @@ class HeapPeak(NamedTuple):
   time: int          # that moment, in XLA's schedule (the live-range dump's clock)
   rows: list         # [Row], largest first
   in_arguments: list = []   # [Row]: temporaries in the arguments' own buffers at that moment
+  arguments: int = 0        # the arguments' device buffers (bytes)
+  arguments_live: int = 0   # ... of which live at that moment (arguments or temporaries)
+
+  @property
+  def all_live(self) -> int:
+    """Bytes live in device memory at that moment: what the program holds, before packing."""
+    return self.live + self.arguments_live
 
 
 def _one(dump: str, suffix: str) -> str:
@@ -293,21 +300,27 @@ def explain(dump: str, top: int = 25, roots=None) -> HeapPeak:
       found = next((s for s in map(src.of, names) if s), None) or "unnamed (XLA's own)"
       charged[found] += place[1]
       big = max(names, key=lambda n: values[n][0])
-      if place[1] > example.get(found, (0, ""))[0]:
+      if found not in example or place[1] > example[found][0]:
         example[found] = (place[1], values[big][2])
     rows = [Row(b, s, example[s][1]) for s, b in charged.most_common()]
     return rows[:top] + ([Row(sum(r.bytes for r in rows[top:]), f"{len(rows) - top} more sources",
                               "")] if len(rows) > top else [])
 
   # the arguments' buffers at the same moment: what lives there that is not the argument
-  _, held = heap_values(assignment, "arguments")
+  args, held = heap_values(assignment, "arguments")
   own = {n for n in held if src.inst.get(n.split("{")[0], ("",))[0] == "parameter"
          and (src.of(n) or "").startswith("argument ")}
-  there = collections.defaultdict(list)
+  there, used = collections.defaultdict(list), set()
   for n, (size, offset, _) in held.items():
-    if n not in own and n in ranges and ranges[n][0] <= t <= ranges[n][1]:
-      there[(offset, size)].append(n)
-  return HeapPeak(heap, live, t, charge(places, values), charge(there, held))
+    if n in ranges and ranges[n][0] <= t <= ranges[n][1]:
+      used.add((offset, size))
+      if n not in own:
+        there[(offset, size)].append(n)
+  covered, end = 0, 0               # the union of the live places
+  for offset, size in sorted(used):
+    covered += max(0, offset + size - max(offset, end))
+    end = max(end, offset + size)
+  return HeapPeak(heap, live, t, charge(places, values), charge(there, held), args, covered)
 
 
 def table(peak: HeapPeak) -> str:
@@ -319,6 +332,11 @@ def table(peak: HeapPeak) -> str:
             for r in peak.rows]
   lines.append(f"  {(peak.heap - peak.live) / GB:8.2f}  packing: heap space no value of that "
                f"moment could use")
+  if peak.arguments:
+    lines.append(f"live in all device memory then: {peak.all_live / GB:.2f} GB (the heap's "
+                 f"{peak.live / GB:.2f} and {peak.arguments_live / GB:.2f} of the arguments' "
+                 f"{peak.arguments / GB:.2f}); packing lost "
+                 f"{(peak.heap + peak.arguments - peak.all_live) / GB:.2f} GB of XLA's check")
   if peak.in_arguments:
     moved = sum(r.bytes for r in peak.in_arguments)
     lines.append(f"and {moved / GB:.2f} GB of temporaries in the donated arguments' own buffers "
