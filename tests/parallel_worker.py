@@ -152,6 +152,8 @@ def reduce_into():
                               P("expert", "data")),
       "both_leads": ((8, 8, 6), P(("data", "expert"), None, None), ("data", "expert"),
                      P(("expert", "data"), None)),
+      "both_leads_moved": ((8, 8, 16), P(("data", "expert"), None, None), ("data", "expert"),
+                           P(("expert", "data"), None)),
       "summed_not_scattered": ((2, 8, 6), P("data", "expert", None), ("data",),
                                P("expert", None)),
       "lead_not_last": ((2, 8, 6), P("data", "expert", None), ("data",),

@@ -114,11 +114,13 @@ def test_embedding_exchange_equals_take_and_its_autodiff():
 def test_gradient_sums_reduce_into_zero1_slices():
   """pipeline._reduce: sums unreduced over the lead axes come out summed (against numpy on
   fresh random values) and in the target sharding, reduce-scattered where the target splits
-  over a lead axis; a target whose entry puts a lead axis before another axis is refused
+  over a lead axis (onto a larger dimension first, then moved by an all-to-all, where one
+  divides: the first and last cases); a target whose entry puts a lead axis before another
+  axis is refused
   (None: the caller sums). The trainer's grad_shardings are the master weights' shardings."""
   r = worker(8, "reduce_into")
   for name in ("scatter_on_expert_dim", "scatter_on_free_dim", "both_leads",
-               "summed_not_scattered"):
+               "both_leads_moved", "summed_not_scattered"):
     assert r[name]["spec_ok"], (name, r[name])
     assert r[name]["err"] <= 1e-5 * r[name]["scale"], (name, r[name])
   assert r["lead_not_last"] is None
