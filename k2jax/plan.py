@@ -382,7 +382,8 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
     lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
     if key == "loop_sums" and st["loop_sums"] != st["grads"]:
       lines[-1] += (f"   the pipeline's float32 sums, each weight's as its loop holds it "
-                    f"(reduced once a step to {st['grads'] / GB:.2f})")
+                    f"(reduce-scattered once a step into ZeRO-1's slices: "
+                    f"{st['grads'] / GB:.2f})")
   if st["optimizer_host"]:
     lines[-1] = (f"  {'optimizer on device':<24}{st['optimizer'] / GB:>10.2f}   (not mirroring "
                  f"a parameter: QK-Clip's record, counts)")

@@ -194,7 +194,7 @@ def test_k2_states_per_device_from_the_trainers_shardings():
                      ("optimizer", "optimizer on device"), ("optimizer_host", "host memory"),
                      ("loop_copy", "weights in the loop")):
     assert f"{label:<24}{st[key] / 1e9:>10.2f}" in text
-  assert f"(reduced once a step to {st['grads'] / 1e9:.2f})" in text
+  assert f"(reduce-scattered once a step into ZeRO-1's slices: {st['grads'] / 1e9:.2f})" in text
   in_loop = st["params"] + st["loop_sums"] + st["optimizer"]
   assert f"{'all states on device':<24}{in_loop / 1e9:>10.2f}" in text
   # One sequence per device per microbatch on the report's layout: the preset's
