@@ -451,9 +451,8 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
     g_stage = jax.tree.map(reduced, g_stage, grad_spec, reduce_to[sp.stack.name])
   else:
     g_pre = jax.tree.map(lambda a: a.sum(0), g_pre)
+    g_stage = jax.tree.map(lambda a: a.sum(0), g_stage) if grads else g_stage
   if grads:
-    if reduce_to is None:
-      g_stage = jax.tree.map(lambda a: a.sum(0), g_stage)
     g_lm = g_head["lm_head"].sum(0)
     g_head = {"final_norm": g_head["final_norm"].sum(0),
               "lm_head": g_lm[:, :vocab] if pad else g_lm}
