@@ -165,7 +165,7 @@ def main():
             f"{fmt('live_ratio'):>10}{fmt('xla_host_gb'):>10}{fmt('plan_host_gb'):>10}"
             f"{row['seconds']:>5}")
     else:
-      print(f"{name:<28} refused ({row['seconds']} s): {row['refusal']}")
+      print(f"{name:<30} refused ({row['seconds']} s): {row['refusal']}")
 
 
 if __name__ == "__main__":

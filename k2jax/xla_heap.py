@@ -326,10 +326,11 @@ def explain(dump: str, top: int = 25, roots=None) -> HeapPeak:
 def table(peak: HeapPeak) -> str:
   """The rows as text, the packing loss last."""
   GB = 1e9
+  line = lambda r: f"  {r.bytes / GB:8.2f}  {r.source}" + (f"   ({r.example})" if r.example
+                                                           else "")
   lines = [f"XLA's device heap {peak.heap / GB:.2f} GB; at its fullest (schedule step "
            f"{peak.time}) {peak.live / GB:.2f} GB live, by the line that made it:"]
-  lines += [f"  {r.bytes / GB:8.2f}  {r.source}" + (f"   ({r.example})" if r.example else "")
-            for r in peak.rows]
+  lines += map(line, peak.rows)
   lines.append(f"  {(peak.heap - peak.live) / GB:8.2f}  packing: heap space no value of that "
                f"moment could use")
   if peak.arguments:
@@ -341,6 +342,5 @@ def table(peak: HeapPeak) -> str:
     moved = sum(r.bytes for r in peak.in_arguments)
     lines.append(f"and {moved / GB:.2f} GB of temporaries in the donated arguments' own buffers "
                  f"at that moment (where a \"copy of\" row moved an argument out):")
-    lines += [f"  {r.bytes / GB:8.2f}  {r.source}" + (f"   ({r.example})" if r.example else "")
-              for r in peak.in_arguments]
+    lines += map(line, peak.in_arguments)
   return "\n".join(lines)
