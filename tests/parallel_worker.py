@@ -167,8 +167,7 @@ def reduce_into():
       if r is None:
         out[name] = None
         continue
-      out[name] = {"err": float(np.max(np.abs(np.asarray(r) - host.sum(0)))),
-                   "scale": float(np.max(np.abs(host.sum(0)))),
+      out[name] = {"rel": _rel(r, host.sum(0)),
                    "spec_ok": r.sharding.is_equivalent_to(NamedSharding(mesh, target), r.ndim)}
   cfg = configs.get_config("tiny")
   cfg.mesh.data = 8
