@@ -27,12 +27,12 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, NamedSharding
 
 from k2jax import configs, model, optim
 from k2jax.kernels import platform as kernel_platform
 from k2jax.model import expert_parallel, spec as model_spec, transformer
-from k2jax.configs.sharding_rules import mesh_axes, param_spec
+from k2jax.configs.sharding_rules import mesh_axes, muon_work_spec, param_spec
 from k2jax.parallel import MESH_AXES, grad_shardings, layout, pipeline, state_shardings
 from k2jax.parallel.mesh import parse_mesh
 from k2jax.parallel.mesh import entry_axes
@@ -123,10 +123,21 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
     loop_copy = sum(per_device([a], [h]) for a, h, s, b in zip(
         jax.tree.leaves(padded), held, jax.tree.leaves(sh.params),
         jax.tree.leaves(abstract.params)) if h.shard_shape(a.shape) != s.shard_shape(b.shape))
+  # Muon orthogonalizes whole matrices where the momentum ZeRO-1 split over data is not split
+  # so by the work (sharding_rules.muon_work_spec: a stack's batch dimensions data does not
+  # divide, e.g. a stage's one dense layer): the update gathers those momenta (float32) and
+  # holds them and their orthogonalized updates as the work splits them, beyond the slices
+  # (`k2jax.compile --explain`: optim/muon.py's on_local_matrices rows)
+  muon = [(a, NamedSharding(mesh, muon_work_spec(s.axes, s.shape, mesh, model_spec.muon_batch(s))),
+           z) for s, a, z in zip(jax.tree.leaves(specs, is_leaf=model_spec.is_spec),
+                                 jax.tree.leaves(abstract.params), jax.tree.leaves(to))
+          if s.group == "muon"]
+  muon_gather = (per_device([a for a, _, _ in muon], [w for _, w, _ in muon], 4)
+                 - per_device([a for a, _, _ in muon], [z for _, _, z in muon], 4))
   return dict(params=per_device(abstract.params, sh.params),
               cast_copy=per_device([c for c, _ in cast], [s for _, s in cast]),
               loop_copy=loop_copy, loop_sums=sums, loop_grad=loop_grad,
-              grads=grads, grads_whole=per_device(abstract.params, sh.params, grad_bytes),
+              grads=grads, muon_gather=muon_gather, grads_whole=per_device(abstract.params, sh.params, grad_bytes),
               optimizer=per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
               optimizer_host=per_device(abstract.opt_state, sh.opt_state,
                                         memory_kind="pinned_host"),
@@ -298,16 +309,16 @@ class Estimate(NamedTuple):
 
   @property
   def update(self) -> float:
-    """Device bytes during the optimizer update. With optimizer.host_state the ZeRO-1 states
-    come to the device for it all at once (step.on_device) and the new ones are made there
-    as the gradients are consumed leaf by leaf: params + the old states + the larger of the
-    gradients and the new states. Without it the states update in place (donated): nothing
-    beyond the loop's states."""
+    """Device bytes during the optimizer update: params, the gradients (ZeRO-1's slices),
+    the states and Muon's gathered momenta (`muon_gather`). The update is elementwise per
+    leaf but for Muon's matrices, so each leaf's new states take its old ones' place (in
+    place, donated); with optimizer.host_state the states come to the device for it
+    (step.on_device) and XLA streams them, each leaf's old ones in and new ones out, which
+    counts them once (XLA:TPU's buffer assignment, the 8-chip K2 step: within 1% of what it
+    holds live)."""
     st = self.states
-    held = st["params"] + st["optimizer"]
-    if not st["optimizer_host"]:
-      return held + st["grads"]
-    return held + st["optimizer_host"] + max(st["grads"], st["optimizer_host"])
+    return (st["params"] + st["optimizer"] + st["optimizer_host"] + st["grads"]
+            + st["muon_gather"])
 
   @property
   def device(self) -> float:
@@ -420,9 +431,10 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   if st["optimizer_host"]:
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
                  f"states (optimizer.host_state: on the device during the update only)")
-    lines.append(f"  {'during the update':<24}{est.update / GB:>10.2f}   params, the states "
-                 f"brought from host and the larger of the gradients and the new states "
-                 f"(step.on_device)")
+  if st["optimizer_host"] or est.update > est.loop:
+    lines.append(f"  {'during the update':<24}{est.update / GB:>10.2f}   params, gradient "
+                 f"slices, the states{' brought from host (step.on_device)' if st['optimizer_host'] else ''}"
+                 f", Muon's gathered momenta {st['muon_gather'] / GB:.2f}")
     lines.append(f"  {'peak':<24}{est.device / GB:>10.2f}   "
                  f"{'the update' if est.update > est.loop else 'the gradient loop'}")
   if acts.host and P > 1:

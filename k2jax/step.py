@@ -156,21 +156,44 @@ def _table(config):
   return pipeline.table(config) if _pipelined(config) else None
 
 
-def on_device(ocfg, opt_state):
+def on_device(ocfg, opt_state, shardings=None):
   """The optimizer state in device memory, for the update. With `optimizer.host_state` its
   ZeRO-1 leaves live in host memory between steps (parallel.state_shardings) and come to the
-  device only here; the step's output shardings send the new ones back."""
+  device only here; the step's output shardings send the new ones back.
+
+  shardings: the state's own (`parallel.state_shardings(...).opt_state`): given, each leaf
+  arrives split as it is stored (`split_as_stored`)."""
   if not ocfg.get("host_state", False):
     return opt_state
-  return jax.device_put(opt_state, jax.memory.Space.Device)
+  return split_as_stored(jax.device_put(opt_state, jax.memory.Space.Device), shardings)
 
 
-def train_step(config, tx, schedule, state: TrainState, batch, grad_shardings=None):
+def split_as_stored(tree, shardings):
+  """`tree` (in device memory) constrained to its stored `shardings` (None: unchanged).
+
+  With host states, what reshapes a state's split (Muon gathers a matrix that ZeRO-1 split
+  over data; the update's result comes out split as the work was) must do it on the device,
+  between the host transfers and not across them. Left free, XLA takes the split the
+  gather wants back through the transfer (or the one the output wants forward), and
+  XLA:TPU then runs the all-gather on the host (its host offloader's "HostExecute": a host
+  network collective and a host heap of float32 states; 2.49 GB of host and 3.9 GB of
+  thread-local memory on the 8-chip K2 step, 9.6 GB thread-local at K2,
+  experiments/results/compile/compile_tpu.csv)."""
+  if shardings is None:
+    return tree
+  return jax.lax.with_sharding_constraint(
+      tree, jax.tree.map(lambda s: s.with_memory_kind("device"), shardings))
+
+
+def train_step(config, tx, schedule, state: TrainState, batch, grad_shardings=None,
+               opt_shardings=None):
   """-> (new state, metrics). `config` is the full config (model, optimizer, train, mesh);
   with a pipeline, `state` is in the stored layout (k2jax.parallel.layout) and `tx` was
   built for it (`optim.optimizer(layout.stored_config(config))`). grad_shardings: where
   the gradients are reduced to for the update (`parallel.grad_shardings`: ZeRO-1's slices;
-  None leaves it to XLA, which all-reduces them whole)."""
+  None leaves it to XLA, which all-reduces them whole). opt_shardings: the optimizer
+  state's as stored (`parallel.state_shardings(...).opt_state`); with host states the
+  update keeps them on the device side of the transfers (`split_as_stored`)."""
   mcfg, ocfg = config.model, config.optimizer
   grads, loss, aux = _grads(mcfg, differentiated(config, state.params), batch,
                             config.train.grad_accum, _table(config), pipeline.skip_of(config),
@@ -179,10 +202,12 @@ def train_step(config, tx, schedule, state: TrainState, batch, grad_shardings=No
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  old_opt = on_device(ocfg, state.opt_state)
+  old_opt = on_device(ocfg, state.opt_state, opt_shardings)
   updates, opt_state = tx.update(grads, old_opt, state.params,
                                  max_logits=aux.max_logits, expert_load=aux.expert_load)
   opt_state = _gate(finite, opt_state, old_opt)
+  if ocfg.get("host_state", False):
+    opt_state = split_as_stored(opt_state, opt_shardings)
   if isinstance(opt_state, optim.MasterWeightsState):
     # bf16 params are their float32 master's rounding (optim.master: what apply_updates gives
     # up to f32 rounding of p + (w' - p)); a skipped step keeps the old master, whose
@@ -278,7 +303,8 @@ def program(config, mesh) -> Program:
   grads = parallel.grad_shardings(specs, mesh, abstract.params)
   t = config.train
   batch_sharding = parallel.batch_sharding(mesh, t.batch_size, t.grad_accum)
-  step = jax.jit(functools.partial(train_step, config, tx, schedule, grad_shardings=grads),
+  step = jax.jit(functools.partial(train_step, config, tx, schedule, grad_shardings=grads,
+                                   opt_shardings=shardings.opt_state),
                  donate_argnums=0,
                  in_shardings=(shardings, batch_sharding),
                  out_shardings=(shardings, parallel.replicated(mesh)))

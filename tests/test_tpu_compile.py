@@ -205,10 +205,12 @@ def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, v
   1f1b with the residual slots and the ZeRO-1 optimizer states in host memory (the preset's
   offload and optimizer.host_state), zbh1 with device slots and states, gpipe on two
   virtual stages a device (the preset's V) with host slots. The step's arguments are plan's
-  device states and XLA's host memory holds plan's host bytes; the bytes XLA's program
-  holds live at its fullest moment (arguments + heap, `--explain`) are plan's device figure
-  within 10% (measured 2026-11-29: 1.01x / 1.00x / 1.02x), and XLA's check, which adds the
-  heap's packing, within 1.25x (1.09x / 1.06x / 1.04x)."""
+  device states and XLA's host memory holds plan's host bytes; no part of the step runs on
+  the host (the host states' update once did: XLA:TPU gathered Muon's momenta in host
+  memory, 2.5 GB of host heap and 3.9 GB of thread-local buffers, until step.split_as_stored);
+  the bytes XLA's program holds live at its fullest moment (arguments + heap, `--explain`)
+  are plan's device figure within 10% (measured 2026-11-29: 1.01x / 1.00x / 1.02x), and
+  XLA's check, which adds the heap's packing, within 1.25x (1.22x / 1.06x / 1.04x)."""
   r, fig = compile_cli(tmp_path, *K2_SHAPED, "--explain", "1",
                        f"--config.mesh.pipeline_schedule={schedule}",
                        f"--config.mesh.virtual_stages={virtual}",
@@ -219,7 +221,8 @@ def test_k2_shaped_pipelined_step_passes_xlas_memory_check(tmp_path, schedule, v
   on_device = st["params"] + st["optimizer"]
   assert bool(st["optimizer_host"]) == host_state
   assert on_device <= d["arguments"] <= 1.02 * on_device + (8 << 20)   # + the batch
-  assert 0.95 * fig["plan_host"] <= h["peak"] <= 1.2 * fig["plan_host"] + (64 << 20)
+  assert 0.95 * fig["plan_host"] <= h["peak"] <= 1.05 * fig["plan_host"] + (64 << 20)
+  assert d["thread_local"] <= 64 << 20, d   # host-run code's buffers
   assert_plan_counts_what_xla_holds(fig)
   assert fig["fits"]
 
