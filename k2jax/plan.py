@@ -437,6 +437,9 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
                  f", Muon's gathered momenta {st['muon_gather'] / GB:.2f}")
     lines.append(f"  {'peak':<24}{est.device / GB:>10.2f}   "
                  f"{'the update' if est.update > est.loop else 'the gradient loop'}")
+  # XLA's check is these plus its heap's packing (README: none of XLA:TPU's algorithms packs
+  # K2's step tighter), which no count of the program's values can give
+  lines.append("  (bytes held; XLA's heap adds its packing: --compile TOPOLOGY prints XLA's figure)")
   if acts.host and P > 1:
     lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   stage residuals waiting "
                  f"for their backward (k2jax.parallel.executor.Slots); a tick moves "
