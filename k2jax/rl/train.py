@@ -48,7 +48,7 @@ from k2jax import chat, kernels, model, optim, parallel
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
 from k2jax.rl.loss import k15_loss, sequence_logprobs, temperature_at
-from k2jax.step import TrainState, _gate, lm_loss, on_device
+from k2jax.step import TrainState, _gate, lm_loss, on_device, split_as_stored
 
 log = logging.getLogger("k2jax.rl")
 
@@ -152,29 +152,33 @@ def rl_loss(config, params, batch, ptx):
   return loss, (k15, ptx_loss, stats)
 
 
-def rl_step(config, tx, state: TrainState, batch, ptx):
-  """One optimizer step on rl_loss, gated on finiteness like the pre-training step."""
+def rl_step(config, tx, state: TrainState, batch, ptx, opt_shardings=None):
+  """One optimizer step on rl_loss, gated on finiteness like the pre-training step.
+  opt_shardings: the optimizer state's as stored (step.train_step's)."""
   grads, (k15, ptx_loss, stats) = jax.grad(
       lambda p: rl_loss(config, p, batch, ptx), has_aux=True)(state.params)
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(k15) & jnp.isfinite(grad_norm)
-  old_opt = on_device(config.optimizer, state.opt_state)
+  old_opt = on_device(config.optimizer, state.opt_state, opt_shardings)
   updates, opt_state = tx.update(grads, old_opt, state.params,
                                  max_logits=stats.max_logits, expert_load=stats.expert_load)
   params = optax.apply_updates(state.params, updates)
-  new = TrainState(state.step + 1, _gate(finite, params, state.params),
-                   _gate(finite, opt_state, old_opt),
+  opt_state = _gate(finite, opt_state, old_opt)
+  if config.optimizer.get("host_state", False):
+    opt_state = split_as_stored(opt_state, opt_shardings)
+  new = TrainState(state.step + 1, _gate(finite, params, state.params), opt_state,
                    jnp.where(finite, 0, state.nan_streak + 1),
                    state.skipped + (~finite).astype(jnp.int32))
   return new, {"k15_loss": k15, "ptx_loss": ptx_loss, "grad_norm": grad_norm,
                "max_logit": jnp.max(stats.max_logits)}
 
 
-def step_program(config, tx):
+def step_program(config, tx, opt_shardings=None):
   """rl_step jitted as `run` calls it (the state donated; shardings follow the arguments'):
   the one place it is written, so a compile for another machine (tests/test_tpu_inference.py
-  compiles it for a TPU chip) is the RL loop's own update."""
-  return jax.jit(functools.partial(rl_step, config, tx), donate_argnums=0)
+  compiles it for a TPU chip) is the RL loop's own update. opt_shardings: rl_step's."""
+  return jax.jit(functools.partial(rl_step, config, tx, opt_shardings=opt_shardings),
+                 donate_argnums=0)
 
 
 def old_logprobs(config, params, batch):
@@ -536,7 +540,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
                               sft.default_dialogs(n=512, seed=1))
     ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
                              for d in dialogs], t.seq_len, tok.pad_id)
-  step_fn = step_program(config, tx)
+  step_fn = step_program(config, tx, shardings.opt_state)
   logp_fn = jax.jit(functools.partial(trainer_logprobs, config))
   writer = MetricsWriter(workdir, start)
   samples = Samples(workdir, start)
