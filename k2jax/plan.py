@@ -128,16 +128,18 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   # divide, e.g. a stage's one dense layer): the update gathers those momenta (float32) and
   # holds them and their orthogonalized updates as the work splits them, beyond the slices
   # (`k2jax.compile --explain`: optim/muon.py's on_local_matrices rows)
-  muon = [(a, NamedSharding(mesh, muon_work_spec(s.axes, s.shape, mesh, model_spec.muon_batch(s))),
-           z) for s, a, z in zip(jax.tree.leaves(specs, is_leaf=model_spec.is_spec),
-                                 jax.tree.leaves(abstract.params), jax.tree.leaves(to))
-          if s.group == "muon"]
-  muon_gather = (per_device([a for a, _, _ in muon], [w for _, w, _ in muon], 4)
-                 - per_device([a for a, _, _ in muon], [z for _, _, z in muon], 4))
+  muon_gather = sum(
+      per_device([a], [NamedSharding(mesh, muon_work_spec(s.axes, s.shape, mesh,
+                                                          model_spec.muon_batch(s)))], 4)
+      - per_device([a], [z], 4)
+      for s, a, z in zip(jax.tree.leaves(specs, is_leaf=model_spec.is_spec),
+                         jax.tree.leaves(abstract.params), jax.tree.leaves(to))
+      if s.group == "muon")
   return dict(params=per_device(abstract.params, sh.params),
               cast_copy=per_device([c for c, _ in cast], [s for _, s in cast]),
               loop_copy=loop_copy, loop_sums=sums, loop_grad=loop_grad,
-              grads=grads, muon_gather=muon_gather, grads_whole=per_device(abstract.params, sh.params, grad_bytes),
+              grads=grads, muon_gather=muon_gather,
+              grads_whole=per_device(abstract.params, sh.params, grad_bytes),
               optimizer=per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
               optimizer_host=per_device(abstract.opt_state, sh.opt_state,
                                         memory_kind="pinned_host"),
@@ -432,14 +434,16 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
     lines.append(f"  {'host memory':<24}{st['optimizer_host'] / GB:>10.2f}   ZeRO-1 optimizer "
                  f"states (optimizer.host_state: on the device during the update only)")
   if st["optimizer_host"] or est.update > est.loop:
+    brought = " brought from host (step.on_device)" if st["optimizer_host"] else ""
     lines.append(f"  {'during the update':<24}{est.update / GB:>10.2f}   params, gradient "
-                 f"slices, the states{' brought from host (step.on_device)' if st['optimizer_host'] else ''}"
-                 f", Muon's gathered momenta {st['muon_gather'] / GB:.2f}")
+                 f"slices, the states{brought}, Muon's gathered momenta "
+                 f"{st['muon_gather'] / GB:.2f}")
     lines.append(f"  {'peak':<24}{est.device / GB:>10.2f}   "
                  f"{'the update' if est.update > est.loop else 'the gradient loop'}")
   # XLA's check is these plus its heap's packing (README: none of XLA:TPU's algorithms packs
   # K2's step tighter), which no count of the program's values can give
-  lines.append("  (bytes held; XLA's heap adds its packing: --compile TOPOLOGY prints XLA's figure)")
+  lines.append("  (bytes held; XLA's heap adds its packing: --compile TOPOLOGY prints XLA's "
+               "figure)")
   if acts.host and P > 1:
     lines.append(f"  {'host activations':<24}{acts.host / GB:>10.2f}   stage residuals waiting "
                  f"for their backward (k2jax.parallel.executor.Slots); a tick moves "

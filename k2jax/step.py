@@ -165,11 +165,13 @@ def on_device(ocfg, opt_state, shardings=None):
   arrives split as it is stored (`split_as_stored`)."""
   if not ocfg.get("host_state", False):
     return opt_state
-  return split_as_stored(jax.device_put(opt_state, jax.memory.Space.Device), shardings)
+  return split_as_stored(ocfg, jax.device_put(opt_state, jax.memory.Space.Device), shardings)
 
 
-def split_as_stored(tree, shardings):
-  """`tree` (in device memory) constrained to its stored `shardings` (None: unchanged).
+def split_as_stored(ocfg, opt_state, shardings):
+  """With `optimizer.host_state`, `opt_state` (in device memory) constrained to its stored
+  `shardings`; otherwise, or with shardings None, unchanged. The step applies it to the old
+  states as they arrive (on_device) and to the new ones before they leave.
 
   With host states, what reshapes a state's split (Muon gathers a matrix that ZeRO-1 split
   over data; the update's result comes out split as the work was) must do it on the device,
@@ -179,10 +181,10 @@ def split_as_stored(tree, shardings):
   network collective and a host heap of float32 states; 2.49 GB of host and 3.9 GB of
   thread-local memory on the 8-chip K2 step, 9.6 GB thread-local at K2,
   experiments/results/compile/compile_tpu.csv)."""
-  if shardings is None:
-    return tree
+  if shardings is None or not ocfg.get("host_state", False):
+    return opt_state
   return jax.lax.with_sharding_constraint(
-      tree, jax.tree.map(lambda s: s.with_memory_kind("device"), shardings))
+      opt_state, jax.tree.map(lambda s: s.with_memory_kind("device"), shardings))
 
 
 def train_step(config, tx, schedule, state: TrainState, batch, grad_shardings=None,
@@ -205,9 +207,7 @@ def train_step(config, tx, schedule, state: TrainState, batch, grad_shardings=No
   old_opt = on_device(ocfg, state.opt_state, opt_shardings)
   updates, opt_state = tx.update(grads, old_opt, state.params,
                                  max_logits=aux.max_logits, expert_load=aux.expert_load)
-  opt_state = _gate(finite, opt_state, old_opt)
-  if ocfg.get("host_state", False):
-    opt_state = split_as_stored(opt_state, opt_shardings)
+  opt_state = split_as_stored(ocfg, _gate(finite, opt_state, old_opt), opt_shardings)
   if isinstance(opt_state, optim.MasterWeightsState):
     # bf16 params are their float32 master's rounding (optim.master: what apply_updates gives
     # up to f32 rounding of p + (w' - p)); a skipped step keeps the old master, whose

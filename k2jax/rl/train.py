@@ -163,9 +163,8 @@ def rl_step(config, tx, state: TrainState, batch, ptx, opt_shardings=None):
   updates, opt_state = tx.update(grads, old_opt, state.params,
                                  max_logits=stats.max_logits, expert_load=stats.expert_load)
   params = optax.apply_updates(state.params, updates)
-  opt_state = _gate(finite, opt_state, old_opt)
-  if config.optimizer.get("host_state", False):
-    opt_state = split_as_stored(opt_state, opt_shardings)
+  opt_state = split_as_stored(config.optimizer, _gate(finite, opt_state, old_opt),
+                              opt_shardings)
   new = TrainState(state.step + 1, _gate(finite, params, state.params), opt_state,
                    jnp.where(finite, 0, state.nan_streak + 1),
                    state.skipped + (~finite).astype(jnp.int32))
