@@ -37,7 +37,7 @@ def child(args):
   import jax.numpy as jnp
   import numpy as np
 
-  sys.path.insert(0, os.path.dirname(HERE))
+  sys.path.append(os.path.dirname(HERE))
   from k2jax import configs, parallel
   from k2jax.model import expert_parallel as xp, moe
   from tests.parallel_worker import ep_layer
@@ -104,7 +104,7 @@ def layer_growth(args):
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  sys.path.insert(0, os.path.dirname(HERE))
+  sys.path.append(os.path.dirname(HERE))
   from k2jax import configs, model, parallel
   from k2jax.model import transformer
 

@@ -43,7 +43,8 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# k2jax when not installed; last, so that the root's kernels/ hides no installed package
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# k2jax when not installed; last, so that the root's kernels/ hides no installed package
+sys.path.append(os.path.dirname(HERE))
 
 from k2jax import chat  # noqa: E402
 from k2jax.data import ByteTokenizer  # noqa: E402

@@ -56,7 +56,8 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+# k2jax when not installed; last, so that the root's kernels/ hides no installed package
+sys.path.append(ROOT)
 sys.path.insert(0, HERE)
 
 

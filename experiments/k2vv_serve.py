@@ -50,7 +50,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# k2jax when not installed; last, so that the root's kernels/ hides no installed package
+sys.path.append(os.path.dirname(HERE))
 
 FIXTURE = os.path.join(HERE, "k2vv", "calculator_heldout.jsonl")
 CALL_ID = re.compile(r"functions\.([\w\.]+):(\d+)$")   # K2's call ids, as the verifier parses them

@@ -213,6 +213,6 @@ def measure(mesh_shape, virtual=2, steps=3, skip=None, schedule=None, **kw):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.getcwd())
+  sys.path.append(os.getcwd())
   for shape in ((4, 1, 2), (4, 2, 1), (1, 8, 1)):
     print(measure(shape))

@@ -35,7 +35,8 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# k2jax when not installed; last, so that the root's kernels/ hides no installed package
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 

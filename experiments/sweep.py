@@ -28,7 +28,8 @@ import numpy as np
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# k2jax when not installed; last, so that the root's kernels/ hides no installed package
+sys.path.append(os.path.dirname(HERE))
 
 from k2jax import configs, metrics  # noqa: E402
 from k2jax.train import train  # noqa: E402

@@ -20,7 +20,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# k2jax when not installed; last, so that the root's kernels/ hides no installed package
+sys.path.append(os.path.dirname(HERE))
 
 from k2jax.synth import ScriptedClient, agentic, mathnotes, rephrase  # noqa: E402
 from k2jax.synth.dryrun import agent_model, faithful  # noqa: E402

@@ -4,9 +4,24 @@ Many tests compile the same small programs (in-process and in subprocesses, whic
 the environment); the cache turns repeated compiles into lookups."""
 
 import os
+import sys
 import tempfile
 
 import pytest
+
+# Our code is importable as k2jax.* only (the editable install maps k2jax.kernels onto the
+# top-level kernels/ folder). The repository root itself must not be on sys.path: its
+# kernels/ (and tests/, experiments/, ...) would hide installed packages of the same name
+# from third-party imports, as kernels/ hid Hugging Face's `kernels` from transformers 5.25
+# (issue 61). `python -m pytest` puts the working directory first, and pytest-xdist copies
+# that sys.path to its workers; pyproject's --import-mode=importlib keeps pytest from adding
+# the root again, and registers tests/ as the package `tests` by its path, so `from tests
+# import ...` still works. Python processes the tests start inherit PYTHONSAFEPATH, which
+# stops `python -m` / `-c` / a script from putting their directory first; tests/ modules
+# run as scripts through `tests.multidevice.python_module`.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.realpath(REPO)]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"k2jax-test-xla-cache-{os.getuid()}"))

@@ -42,12 +42,26 @@ def env(devices, cache=True):
     # (pipeline 2 x data 2 x expert 2: four devices at the ring's collective-permute, four at
     # an all-gather inside a branch) where the fresh compile of the same step runs.
     e.pop("JAX_COMPILATION_CACHE_DIR", None)
-  e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
   return e
 
 
+# `python -m tests.X ARGS` with nothing of the repository on sys.path (tests/conftest.py):
+# tests/ is registered as the package `tests` by its path, then X runs as __main__.
+_LAUNCH = ("import importlib.util, os, runpy, sys; "
+           "spec = importlib.util.spec_from_file_location('tests', os.path.join(sys.argv[1], "
+           "'__init__.py'), submodule_search_locations=[sys.argv[1]]); "
+           "sys.modules['tests'] = module = importlib.util.module_from_spec(spec); "
+           "spec.loader.exec_module(module); del sys.argv[:2]; "
+           "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def python_module(module: str, *args) -> list[str]:
+  """The command line that runs tests/ module `module` ("tests.parallel_worker") as a script."""
+  return [sys.executable, "-c", _LAUNCH, os.path.join(REPO, "tests"), module, *args]
+
+
 def start_worker(devices, *args, cache=True):
-  return subprocess.Popen([sys.executable, "-m", "tests.parallel_worker", *args], cwd=REPO,
+  return subprocess.Popen(python_module("tests.parallel_worker", *args), cwd=REPO,
                           env=env(devices, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
 

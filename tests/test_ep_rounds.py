@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.multidevice import REPO, env
+from tests.multidevice import REPO, env, python_module
 
 TOL = 1e-5      # float32, summation order only: the rows and matmuls are the same
 
@@ -138,7 +138,7 @@ def test_rounds_equal_the_single_shot_exchange_forward_and_gradients():
   default bound (expert 8: the worst case in 2 rounds) and with 10-row rounds on data 2 x
   expert 4 (every capacity in 3-6 rounds, data groups of different loads); one round fewer
   than needed fails the same comparison."""
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.test_ep_rounds", "cases", mesh],
+  procs = [subprocess.Popen(python_module("tests.test_ep_rounds", "cases", mesh),
                             cwd=REPO, env=env(8), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
            for mesh in ("ep8", "dp2xep4")]     # one per core
