@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -473,6 +474,7 @@ def test_an_api_key_metrics_and_a_bound_on_waiting_rows():
   cfg = configs.get_config("tiny").model
   tok = ByteTokenizer()
   engine = Engine(cfg, model.init(cfg, jax.random.key(1)), tok, max_batch=1, window_s=0.0)
+  gate = threading.Event()
   try:
     with Background(make_app(engine, "tiny", api_key="sekret", max_queue=1)) as server:
       make = lambda key: openai.OpenAI(base_url=server.url, api_key=key, max_retries=0)
@@ -492,7 +494,18 @@ def test_an_api_key_metrics_and_a_bound_on_waiting_rows():
       assert _metric(text, "k2jax_time_to_first_token_seconds_count") == 1
       assert _metric(text, "k2jax_num_requests_running") == 0
       # one slot: a long stream holds it, a second request waits, a third is one too many.
-      # min_tokens: a sampled stop token must not end the stream (and free the slot) early.
+      # min_tokens: a sampled stop token must not end the stream (and free the slot) early;
+      # the engine's thread parks after the stream's first dispatch until the checks are
+      # done, so the stream holds its slot however slowly the other requests arrive (on a
+      # loaded machine its 800 tokens once ended before the second request was queued)
+      advance, dispatches = engine._advance, []
+
+      def parked():
+        dispatches.append(1)
+        if len(dispatches) > 1:
+          gate.wait()
+        advance()
+      engine._advance = parked
       stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=800,
                                               stream=True, extra_body={"min_tokens": 800})
       next(iter(stream))
@@ -506,9 +519,11 @@ def test_an_api_key_metrics_and_a_bound_on_waiting_rows():
         with pytest.raises(openai.RateLimitError, match="--max_queue 1") as busy:
           client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
         assert busy.value.response.headers["retry-after"] == "1"
+        gate.set()
         stream.close()                           # frees the slot: the waiting one is served
         assert waiting.result(timeout=120).usage.completion_tokens >= 1
   finally:
+    gate.set()
     engine.close()
 
 
