@@ -38,6 +38,7 @@ import time
 # k2jax when not installed; last, so that the root's kernels/ hides no installed package
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k2jax import chat, configs, data as data_lib, sft, train  # noqa: E402
@@ -363,7 +364,8 @@ def main():
       r = rl_config(v, seed, iterations, c.model, a.task)
       d = os.path.join(a.out, f"{sft_name(a.task, sft_steps, sft_lr)}_rl{r.rl.iterations}", v,
                        f"seed{seed}")
-      out = rl_train.run(r, d, init=lambda: sft_params, ptx_dialogs=ptx)
+      out = rl_train.run(r, d, ptx_dialogs=ptx, init=lambda cfg, sh: jax.device_put(
+          sft_params, sh, may_alias=False))   # a copy: the run owns (donates) its start
       acc, examples, errors = greedy_accuracy(r.model, out["state"].params, tok, a.task)
       acc_train, _, _ = greedy_accuracy(r.model, out["state"].params, tok, a.task, "train")
       rows = [json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))]

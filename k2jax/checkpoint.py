@@ -41,6 +41,9 @@ import orbax.checkpoint as ocp
 log = logging.getLogger(__name__)
 
 MANIFEST = "k2jax_files.json"
+# GB a process reads ahead of its devices when restoring weights: a bound on host memory
+# (orbax's own default, 96, would let a host of a large slice stage its whole share)
+RESTORE_GB = 4
 
 
 class CheckpointError(Exception):
@@ -280,6 +283,11 @@ class Checkpointer:
   def _read(self, step, expected, abstract_state, make_iter):
     """Restores `step`; CheckpointMismatch if its saved tree is not `expected`."""
     saved = _leaves(self.manager.item_metadata(step)["state"])
+    if saved and all(k.startswith("params/") for k in saved):
+      raise CheckpointMismatch(
+          f"checkpoint step {step} in {self.directory} holds weights only (k2jax.convert), "
+          f"no train state to resume: start from it with --init {self.workdir} and a new "
+          "--workdir")
     diff = first_difference(saved, expected)
     if diff:
       raise CheckpointMismatch(
@@ -329,25 +337,10 @@ class Checkpointer:
     self.manager.close()
 
 
-def load_run(workdir: str):
-  """-> (config, params) of the newest readable checkpoint of a k2jax.train run, on this
-  process's first device (for sampling and fine-tuning; the optimizer state is discarded).
-
-  Raises ValueError (one line) when the directory holds no run or no checkpoint.
-  """
-  config, state, step = load_state(workdir)
-  log.info("loaded params of %s at step %d", os.path.abspath(workdir), step)
-  return config, state.params if hasattr(state, "params") else state["params"]
-
-
-def load_state(workdir: str):
-  """-> (config, whole train state, step) of the newest readable checkpoint of a k2jax.train
-  run, in the logical layout on this process's first device. ValueError as `load_run`."""
-  import functools
-
-  from k2jax import configs, optim
-  from k2jax.step import init_state
-
+def run_config(workdir: str):
+  """The full config of a k2jax.train / sft / rl run directory (its config.json), validated.
+  ValueError (one line) when the directory holds no run."""
+  from k2jax import configs
   workdir = os.path.abspath(workdir)
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
@@ -360,26 +353,81 @@ def load_state(workdir: str):
                      f"{str(e).splitlines()[0] if str(e) else 'empty'}); restore it from "
                      "a copy, or train a new run") from None
   configs.validate(config)
+  return config
+
+
+def _restore(workdir: str, item: dict, shardings: dict):
+  """-> (restored {name: tree}, step): the newest checkpoint of the run in `workdir` that
+  restores, reading only the subtrees of its train state that `item` names (abstract trees
+  of ShapeDtypeStructs: {"params": ...} reads no optimizer state) straight into `shardings`
+  (the same keys: trees of Shardings), each process reading its shards' chunks only."""
+  workdir = os.path.abspath(workdir)
   directory = os.path.join(workdir, "checkpoints")
-  manager = ocp.CheckpointManager(directory, item_handlers={
-      "state": ocp.StandardCheckpointHandler()}) if os.path.isdir(directory) else None
-  steps = sorted(manager.all_steps(), reverse=True) if manager else []
+  steps = []
+  if os.path.isdir(directory):
+    with ocp.CheckpointManager(directory) as manager:
+      steps = sorted(manager.all_steps(), reverse=True)
   if not steps:
     raise ValueError(f"{workdir} has no checkpoint yet: train longer, or with "
                      "train.checkpoint_every > 0")
-  tx = optim.optimizer(config)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(0))
-  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                          abstract)
+  restore_args = {k: jax.tree.map(lambda a, s: ocp.ArrayRestoreArgs(sharding=s, dtype=a.dtype),
+                                  item[k], shardings[k]) for k in item}
   errors = []
-  for step in steps:
-    try:
-      r = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    except Exception as e:  # a damaged checkpoint: try the previous one
-      errors.append(f"step {step}: {type(e).__name__}")
-      continue
-    manager.close()
-    return config, r.state, step
-  manager.close()
+  handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=RESTORE_GB)
+  with ocp.Checkpointer(handler) as checkpointer:
+    for step in steps:
+      try:
+        got = checkpointer.restore(os.path.join(directory, str(step), "state"),
+                                   args=ocp.args.PyTreeRestore(item=item,
+                                                               restore_args=restore_args,
+                                                               partial_restore=True))
+      except Exception as e:  # a damaged checkpoint: try the previous one
+        errors.append(f"step {step}: {_reason(e)}")
+        continue
+      return got, step
   raise ValueError(f"{workdir}: no checkpoint could be read ({'; '.join(errors)})")
+
+
+def load_run(workdir: str, shardings=None, param_dtype=None):
+  """-> (config, params) of the newest readable checkpoint of a k2jax.train / sft / rl run,
+  restored straight into `shardings` (a params tree of Shardings; default: this process's
+  first device, for models that fit one) in the logical layout checkpoints keep. Only the
+  params are read: not the optimizer state, whatever its size. param_dtype: the dtype to
+  restore them in (default: the run's model.param_dtype); config.model says the one used.
+
+  Raises ValueError (one line) when the directory holds no run or no checkpoint.
+  """
+  import functools
+
+  from k2jax import model
+  config = run_config(workdir)
+  if param_dtype is not None:
+    config.model.param_dtype = np.dtype(param_dtype).name
+  abstract = jax.eval_shape(functools.partial(model.init, config.model), jax.random.key(0))
+  if shardings is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: one, abstract)
+  got, step = _restore(workdir, {"params": abstract}, {"params": shardings})
+  log.info("loaded params of %s at step %d", os.path.abspath(workdir), step)
+  return config, got["params"]
+
+
+def load_state(workdir: str, shardings=None):
+  """-> (config, whole train state, step) of the newest readable checkpoint of a k2jax.train
+  run, in the logical layout, on this process's first device unless `shardings` (a
+  TrainState of Shardings) says where. For comparing runs at small size (tests): a large
+  run's state is many times its params. ValueError as `load_run`."""
+  import functools
+
+  from k2jax import optim
+  from k2jax.step import TrainState, init_state
+
+  config = run_config(workdir)
+  abstract = jax.eval_shape(functools.partial(init_state, config, optim.optimizer(config)),
+                            jax.random.key(0))
+  if shardings is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: one, abstract)
+  item = dict(abstract._asdict())
+  got, step = _restore(workdir, item, dict(shardings._asdict()))
+  return config, TrainState(**got), step

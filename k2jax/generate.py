@@ -35,6 +35,68 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def batch_devices(mesh=None) -> int:
+  """Devices a batch's rows are split over on `mesh` (default: the one set by
+  jax.set_mesh), those of the logical `batch` axis: 1 without a mesh."""
+  from k2jax.configs.sharding_rules import active_mesh_axes
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  return math.prod(mesh.shape[a] for a in active_mesh_axes("batch", mesh))
+
+
+def rows_bucket(n: int, mesh=None) -> int:
+  """The compile bucket of a batch of n rows: the next power of two, rounded up to a
+  multiple of `batch_devices(mesh)`. Under a mesh the MoE layers split a batch's rows over
+  those devices (k2jax.model.moe), which needs every device to get whole rows."""
+  k = batch_devices(mesh)
+  return -(-bucket(n, minimum=1) // k) * k
+
+
+def cache_axes(rows: int, mesh=None) -> tuple:
+  """The mesh axes a latent cache of `rows` rows is split over on `mesh` (default: the one
+  set): the batch's (`batch_devices`) where they divide the rows, so each device holds the
+  rows it decodes; () for a cache whole on every device (or no mesh)."""
+  from k2jax.configs.sharding_rules import active_mesh_axes
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty:
+    return ()
+  axes = active_mesh_axes("batch", mesh)
+  return axes if axes and rows % batch_devices(mesh) == 0 else ()
+
+
+def cache_specs(rows: int, mesh=None) -> tuple:
+  """PartitionSpecs of a cache's latents [layers, rows, positions, width] and lengths."""
+  P = jax.sharding.PartitionSpec
+  return P(None, cache_axes(rows, mesh) or None, None, None), P()
+
+
+def cache_shardings(cfg, rows: int, S: int, mesh):
+  """Where a cache of `rows` x S positions (`decode.init_cache`) lives on `mesh`
+  (`cache_specs`); None without a mesh: the default device."""
+  if mesh is None:
+    return None
+  latent, lengths = (jax.sharding.NamedSharding(mesh, s) for s in cache_specs(rows, mesh))
+  cache = jax.eval_shape(lambda: decode.init_cache(cfg, rows, S))
+  return decode.Cache(jax.tree.map(lambda _: latent, cache.layers), lengths)
+
+
+def new_cache(cfg, rows: int, S: int, mesh=None):
+  """A zero cache of `rows` x S positions placed by `cache_shardings`."""
+  return jax.jit(lambda: decode.init_cache(cfg, rows, S),
+                 out_shardings=cache_shardings(cfg, rows, S, mesh))()
+
+
+def place_cache(cache):
+  """`cache` (inside a jitted program) held where `cache_specs` puts it on the mesh set, so
+  a program returns it where the next one takes it."""
+  rows = cache.lengths.shape[0]
+  if not cache_axes(rows):
+    return cache
+  latent, lengths = cache_specs(rows)
+  return cache._replace(layers=jax.tree.map(
+      lambda a: jax.lax.with_sharding_constraint(a, latent), cache.layers),
+      lengths=jax.lax.with_sharding_constraint(cache.lengths, lengths))
+
+
 def fold(key, i):
   """fold_in for one key or a batch of keys [B] (one per row)."""
   return jax.vmap(jax.random.fold_in, (0, None))(key, i) if key.shape else jax.random.fold_in(key, i)
@@ -177,11 +239,11 @@ def _programs(cfg):
 
     def prefill(params, tokens, lengths, cache, key, allowed, **o):
       logits, cache = decode.prefill(cfg, params, tokens, lengths, cache)
-      return _sample(logits, key, allowed, **o), logits, cache
+      return _sample(logits, key, allowed, **o), logits, place_cache(cache)
 
     def step(params, cache, tokens, key, allowed, **o):
       logits, cache = decode.decode_step(cfg, params, cache, tokens)
-      return _sample(logits, key, allowed, **o), logits, cache
+      return _sample(logits, key, allowed, **o), logits, place_cache(cache)
 
     def steps(params, cache, tokens, key, start, n, logp=False, **o):
       """n decode steps on device (no logits processor): tokens [n, B] (with logp: and
@@ -191,7 +253,7 @@ def _programs(cfg):
         nxt, logits, cache = step(params, cache, tok, fold(key, start + i), None, **o)
         return (cache, nxt), ((nxt, token_logprobs(logits, nxt)) if logp else nxt)
       (cache, _), toks = jax.lax.scan(body, (cache, tokens), jnp.arange(n))
-      return toks, cache
+      return toks, place_cache(cache)
 
     _PROGRAMS[key] = (jax.jit(prefill, static_argnames=opts),
                       jax.jit(step, static_argnames=opts, donate_argnums=1),
@@ -270,9 +332,10 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   check_context(cfg, prompts, max_new_tokens)
   n = len(prompts)
   # The batch is bucketed like the lengths (RL decodes a different number of unfinished
-  # trajectories every iteration, a server a different number of requests): extra rows
-  # repeat the first prompt, start finished and are never reported.
-  B = bucket(n, minimum=1)
+  # trajectories every iteration, a server a different number of requests), and filled to
+  # the mesh's batch devices: extra rows repeat the first prompt, start finished and are
+  # never reported.
+  B = rows_bucket(n)
   prompts = list(prompts) + [prompts[0]] * (B - n)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   T = bucket(int(lengths.max()))
@@ -306,7 +369,9 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     return jnp.asarray(mask)
 
   lps: list[list[float]] = [[] for _ in range(B)]
-  cache = decode.init_cache(cfg, B, S)
+  # its rows split over the mesh's batch devices where one is set (each decodes its own)
+  cache = (new_cache(cfg, B, S, jax.sharding.get_mesh()) if cache_axes(B) else
+           decode.init_cache(cfg, B, S))
   nxt, logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache,
                                fold(key, 0), allowed(), **opts)
   pending = [np.asarray(nxt)]            # sampled, not yet handed out
@@ -355,10 +420,12 @@ MESH_HELP = ("devices to sample on, as data=D,context=C,expert=E (e.g. context=8
              "prompt's prefill split over 8 devices, k2jax.model.context; default: one device)")
 
 
-def inference_mesh(text: str | None, flag: str = "--mesh"):
+def inference_mesh(text: str | None, flag: str = "--mesh", devices=None):
   """The mesh a --mesh flag asks generate / serve to run on (data, context, expert; no
   pipeline: a decode step is one token), over the first devices it needs; None for none.
-  UserError naming the flag and the fix when it cannot be had."""
+  devices: all of these instead (a slice compiled for: k2jax.compile), data filling what
+  the other axes leave of them where the flag does not give it. UserError naming the flag
+  and the fix when it cannot be had."""
   if not text:
     return None
   from k2jax import parallel
@@ -370,22 +437,27 @@ def inference_mesh(text: str | None, flag: str = "--mesh"):
   if shape["pipeline"] > 1:
     raise UserError(f"{flag} {text}: sampling has no pipeline (a decode step is one token); "
                     "leave pipeline out and split over data, context or expert")
-  n, have = math.prod(shape.values()), len(jax.devices())
-  if n > have:
-    raise UserError(f"{flag} {text}: needs {n} devices and {have} are here: use a mesh of at "
-                    f"most {have}")
-  return parallel.make_mesh(shape, jax.devices()[:n])
+  n, have = math.prod(shape.values()), len(jax.devices() if devices is None else devices)
+  if devices is not None and "data=" not in text and have % n == 0:
+    shape["data"], n = have // n, have
+  if n > have or (devices is not None and n != have):
+    raise UserError(f"{flag} {text}: needs {n} devices and {have} are here: use a mesh of "
+                    f"{'at most ' if devices is None else ''}{have}")
+  return parallel.make_mesh(shape, (jax.devices() if devices is None else devices)[:n])
 
 
-def on_mesh(cfg, params, mesh, flag: str = "--mesh"):
-  """params placed as the trainer shards them on `mesh` (experts over expert, the rest
-  whole on each device); unchanged without a mesh. UserError naming `flag` (the flag and
-  its value) for a mesh the model's shapes do not divide."""
-  if mesh is None:
-    return params
+def target_shardings(cfg, mesh, flag: str = "--mesh"):
+  """Where the weights go: as the trainer shards them on `mesh` (experts over expert, the
+  rest split over the expert group on its model dim, whole over data), or all on the
+  first device without a mesh. UserError naming `flag` (the flag and its value) for a mesh
+  the model's shapes do not divide."""
   from k2jax import model, parallel
+  specs = model.param_specs(cfg)
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: one, specs, is_leaf=model.spec.is_spec)
   try:
-    return jax.device_put(params, parallel.param_shardings(model.param_specs(cfg), mesh))
+    return parallel.param_shardings(specs, mesh)
   except ValueError as e:
     raise UserError(f"{flag}: {str(e).splitlines()[0]}") from None
 
@@ -401,24 +473,21 @@ def _check_run_dir(workdir: str) -> None:
                     f"a k2jax.train run: pass it as --hf {workdir}")
 
 
-def load(args):
-  """-> (model config, params, tokenizer, chat special tokens available)."""
-  from k2jax import data as data_lib
-  if args.hf:
-    from k2jax.interop import hf
-    try:
-      cfg, params = hf.load_checkpoint(args.hf)
-    except (OSError, ValueError) as e:
-      raise UserError(str(e).splitlines()[0]) from None
-    tok_path = os.path.join(args.hf, "tiktoken.model")
-    tok = data_lib.get_tokenizer(tok_path if os.path.exists(tok_path) else "byte")
-    return cfg, params, tok
-  from k2jax.checkpoint import load_run
+def load(args, mesh=None, flag: str = "--mesh"):
+  """-> (model config, params, tokenizer) of --hf / --workdir, the params loaded straight
+  into `mesh`'s shardings (target_shardings): each process reads only its shards."""
+  from k2jax import data as data_lib, weights
+  path = args.hf or args.workdir
+  if args.hf and weights.is_run(path):
+    raise UserError(f"--hf {path} holds a k2jax run, not a Hugging Face checkpoint: pass "
+                    f"it as --workdir {path}")
   try:
-    config, params = load_run(args.workdir)
+    source = weights.open_source(path, "hf" if args.hf else "run")
+    cfg = source.model
+    params = source.load(cfg, target_shardings(cfg, mesh, flag))
   except (OSError, ValueError) as e:
     raise UserError(str(e).splitlines()[0]) from None
-  return config.model, params, data_lib.get_tokenizer(config.data.tokenizer)
+  return cfg, params, data_lib.get_tokenizer(source.tokenizer())
 
 
 def main(argv=None):
@@ -462,8 +531,7 @@ def _main(args, generated):
     if args.workdir:
       _check_run_dir(args.workdir)
     mesh = inference_mesh(args.mesh)         # before minutes of loading
-    cfg, params, tok = load(args)
-    params = on_mesh(cfg, params, mesh, flag=f"--mesh {args.mesh}")
+    cfg, params, tok = load(args, mesh, flag=f"--mesh {args.mesh}")
     stop_ids = [tok.eos_id]
     texts = args.prompt
     if args.chat:

@@ -923,7 +923,7 @@ def main(argv=None):
 
 
 def _serve(args):
-  from k2jax.generate import UserError, _check_run_dir, inference_mesh, load, on_mesh
+  from k2jax.generate import UserError, _check_run_dir, inference_mesh, load
   try:
     if not 0 < args.port < 65536:
       raise UserError(f"--port {args.port}: must be in 1..65535")
@@ -940,8 +940,7 @@ def _serve(args):
       _check_run_dir(args.workdir)
     _port_free(args.host, args.port)         # before minutes of loading
     mesh = inference_mesh(args.mesh)
-    cfg, params, tok = load(args)
-    params = on_mesh(cfg, params, mesh, flag=f"--mesh {args.mesh}")
+    cfg, params, tok = load(args, mesh, flag=f"--mesh {args.mesh}")
   except UserError as e:
     print(f"k2jax.serve: error: {e}", file=sys.stderr)
     raise SystemExit(2)

@@ -203,25 +203,12 @@ def build_data(config, process_index: int = 0, process_count: int = 1,
                        process_index=process_index, process_count=process_count)
 
 
-def _is_k2jax_run(path: str) -> bool:
-  """A k2jax run's config.json has the trainer's groups; a Hugging Face one is flat."""
-  try:
-    with open(os.path.join(path, "config.json")) as f:
-      saved = json.load(f)
-  except (OSError, ValueError):
-    return os.path.isdir(os.path.join(path, "checkpoints"))
-  return isinstance(saved, dict) and "train" in saved and "model" in saved
-
-
 def init_from(path: str):
-  """-> (model config, params fn) of a k2jax run directory or a Hugging Face directory."""
-  if _is_k2jax_run(path):
-    from k2jax.checkpoint import load_run
-    run_config, params = load_run(path)  # a run without checkpoints: says so
-    return run_config.model, lambda: params
-  from k2jax.interop import hf
-  cfg, params = hf.load_checkpoint(path)
-  return cfg, lambda: params
+  """The weights of a k2jax run directory or a Hugging Face directory (k2jax.weights.Source):
+  their config, read before anything else; their params, loaded into the trainer's
+  shardings when it asks."""
+  from k2jax import weights
+  return weights.open_source(path)
 
 
 def pop_init(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -241,16 +228,40 @@ def load_init(init: str):
   if not init or not os.path.exists(init):
     raise train.UserError(f"--init {init!r}: no such run or checkpoint directory")
   try:
-    return init_from(init)
+    source = init_from(init)
+    source.check()      # before any file of the run is written
+    return source
   except (OSError, ValueError) as e:
     raise train.UserError(f"--init {init}: {str(e).splitlines()[0]}") from None
+
+
+def load_params(init: str, source, cfg, shardings, layout=None):
+  """source.load with a checkpoint's flaws (a missing or misshapen tensor, a truncated
+  file) as one-line UserErrors naming --init."""
+  from k2jax import train
+  try:
+    return source.load(cfg, shardings, layout)
+  except (OSError, ValueError) as e:
+    raise train.UserError(f"--init {init}: {str(e).splitlines()[0]}") from None
+
+
+# what --init's weights may be stored as besides their own dtype: they are cast on load
+_INIT_DTYPE = "param_dtype"
+
+
+def tokenizer_from_init(source, config, argv) -> None:
+  """--init's tokenizer (a run's, or a Hugging Face directory's tiktoken.model) for the
+  data, unless the command line names one: weights read the ids they were trained on."""
+  if not any(a.startswith("--config.data.tokenizer") for a in argv):
+    config.data.tokenizer = source.tokenizer()
 
 
 def model_from_init(init_model, config, argv, flag: str = "--init"):
   """The model config to fine-tune: --init's, with the command line's --config.model.*
   overrides that only change how it computes (remat, dtype, kernels: the keys a resumed run
-  may change, k2jax.resume) applied. An override that would change the weights' shapes or
-  meaning is refused (ValueError naming it), never dropped."""
+  may change, k2jax.resume) or the dtype the weights are stored in (param_dtype: they are
+  cast as they load) applied. An override that would change the weights' shapes or meaning
+  is refused (ValueError naming it), never dropped."""
   from k2jax import resume
   model = init_model.copy_and_resolve_references()
   for arg in argv:
@@ -261,7 +272,7 @@ def model_from_init(init_model, config, argv, flag: str = "--init"):
     old = model.get(key)
     if resume.flatten({"v": new}) == resume.flatten({"v": old}):
       continue
-    if not resume.can_resume(f"model.{key}", old, new):
+    if key != _INIT_DTYPE and not resume.can_resume(f"model.{key}", old, new):
       raise ValueError(f"{arg}: the {flag} weights have model.{key} = {old!r}; the model's "
                        f"shape comes from {flag}, so drop this override (only computation "
                        "settings such as model.remat or model.dtype may change)")
@@ -274,19 +285,22 @@ def main(argv=None):
   init, argv = pop_init(sys.argv if argv is None else argv)
   try:
     config, workdir = train.parse(argv, "k2jax.sft", " [--init RUN | HF_DIR]")
+    train.init_distributed()     # several processes (--coordinator_address ...): before JAX
     params = None
     if init is not None:
-      init_model, load = load_init(init)
+      source = load_init(init)
+      init_model = source.model
       try:
         config.model = model_from_init(init_model, config, argv)
+        tokenizer_from_init(source, config, argv)
       except ValueError as e:
         raise train.UserError(str(e)) from None
 
-      def params():   # called by the trainer once its logging is set up: the line is seen
-        log.info("--init %s: weights of a %d-layer model, hidden size %d, %d experts",
-                 init, init_model.num_hidden_layers, init_model.hidden_size,
-                 init_model.n_routed_experts)
-        return load()
+      def params(cfg, shardings, layout):   # the trainer's, once its logging is set up
+        log.info("--init %s: weights of a %d-layer model, hidden size %d, %d experts, "
+                 "stored as %s", init, init_model.num_hidden_layers, init_model.hidden_size,
+                 init_model.n_routed_experts, cfg.param_dtype)
+        return load_params(init, source, cfg, shardings, layout)
     train.enable_compilation_cache()
     train.train(config, workdir, build_data=build_data, init_params=params)
   except train.UserError as e:

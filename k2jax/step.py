@@ -33,10 +33,14 @@ class TrainState(NamedTuple):
   skipped: jax.Array       # int32: non-finite steps skipped in total
 
 
-def init_state(cfg, tx, rng) -> TrainState:
-  params = model.init(cfg.model, rng)
+def fresh_state(tx, params) -> TrainState:
+  """Step 0 of training `params` with `tx`."""
   zero = jnp.zeros((), jnp.int32)
   return TrainState(zero, params, tx.init(params), zero, zero)
+
+
+def init_state(cfg, tx, rng) -> TrainState:
+  return fresh_state(tx, model.init(cfg.model, rng))
 
 
 def lm_loss(mcfg, params, batch):

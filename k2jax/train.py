@@ -37,7 +37,7 @@ from k2jax.checkpoint import CheckpointError, Checkpointer
 from k2jax.metrics import MetricsWriter
 from k2jax.parallel import layout, pipeline
 from k2jax import step as step_lib
-from k2jax.step import TrainState, eval_step, init_state
+from k2jax.step import TrainState, eval_step, fresh_state, init_state
 
 log = logging.getLogger("k2jax.train")
 
@@ -224,8 +224,11 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
     workdir: the run's directory.
     build_data: fn(config, process_index, process_count) -> k2jax.data.Data; default: the
       pre-training corpus of config.data (k2jax.sft passes its chat data).
-    init_params: fn() -> params (host arrays of the model's parameter tree) to start from
-      instead of a random init (fine-tuning); unused when a checkpoint is resumed.
+    init_params: fn(model config, shardings, layout) -> params: the weights to start from
+      instead of a random init (fine-tuning), built into `shardings` (a params tree of
+      Shardings) in model.param_dtype, the pipelined stack as stored (`layout`, a
+      k2jax.parallel.layout.Split, or None without a pipeline); unused when a checkpoint is
+      resumed.
   """
   try:
     configs.validate(config)
@@ -340,17 +343,17 @@ def _run(config, workdir, mesh, data, init_params=None):
     state, train_iter, meta = restored
     state = TrainState(*state) if not isinstance(state, TrainState) else state
     state = to_stored(state) if sp is not None else state
+  elif init_params is not None:
+    # fine-tuning: the given weights, loaded shard by shard into the stored layout's
+    # shardings, and a fresh optimizer state; no random state is built
+    state = jax.jit(functools.partial(fresh_state, tx), out_shardings=shardings,
+                    donate_argnums=0)(init_params(m, shardings.params, sp))
+    train_iter, meta = data.train_iter(), {}
   else:
     # Initialized in the logical layout and then laid out: the same weights on every mesh.
     state = jax.jit(lambda r: layout.convert_state(
         sp, tx_logical, init_state(config, tx_logical, r), layout.to_stored),
         out_shardings=shardings)(rng)
-    if init_params is not None:  # fine-tuning: the given weights, fresh optimizer state
-      params = jax.device_put(init_params(), ckpt_shardings.params)
-      def fresh(s, p):
-        p = layout.convert_params(sp, p, layout.to_stored)
-        return s._replace(params=p, opt_state=tx.init(p))
-      state = jax.jit(fresh, out_shardings=shardings, donate_argnums=0)(state, params)
     train_iter, meta = data.train_iter(), {}
   start = int(state.step)
   counts = model.count_params(m)

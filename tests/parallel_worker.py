@@ -735,8 +735,8 @@ def serve_context():
   calls, attend = [], context.attend
   got = {}
   with mock.patch.object(context, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k)):
-    engine = Engine(cfg, generate.on_mesh(cfg, params, mesh), ByteTokenizer(), max_batch=4,
-                    mesh=mesh, window_s=0.5)
+    engine = Engine(cfg, jax.device_put(params, generate.target_shardings(cfg, mesh)),
+                    ByteTokenizer(), max_batch=4, mesh=mesh, window_s=0.5)
     done = threading.Semaphore(0)
 
     def emit(i):

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from k2jax import configs, model
-from k2jax.interop import hf
+from k2jax.interop import hf, quant
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_wrong_shape_names_tensor_and_shapes(saved):
   _, _, path = saved
   name = "model.layers.1.self_attn.kv_b_proj.weight"
   _rewrite(path, lambda t: t.__setitem__(name, np.zeros((7, 3), np.float32)))
-  with pytest.raises(hf.CheckpointError, match=rf"tensor {name}: expected \[256, 32\] .* found \[7, 3\]"):
+  with pytest.raises(hf.CheckpointError, match=rf"tensor {name} in model.safetensors: expected \[256, 32\] .* found \[7, 3\]"):
     hf.load_checkpoint(str(path))
 
 
@@ -72,7 +72,7 @@ def test_fp8_block_dequantization_against_elementwise_formula():
   for i, j in [(0, 0), (127, 128), (128, 255), (199, 299), (150, 10)]:
     assert deq[i, j] == np.float32(q[i, j]) * s[i // 128, j // 128]
   assert np.abs(deq - w).max() <= np.abs(w).max() / 8  # e4m3 has 3 mantissa bits
-  with pytest.raises(hf.CheckpointError, match=r"weight_scale_inv of shape \[1, 3\]"):
+  with pytest.raises(quant.QuantizationError, match=r"weight_scale_inv of shape \[1, 3\]"):
     hf.dequantize_fp8(q, s[:1])
 
 

@@ -604,13 +604,22 @@ def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]
   assert (tmp_path / "split" / "samples.jsonl").read_text() == \
       (tmp_path / "samples.jsonl").read_text()
-  # the starting weights are the caller's: two runs from the same arrays (the trainer donates
-  # its state to each step, which must not delete them)
+  # init builds the starting weights into the trainer's shardings, which the run then owns
+  # (its steps donate them): two runs from the same weights are the same run
   start = out["state"].params
   c.rl.update(dict(eval_every=0, samples_every=0, kl_to_init=False))   # (shorter)
-  for name in ("a", "b"):
-    rl_train.run(c, str(tmp_path / name), init=lambda: start)
-  assert all(not x.is_deleted() for x in jax.tree.leaves(start))
+  asked = []
+
+  def init(cfg, shardings):
+    asked.append(jax.tree.leaves(shardings))
+    return jax.device_put(start, shardings, may_alias=False)
+  runs = [rl_train.run(c, str(tmp_path / name), init=init) for name in ("a", "b")]
+  assert all(s.is_equivalent_to(x.sharding, x.ndim)
+             for s, x in zip(asked[0], jax.tree.leaves(start)))
+  for a, b in zip(*(jax.tree.leaves(r["state"].params) for r in runs)):
+    np.testing.assert_array_equal(a, b)
+  assert [h.get("k15_loss") for h in runs[0]["history"]] == [h.get("k15_loss") for h in
+                                                             runs[1]["history"]]
 
 
 TINY_RL_FLAGS = [

@@ -1,290 +1,238 @@
-"""Hugging Face checkpoints in the published K2 / DeepSeek-V3 layout <-> k2jax params.
+"""Hugging Face checkpoints in the published K2 / DeepSeek-V3 layout <-> k2jax params, at any
+size, shard by shard.
 
-`load_checkpoint(path) -> (model_cfg, params)` reads config.json and the safetensors files
-(one file or an index), tensor by tensor, dequantizing FP8 e4m3 weights that carry a
-128x128-block `weight_scale_inv` and INT4 pack-quantized routed experts (k2jax.interop.quant). `save_checkpoint(cfg, params, path)` writes a directory
-that `transformers.DeepseekV3ForCausalLM.from_pretrained` loads (per-expert names).
+    cfg = hf.read_config(path)                                   # config.json only
+    params = hf.load(path, cfg, shardings)                        # straight into shardings
+    cfg, params = hf.load_checkpoint(path)                        # one device (small models)
+    hf.save_checkpoint(cfg, params, out, dtype="bfloat16")        # sharded params in, streamed
 
-Layout rules (k2-facts "Checkpoint layout"): PyTorch stores Linear weights [out, in]; ours
-are [*in, *out] with heads explicit, so a weight maps by transpose + reshape, using the
-parameter table's fan-in count. Embeddings map as is.
+Loading: every parameter leaf is a global `jax.Array` built shard by shard
+(k2jax.interop.shards.build): each process reads from the safetensors files only the blocks
+of the published tensors its devices' shards cover (layers and experts are stacked from many
+published tensors; a shard split inside a tensor reads that tensor's block), dequantizes FP8
+and INT4 blocks only there (k2jax.interop.quant) and casts them to the leaf's stored dtype
+(the one `model.init` gives it: model.param_dtype, the router bias float32). No host buffer
+holds more than one shard, no float32 copy of a narrower model exists, and a leaf that the
+target sharding splits is never whole on one device. The header of every file is checked
+against the config before any tensor is read, so a missing tensor, a wrong shape, a truncated
+file or a scale that does not fit its weight ends in one line naming the tensor and the file.
+
+Saving streams the other way (k2jax.interop.export): one tensor at a time from the shards
+that hold it, each file written once, by one process.
+
+The format itself (config.json, names, shapes, storage) is k2jax.interop.hf_format.
 """
 
-import json
-import math
-import os
-from collections.abc import Iterator
+import concurrent.futures
+import functools
+import time
 
 import jax
-import ml_dtypes
 import numpy as np
-from ml_collections import config_dict
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k2jax.configs import base, validate_model
-from k2jax.interop import quant, safetensors_io
+from k2jax.interop import loader, quant, safetensors_io, shards
+from k2jax.interop.hf_format import (  # noqa: F401 (the API, in one place)
+    CheckpointError, Leaf, _read_json, config_from_hf, config_to_hf, kinds, leaves,
+    published_layout, read_config, tensor_map)
+from k2jax.interop.quant import FP8_BLOCK, dequantize_fp8, quantize_fp8  # noqa: F401 (API)
 from k2jax.model import spec
-from k2jax.model.transformer import param_specs, stacks
+from k2jax.model.transformer import init, param_specs
 
-FP8_BLOCK = 128
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# threads that compile the conversion programs while the loader reads
+COMPILE_THREADS = 1
 
-# Published config.json keys that map one to one onto model config fields.
-_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-            "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-            "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "n_group",
-            "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func",
-            "topk_method", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-            "initializer_range", "bos_token_id", "eos_token_id", "aux_loss_alpha")
-_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-              "mscale_all_dim")
+# --------------------------------------------------------------------------- load
 
 
-class CheckpointError(ValueError):
-  """A checkpoint that does not match the config (names the tensor and the shapes)."""
+def stored_dtypes(cfg) -> dict:
+  """Each leaf's stored dtype: what model.init makes (model.param_dtype; the router bias
+  float32), the one source of truth for what a loaded leaf holds."""
+  return jax.eval_shape(functools.partial(init, cfg), jax.random.key(0))
 
 
-# --------------------------------------------------------------------------- config.json
+def _open(path: str, cfg):
+  """(reader, sources) of the directory, every file's header checked against `cfg`."""
+  hf_json = _read_json(path)
+  try:
+    reader = safetensors_io.Reader(path)
+  except (safetensors_io.FormatError, FileNotFoundError) as e:
+    raise CheckpointError(str(e)) from None
+  try:
+    return reader, kinds(cfg, {n: reader.info(n) for n in reader.names()}, path,
+                         quant.int4_group_size(hf_json))
+  except CheckpointError:
+    reader.close()
+    raise
 
 
-def config_from_hf(d: dict) -> config_dict.ConfigDict:
-  """Model config from a published (or transformers 5 `rope_parameters`) config.json dict."""
-  m = base.model_config()
-  for k in _HF_KEYS:
-    if d.get(k) is not None:
-      m[k] = type(m[k])(d[k]) if m[k] is not None and not isinstance(d[k], bool) else d[k]
-  if d.get("n_routed_experts") is None:  # a dense model: every layer dense
-    m.first_k_dense_replace = m.num_hidden_layers
-  rope = d.get("rope_parameters") or {}
-  m.rope_theta = float(d.get("rope_theta") or rope.get("rope_theta") or m.rope_theta)
-  scaling = d.get("rope_scaling") or rope
-  kind = scaling.get("type") or scaling.get("rope_type") or "default"
-  if kind == "yarn":
-    m.rope_scaling = base.yarn(**{k: scaling[k] for k in _YARN_KEYS if scaling.get(k) is not None})
-  elif kind != "default":
-    raise CheckpointError(f"config.json rope scaling type {kind!r} is not supported "
-                          "(k2jax implements plain RoPE and YaRN)")
-  m.dtype = "float32"
-  validate_model(m, group="config.json")
-  return m
+def check(path: str, cfg=None) -> None:
+  """CheckpointError (one line) unless the directory's files hold every tensor of `cfg`
+  (default: its config.json's) whole, in the published shapes: headers only, no tensor
+  read. What load checks first, for callers that want the verdict before anything else."""
+  reader, _ = _open(path, read_config(path) if cfg is None else cfg)
+  reader.close()
 
 
-def config_to_hf(cfg, torch_dtype: str = "float32") -> dict:
-  d = {k: cfg[k] for k in _HF_KEYS}
-  rs = cfg.rope_scaling
-  d.update(
-      architectures=["DeepseekV3ForCausalLM"],
-      # "deepseek_v3", not K2's "kimi_k2": transformers keys its per-expert conversion on it.
-      model_type="deepseek_v3",
-      num_key_value_heads=cfg.num_attention_heads,
-      hidden_act="silu",
-      attention_bias=False,
-      num_nextn_predict_layers=0,
-      rope_theta=cfg.rope_theta,
-      rope_scaling=({"type": "yarn", **{k: rs[k] for k in _YARN_KEYS}}
-                    if rs.type == "yarn" else None),
-      torch_dtype=torch_dtype,
-  )
-  return d
+_SUFFIXES = {"plain": ("",), "fp8": ("", "_scale_inv"), "int4": ("_packed", "_scale")}
 
 
-# --------------------------------------------------------------------------- name map
+def split_of(sharding) -> tuple:
+  """(PartitionSpec, {mesh axis: size}, the mesh axes across processes) of a target
+  sharding (one device: no split)."""
+  if isinstance(sharding, NamedSharding):
+    mesh = sharding.mesh
+    processes = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    return sharding.spec, dict(mesh.shape), loader.spanning_axes(dict(mesh.shape), processes)
+  return P(), {}, ()
 
 
-def _layer_entries(cfg, stack_specs):
-  """(hf suffix, path inside one layer, expert index or None) for one decoder layer."""
-  yield "input_layernorm.weight", ("attn_norm",), None
-  yield "post_attention_layernorm.weight", ("mlp_norm",), None
-  attn = {"q_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b": "q_b_proj", "q_proj": "q_proj",
-          "kv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b": "kv_b_proj",
-          "o": "o_proj"}
-  for ours, theirs in attn.items():
-    if ours in stack_specs["attn"]:
-      yield f"self_attn.{theirs}.weight", ("attn", ours), None
-  if "mlp" in stack_specs:
-    for w in ("gate", "up", "down"):
-      yield f"mlp.{w}_proj.weight", ("mlp", w), None
-  else:
-    yield "mlp.gate.weight", ("moe", "router"), None
-    yield "mlp.gate.e_score_correction_bias", ("moe", "router_bias"), None
-    for e in range(cfg.n_routed_experts):
-      for w in ("gate", "up", "down"):
-        yield f"mlp.experts.{e}.{w}_proj.weight", ("moe", "experts", w), e
-    if "shared" in stack_specs["moe"]:
-      for w in ("gate", "up", "down"):
-        yield f"mlp.shared_experts.{w}_proj.weight", ("moe", "shared", w), None
+def leaf_plan(leaf: Leaf, srcs: dict, infos: dict, spec, mesh_shape: dict,
+              spanning: tuple = (), group_size: int = 32):
+  """How `leaf` is read and converted into a split `spec` over a mesh of `mesh_shape`
+  whose `spanning` axes cross processes (k2jax.interop.loader.Plan)."""
+  names = [n for n in leaf.names.reshape(-1) if n is not None]
+  stored = sorted({srcs[n] for n in names})
+  if len(stored) > 1:
+    raise CheckpointError(f"the tensors of {names[0]} and its kind are stored "
+                          f"{' and '.join(stored)}: a leaf's tensors must be quantized alike")
+  kind = stored[0]
+  dtypes = {x: infos[names[0] + x].dtype for x in _SUFFIXES[kind]}
+  for n in names:
+    for x, d in dtypes.items():
+      if infos[n + x].dtype != d:
+        raise CheckpointError(f"tensor {n + x} is {infos[n + x].dtype}, where {names[0] + x} "
+                              f"is {d}: tensors of one kind must be stored alike")
+  return loader.plan(leaf, kind, dtypes, spec, mesh_shape, group_size, spanning)
 
 
-def tensor_map(cfg) -> Iterator[tuple]:
-  """Yield (hf name, our param path, index into our array, ParamSpec) for every tensor."""
-  specs = param_specs(cfg)
-  yield "model.embed_tokens.weight", ("embed",), (), specs["embed"]
-  yield "model.norm.weight", ("final_norm",), (), specs["final_norm"]
-  yield "lm_head.weight", ("lm_head",), (), specs["lm_head"]
-  for st in stacks(cfg):
-    for j, i in enumerate(range(st.rows.start, st.rows.stop)):
-      for suffix, path, e in _layer_entries(cfg, specs[st.name]):
-        s = specs[st.name]
-        for k in path:
-          s = s[k]
-        index = (j,) if e is None else (j, e)
-        yield f"model.layers.{i}.{suffix}", (st.name,) + path, index, s
+def load(path: str, cfg, shardings, *, layout=None, stats: dict | None = None):
+  """The params of the Hugging Face directory `path` for model config `cfg` (its config.json
+  read with `read_config`, the stored dtype `cfg.param_dtype` of the caller's choosing),
+  built straight into `shardings` (a params tree of Shardings: the trainer's, the RL
+  sampler's, the server's). With `layout` (a k2jax.parallel.layout.Split) the pipelined
+  stack is built as the trainer stores it (padded, in schedule order) and `shardings` are
+  the stored ones.
+
+  Each process reads only its devices' blocks (k2jax.interop.loader). A thread compiles the
+  conversion programs while this one reads; the devices convert a chunk while the next is
+  read. stats, if given, is filled with what loading took: bytes read, the largest host
+  block, conversion programs run, seconds spent reading and sending to the devices."""
+  from k2jax.parallel import layout as layouts
+  reader, srcs = _open(path, cfg)
+  group_size = quant.int4_group_size(_read_json(path))
+  acct = {"block": 0, "seconds": 0.0}
+
+  def build(*args):
+    t0 = time.perf_counter()
+    try:
+      array, block = shards.build(*args)
+    except safetensors_io.FormatError as e:
+      raise CheckpointError(str(e)) from None
+    acct["block"] = max(acct["block"], block)
+    acct["seconds"] += time.perf_counter() - t0
+    return array
+  with reader, concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as compiler:
+    infos = {n: reader.info(n) for n in reader.names()}
+    table = leaves(cfg, layout)
+    abstract = stored_dtypes(cfg if layout is None else layouts.stored_model(cfg, layout))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    jobs = []
+    for (kpath, a), target in zip(flat, treedef.flatten_up_to(shardings)):
+      leaf = table[tuple(k.key for k in kpath)]
+      p = leaf_plan(leaf, srcs, infos, *split_of(target), group_size=group_size)
+      shape, dtype = tuple(a.shape), np.dtype(a.dtype)
+      compiled = None if loader.direct(p) else compiler.submit(
+          loader.programs, p, shape, dtype, target)
+      jobs.append((leaf, p, shape, dtype, target, compiled))
+    out, calls = [], 0
+    for leaf, p, shape, dtype, target, compiled in jobs:
+      if compiled is None:
+        out.append(build(shape, dtype, target, functools.partial(
+            loader.read_leaf, reader, leaf, dtype)))
+        continue
+      array = None
+      for k in np.ndindex(*p.chunks):
+        raws = [build(loader.raw_shape(shape, p, part), part.dtype,
+                      loader.raw_sharding(target, spec),
+                      functools.partial(loader.read_block, reader, leaf, p, part, k))
+                for part, spec in zip(p.parts, p.read_specs)]
+        zeros, write = compiled.result()
+        if zeros is None:
+          array = write(*raws)
+        else:
+          # the chunk before was converted while these were read; one chunk in flight
+          array = write(zeros() if array is None else jax.block_until_ready(array),
+                        np.asarray(k, np.int32), *raws)
+        calls += 1
+      out.append(array)
+    jax.block_until_ready(out)
+    if stats is not None:
+      stats.update(bytes_read=reader.bytes_read, host_peak=acct["block"], programs=calls,
+                   read_seconds=acct["seconds"])
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _slice_shape(s: spec.ParamSpec, index):
-  return s.shape[len(index):]
+def load_plan(cfg, specs: dict, mesh_shape: dict, hosts: np.ndarray, *, layout=None,
+              fp8: bool = False, int4: bool = False, dtype="bfloat16") -> dict:
+  """What `load` takes on each host of a slice, for a checkpoint of `cfg` in the published
+  layout (FP8 decoder linears as Kimi-K2-Instruct and DeepSeek-V3 ship, INT4 routed experts
+  as K2-Thinking, the rest `dtype`), counted by the code that loads (leaf_plan, the
+  loader's blocks) with no file and no device: the params split as `specs` ({param path:
+  PartitionSpec}, the stored layout with `layout`) over a mesh of `mesh_shape` whose
+  devices belong to `hosts` (an int array of the mesh's shape), stored as cfg.param_dtype.
+
+  -> {"file": bytes of the checkpoint, "read": {host: bytes it reads}, "block": the largest
+  host buffer (one raw block), "chunk": the most raw bytes one device receives at once
+  (one chunk of one leaf, beside the params)}."""
+  infos = {n: safetensors_io.Info("", 0, d, s)
+           for n, d, s in published_layout(cfg, dtype, fp8=fp8, int4=int4)}
+  srcs = kinds(cfg, infos, "the published layout")
+  spanning = loader.spanning_axes(mesh_shape, hosts)
+  read = {int(h): 0 for h in np.unique(hosts)}
+  stored = np.dtype(cfg.param_dtype).itemsize
+  block = chunk = 0
+  first = {a: 0 for a in mesh_shape}
+  for path, leaf in leaves(cfg, layout).items():
+    spec = specs[path]
+    p = leaf_plan(leaf, srcs, infos, spec, mesh_shape, spanning)
+    if loader.direct(p):     # (shape, spec, chunks, bytes of a host block element, count)
+      arrays = [(leaf.spec.shape, spec, [()], stored,
+                 lambda b, k: loader.leaf_bytes(leaf, b, infos))]
+    else:
+      arrays = [(loader.raw_shape(leaf.spec.shape, p, part), raw, list(np.ndindex(*p.chunks)),
+                 part.dtype.itemsize,
+                 lambda b, k, part=part: loader.block_bytes(leaf, p, part, k, b, infos))
+                for part, raw in zip(p.parts, p.read_specs)]
+    on_device = 0
+    for shape, raw, chunks, itemsize, count in arrays:
+      for host, blocks in shards.host_blocks(raw, shape, mesh_shape, hosts).items():
+        read[host] += sum(count(b, k) for b in blocks for k in chunks)
+      held = shards.nbytes(shards.block_at(raw, shape, mesh_shape, first), itemsize)
+      block, on_device = max(block, held), on_device + held
+    chunk = max(chunk, on_device)
+  return {"file": sum(i.nbytes for i in infos.values()), "read": read, "block": block,
+          "chunk": chunk}
 
 
-def _to_ours(hf_name, w: np.ndarray, s: spec.ParamSpec, index):
-  """HF [out, in] -> our [*in, *out] slice (vectors and the embedding map as is)."""
-  shape = _slice_shape(s, index)
-  if w.ndim == 2 and hf_name != "model.embed_tokens.weight":
-    w = w.T
-  if w.size != math.prod(shape):
-    raise CheckpointError(f"tensor {hf_name}: expected {_hf_shape(hf_name, s, index)} for this "
-                          f"config, found {list(w.shape if w.ndim < 2 else w.T.shape)}")
-  return w.reshape(shape)
-
-
-def _hf_shape(hf_name, s: spec.ParamSpec, index):
-  shape = _slice_shape(s, index)
-  if len(shape) == 1:
-    return list(shape)
-  n_in = s.n_in
-  fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-  return [fan_in, fan_out] if hf_name == "model.embed_tokens.weight" else [fan_out, fan_in]
-
-
-def _to_hf(hf_name, w: np.ndarray, s: spec.ParamSpec, index):
-  shape = _hf_shape(hf_name, s, index)
-  if len(shape) == 1 or hf_name == "model.embed_tokens.weight":
-    return w.reshape(shape)
-  return w.reshape(shape[::-1]).T
-
-
-# --------------------------------------------------------------------------- FP8 blocks
-
-
-def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
-  """W[i, j] = q[i, j] * scale_inv[i // block, j // block] (DeepSeek-V3 / K2 FP8 release)."""
-  rows, cols = q.shape
-  expected = (math.ceil(rows / block), math.ceil(cols / block))
-  if scale_inv.shape != expected:
-    raise CheckpointError(f"weight_scale_inv of shape {list(scale_inv.shape)} does not tile a "
-                          f"{list(q.shape)} weight in {block}x{block} blocks (expected "
-                          f"{list(expected)})")
-  s = np.repeat(np.repeat(scale_inv.astype(np.float32), block, 0), block, 1)[:rows, :cols]
-  return q.astype(np.float32) * s
-
-
-def quantize_fp8(w: np.ndarray, block: int = FP8_BLOCK):
-  """Block-wise e4m3 quantization: scale_inv = amax(block) / 448 per 128x128 block."""
-  rows, cols = w.shape
-  br, bc = math.ceil(rows / block), math.ceil(cols / block)
-  padded = np.zeros((br * block, bc * block), np.float32)
-  padded[:rows, :cols] = w
-  blocks = padded.reshape(br, block, bc, block)
-  fmax = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
-  scale_inv = np.maximum(np.abs(blocks).max(axis=(1, 3)) / fmax, 1e-12).astype(np.float32)
-  q = np.clip(blocks / scale_inv[:, None, :, None], -fmax, fmax).astype(ml_dtypes.float8_e4m3fn)
-  return q.reshape(br * block, bc * block)[:rows, :cols], scale_inv
-
-
-def _fp8_quantizable(hf_name: str) -> bool:
-  """Decoder-layer linear weights; embeddings, head, norms and router stay high precision."""
-  return hf_name.startswith("model.layers.") and hf_name.endswith("_proj.weight")
-
-
-# --------------------------------------------------------------------------- load / save
-
-
-def load_checkpoint(path: str, dtype=np.float32):
-  """Read a Hugging Face K2 / DeepSeek-V3 directory -> (model config, params as jax arrays).
-
-  Reads tensor by tensor (memory-mapped safetensors, never pickle); FP8 weights with a
-  `weight_scale_inv` are dequantized. Multi-token-prediction layers (index >=
-  num_hidden_layers) and rotary `inv_freq` buffers are skipped.
-  """
-  cfg_path = os.path.join(path, "config.json")
-  if not os.path.isfile(cfg_path):
-    raise CheckpointError(f"{path}: no config.json: point at a Hugging Face model directory")
-  with open(cfg_path) as f:
-    hf_cfg = json.load(f)
-  cfg = config_from_hf(hf_cfg)
-  group_size = quant.int4_group_size(hf_cfg)
-  with safetensors_io.Reader(path) as reader:
-    specs = param_specs(cfg)
-    out = jax.tree.map(lambda s: np.empty(s.shape, dtype), specs, is_leaf=spec.is_spec)
-    used = set()
-    for hf_name, ppath, index, s in tensor_map(cfg):
-      if hf_name not in reader and hf_name + "_packed" in reader:   # INT4 (compressed-tensors)
-        parts = [hf_name + x for x in ("_packed", "_scale", "_shape")]
-        try:
-          w = quant.dequantize_int4(hf_name, reader.get(parts[0]), reader.get(parts[1]),
-                                    reader.get(parts[2]) if parts[2] in reader else None,
-                                    group_size)
-        except quant.QuantizationError as e:
-          raise CheckpointError(str(e)) from None
-        used.update(p for p in parts if p in reader)
-      elif hf_name not in reader:
-        raise CheckpointError(f"tensor {hf_name} is missing from {path} (expected shape "
-                              f"{_hf_shape(hf_name, s, index)})")
-      else:
-        w = reader.get(hf_name)
-        used.add(hf_name)
-      if (scale := hf_name + "_scale_inv") in reader:
-        w = dequantize_fp8(w, reader.get(scale))
-        used.add(scale)
-      target = out
-      for k in ppath:
-        target = target[k]
-      target[index] = _to_ours(hf_name, w.astype(np.float32), s, index).astype(dtype)
-    extra = [n for n in reader.names() if n not in used and not _ignorable(n, cfg)]
-    if extra:
-      raise CheckpointError(f"tensor {extra[0]} (and {len(extra) - 1} more) in {path} has no "
-                            "place in this config: is config.json the one for these weights?")
-  return cfg, jax.tree.map(jax.numpy.asarray, out)
-
-
-def _ignorable(name: str, cfg) -> bool:
-  if name.endswith(_IGNORED_SUFFIXES):
-    return True
-  parts = name.split(".")
-  # DeepSeek-V3's multi-token-prediction module lives in extra layers past the last one.
-  return (len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit()
-          and int(parts[2]) >= cfg.num_hidden_layers)
+def load_checkpoint(path: str, dtype=np.float32, device=None):
+  """Read a Hugging Face K2 / DeepSeek-V3 directory -> (model config, params) on one device
+  (`device`, default the first), in `dtype` (the model's param_dtype). For models that fit
+  one device; larger ones load into their mesh's shardings with `load`."""
+  cfg = read_config(path)
+  cfg.param_dtype = np.dtype(dtype).name
+  one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+  shardings = jax.tree.map(lambda _: one, param_specs(cfg), is_leaf=spec.is_spec)
+  return cfg, load(path, cfg, shardings)
 
 
 def save_checkpoint(cfg, params, path: str, *, dtype: str = "float32", fp8: bool = False,
                     max_shard_bytes: int = 4 << 30) -> None:
-  """Write `params` as a Hugging Face directory (config.json + safetensors, published names).
+  """Write `params` (a params tree of global arrays, sharded or not, over one process or
+  many) as a Hugging Face directory that `transformers.DeepseekV3ForCausalLM` loads:
+  config.json + safetensors in the published names (k2jax.interop.export).
 
-  dtype: float32 | bfloat16 for every tensor; fp8=True additionally stores decoder-layer
-  linear weights as float8_e4m3fn with 128x128-block `weight_scale_inv` (as released).
-  """
-  np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
-  os.makedirs(path, exist_ok=True)
-  hf_cfg = config_to_hf(cfg, torch_dtype=dtype)
-  if fp8:
-    hf_cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf_cfg, f, indent=2)
-
-  def tensors():
-    for hf_name, ppath, index, s in tensor_map(cfg):
-      w = params
-      for k in ppath:
-        w = w[k]
-      w = _to_hf(hf_name, np.asarray(w[index], np.float32), s, index)
-      if fp8 and _fp8_quantizable(hf_name):
-        q, scale_inv = quantize_fp8(w)
-        yield hf_name, q
-        yield hf_name + "_scale_inv", scale_inv
-      elif hf_name.endswith("e_score_correction_bias"):
-        yield hf_name, w.astype(np.float32)  # kept in float32 by the reference
-      else:
-        yield hf_name, w.astype(np_dtype)
-
-  safetensors_io.write_sharded(tensors(), path, max_shard_bytes)
+  dtype: float32 | bfloat16 for every tensor; fp8=True stores decoder-layer linear weights
+  as float8_e4m3fn with 128x128-block `weight_scale_inv` (as released)."""
+  from k2jax.interop import export
+  export.save(cfg, params, path, dtype=dtype, fp8=fp8, max_shard_bytes=max_shard_bytes)

@@ -152,11 +152,14 @@ def rl_loss(config, params, batch, ptx):
   return loss, (k15, ptx_loss, stats)
 
 
-def rl_step(config, tx, state: TrainState, batch, ptx, opt_shardings=None):
+def rl_step(config, tx, state: TrainState, batch, ptx, opt_shardings=None, grad_shardings=None):
   """One optimizer step on rl_loss, gated on finiteness like the pre-training step.
-  opt_shardings: the optimizer state's as stored (step.train_step's)."""
+  opt_shardings, grad_shardings: the optimizer state's as stored and where the gradients are
+  reduced to for the update (step.train_step's: parallel.grad_shardings, ZeRO-1's slices)."""
   grads, (k15, ptx_loss, stats) = jax.grad(
       lambda p: rl_loss(config, p, batch, ptx), has_aux=True)(state.params)
+  if grad_shardings is not None:   # else XLA may hold each whole where its weight is
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(k15) & jnp.isfinite(grad_norm)
   old_opt = on_device(config.optimizer, state.opt_state, opt_shardings)
@@ -165,6 +168,10 @@ def rl_step(config, tx, state: TrainState, batch, ptx, opt_shardings=None):
   params = optax.apply_updates(state.params, updates)
   opt_state = split_as_stored(config.optimizer, _gate(finite, opt_state, old_opt),
                               opt_shardings)
+  if opt_shardings is not None and config.optimizer.get("host_state", False):
+    # back to host memory, as the pre-training step's out_shardings send them: left free,
+    # XLA returns the new states in device memory and the next step takes them from there
+    opt_state = jax.device_put(opt_state, opt_shardings)
   new = TrainState(state.step + 1, _gate(finite, params, state.params), opt_state,
                    jnp.where(finite, 0, state.nan_streak + 1),
                    state.skipped + (~finite).astype(jnp.int32))
@@ -172,12 +179,13 @@ def rl_step(config, tx, state: TrainState, batch, ptx, opt_shardings=None):
                "max_logit": jnp.max(stats.max_logits)}
 
 
-def step_program(config, tx, opt_shardings=None):
+def step_program(config, tx, opt_shardings=None, grad_shardings=None):
   """rl_step jitted as `run` calls it (the state donated; shardings follow the arguments'):
-  the one place it is written, so a compile for another machine (tests/test_tpu_inference.py
-  compiles it for a TPU chip) is the RL loop's own update. opt_shardings: rl_step's."""
-  return jax.jit(functools.partial(rl_step, config, tx, opt_shardings=opt_shardings),
-                 donate_argnums=0)
+  the one place it is written, so a compile for another machine (k2jax.compile --program
+  rl, tests/test_tpu_inference.py) is the RL loop's own update. opt_shardings,
+  grad_shardings: rl_step's."""
+  return jax.jit(functools.partial(rl_step, config, tx, opt_shardings=opt_shardings,
+                                   grad_shardings=grad_shardings), donate_argnums=0)
 
 
 def old_logprobs(config, params, batch):
@@ -464,10 +472,12 @@ def batch_of(groups, rewards, prompts: int, pad_id: int):
 
 
 def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
-  """Run (or resume) RL in workdir. init: fn() -> params of the starting policy (or None: a
-  random init, for tests). ptx_dialogs: the chat dialogs of the PTX loss (default: data.files,
-  else k2jax.sft's default dialogs): the data the policy was fine-tuned on, since PTX on
-  anything else pulls the policy away from the behaviour RL starts from.
+  """Run (or resume) RL in workdir. init: fn(model config, shardings) -> params of the
+  starting policy, built into the trainer's `shardings`; the run owns them (its steps donate
+  them). None: a random init, for tests. ptx_dialogs: the chat dialogs of the PTX loss
+  (default: data.files, else k2jax.sft's default dialogs): the data the policy was
+  fine-tuned on, since PTX on anything else pulls the policy away from the behaviour RL
+  starts from.
 
   SIGINT / SIGTERM as in the pre-training trainer: the iteration under way finishes (its
   rollouts and updates are the uninterrupted run's), a checkpoint is saved and the run ends
@@ -499,7 +509,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   kernels.prepare(config.model.attention_impl, config.model.moe_impl)   # before any trace
   tx = optim.optimizer(config)
   specs = model.param_specs(config.model)
-  from k2jax.step import init_state
+  from k2jax.step import fresh_state, init_state
   abstract = jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(t.seed))
   shardings = parallel.state_shardings(specs, train_mesh, abstract, tx,
                                        host_state=config.optimizer.host_state)
@@ -514,6 +524,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   environments = make_environments(config, judge)
   rollouts = Rollouts(config, tok, environments, random.Random(int(t.seed)))
   latest = manager.latest_step()
+  init_policy = None
   with jax.set_mesh(train_mesh):
     if latest is not None:
       target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -524,14 +535,17 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
       rollouts.load(restored.meta["rollouts"])
       start = restored.meta["iteration"]
       log.info("resumed RL at iteration %d (%d groups in flight)", start, len(rollouts.groups))
+    elif init is not None:   # --init's weights, loaded shard by shard into the trainer's
+      params = init(config.model, shardings.params)
+      if r.get("kl_to_init", False):   # kept apart: the step donates the state
+        init_policy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                              out_shardings=shardings.params)(params)
+      state = jax.jit(functools.partial(fresh_state, tx), out_shardings=shardings,
+                      donate_argnums=0)(params)
+      start = 0
     else:
       state = jax.jit(functools.partial(init_state, config, tx),
                       out_shardings=shardings)(jax.random.key(t.seed))
-      if init is not None:
-        # a copy: the step donates the state, which must not delete the caller's arrays
-        params = jax.device_put(init(), shardings.params, may_alias=False)
-        state = state._replace(params=params, opt_state=jax.jit(
-            tx.init, out_shardings=shardings.opt_state)(params))
       start = 0
   ptx_rows = None
   if r.ptx_weight > 0:
@@ -539,15 +553,15 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
                               sft.default_dialogs(n=512, seed=1))
     ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
                              for d in dialogs], t.seq_len, tok.pad_id)
-  step_fn = step_program(config, tx, shardings.opt_state)
+  step_fn = step_program(config, tx, shardings.opt_state,
+                         parallel.grad_shardings(specs, train_mesh, abstract.params))
   logp_fn = jax.jit(functools.partial(trainer_logprobs, config))
   writer = MetricsWriter(workdir, start)
   samples = Samples(workdir, start)
   sets = eval_sets(config, environments) if r.get("eval_every", 0) else []
-  init_policy = None
-  if r.get("kl_to_init", False):   # the policy RL started from: --init's, or the seed's init
-    with jax.set_mesh(train_mesh):
-      init_policy = (jax.device_put(init(), shardings.params, may_alias=False) if init else
+  if r.get("kl_to_init", False) and init_policy is None:  # the policy RL started from:
+    with jax.set_mesh(train_mesh):                       # --init's, or the seed's init
+      init_policy = (init(config.model, shardings.params) if init else
                      jax.jit(lambda k: init_state(config, tx, k).params,
                              out_shardings=shardings.params)(jax.random.key(t.seed)))
   history = []
@@ -663,16 +677,19 @@ def _main(argv, init):
   """Parse, check, run; a mistake raises train.UserError."""
   from k2jax import resume, sft, train
   config, workdir = train.parse(argv, "k2jax.rl", " [--init RUN | HF_DIR]", "tiny_rl")
+  train.init_distributed()     # several processes (--coordinator_address ...): before JAX
   if "rl" not in config:
     raise train.UserError("config has no rl group: start from the tiny_rl preset "
                           "(--config tiny_rl)")
   params = None
-  if init is not None:
-    mcfg, params = sft.load_init(init)
+  if init is not None:   # its config now, its weights once the trainer's shardings exist
+    source = sft.load_init(init)
     try:
-      config.model = sft.model_from_init(mcfg, config, argv)
+      config.model = sft.model_from_init(source.model, config, argv)
+      sft.tokenizer_from_init(source, config, argv)
     except ValueError as e:
       raise train.UserError(str(e)) from None
+    params = functools.partial(sft.load_params, init, source)
   try:   # everything is checked before any file is written
     configs_validate(config)
     parallel.make_mesh(config.mesh)

@@ -126,6 +126,9 @@ def run_items(items: list[tuple[str, object]], work, out: Output, concurrency: i
 
 
 def _client(args):
+  if args.mesh and not (args.workdir or args.hf):
+    raise UserError(f"--mesh {args.mesh}: decodes in this process, so it goes with --workdir "
+                    "or --hf (a server at --endpoint has its own devices)")
   if args.dry_run:
     return ScriptedClient(dryrun.agent_model() if args.pipeline == "agentic" else dryrun.faithful)
   if args.endpoint:
@@ -145,7 +148,8 @@ def _client(args):
   try:
     if args.workdir:
       _check_run_dir(args.workdir)
-    return LocalClient.from_run(args.workdir, args.hf, concurrency=args.concurrency)
+    return LocalClient.from_run(args.workdir, args.hf, mesh=args.mesh,
+                                concurrency=args.concurrency)
   except LoadError as e:
     raise UserError(str(e)) from None
 
@@ -206,6 +210,9 @@ def parser() -> argparse.ArgumentParser:
   src.add_argument("--dry_run", action="store_true", help="no model: scripted replies "
                    "(k2jax.synth.dryrun: rewrites copy their source, the agent calls its first "
                    "tool, every judge passes), to try the plumbing and the trainers on records")
+  common.add_argument("--mesh", default=None, help="with --workdir / --hf: the devices to "
+                      "decode on, e.g. data=2,expert=4 (the weights load straight into their "
+                      "shards; default: one device)")
   common.add_argument("--model", help="the endpoint's model name (default: its first)")
   common.add_argument("--output", required=True, help="JSONL to append to (resumable)")
   common.add_argument("--shard", default="0/1", help="i/n: this process's share of the items")

@@ -129,18 +129,24 @@ class LocalClient(Client):
   """In-process decoding on this machine's devices through `k2jax.engine` (concurrent
   requests from chat_many share decode steps, as on the server)."""
 
-  def __init__(self, cfg, params, tokenizer, *, concurrency: int = 16):
+  def __init__(self, cfg, params, tokenizer, *, concurrency: int = 16, mesh=None):
     from k2jax.engine import Engine
-    self.engine = Engine(cfg, params, tokenizer, max_batch=concurrency, window_s=0.01)
+    self.engine = Engine(cfg, params, tokenizer, max_batch=concurrency, window_s=0.01,
+                         mesh=mesh)
     self.cfg, self.tok, self.concurrency = cfg, tokenizer, concurrency
 
   @classmethod
-  def from_run(cls, workdir: str | None = None, hf: str | None = None, **kw):
+  def from_run(cls, workdir: str | None = None, hf: str | None = None, mesh: str | None = None,
+               **kw):
+    """From a k2jax run or a Hugging Face directory, its weights loaded straight into the
+    shardings of `mesh` (a --mesh string: k2jax.generate.inference_mesh), else one device."""
     import argparse
 
-    from k2jax.generate import load
-    cfg, params, tok = load(argparse.Namespace(workdir=workdir, hf=hf))
-    return cls(cfg, params, tok, **kw)
+    from k2jax.generate import inference_mesh, load
+    devices = inference_mesh(mesh)
+    cfg, params, tok = load(argparse.Namespace(workdir=workdir, hf=hf), devices,
+                            flag=f"--mesh {mesh}")
+    return cls(cfg, params, tok, mesh=devices, **kw)
 
   def chat(self, request: Request) -> Reply:
     import queue
