@@ -17,7 +17,9 @@ processor, which needs the host every step); a row that ends inside a chunk leav
 end, and what it generated past its end is dropped. A dispatch gathers the occupied slots'
 rows into a power-of-two batch over the shortest power-of-two prefix of positions that holds
 every row's tokens: a cache sized for many long requests does not make one short request
-pay for its size, wherever its slot is.
+pay for its size, wherever its slot is. Under a mesh the slots are split over the devices a
+batch's rows are (generate.cache_axes: each holds its share of the cache, not all of it)
+and a dispatch runs every slot where it is, over that prefix.
 
 A slot that a row leaves keeps its cache, and the engine remembers the tokens it holds. A
 new row whose prompt starts with at least `reuse_min` of them takes that slot and runs only
@@ -54,7 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k2jax import chat, kernels
-from k2jax.generate import Penalties, bucket, penalize, sample_rows
+from k2jax.generate import (Penalties, batch_devices, bucket, cache_axes, new_cache, penalize,
+                            place_cache, rows_bucket, sample_rows)
 from k2jax.model import decode
 
 log = logging.getLogger("k2jax.engine")
@@ -155,6 +158,34 @@ class _Row:
     self.stop_from = 0          # where a stop string may start ending (min_tokens)
 
 
+def cache_length(max_len: int, chunk: int) -> int:
+  """Positions a slot of the cache holds for rows of up to `max_len` tokens: a dispatch of
+  `chunk` steps may run past a row's last token (its writes past the cache are dropped, but
+  the row's own must land), rounded up to 128 (TPU's lanes). Spans of a dispatch are
+  power-of-two buckets up to it."""
+  return -(-(max_len + chunk) // 128) * 128
+
+
+def slot_count(max_batch: int, mesh) -> int:
+  """The slots an engine asked for `max_batch` keeps on `mesh`: a multiple of the mesh's
+  batch devices (generate.batch_devices). A dispatch runs that many rows whatever it holds
+  (the MoE layers give each device whole rows), and with as many slots the cache splits over
+  those devices (generate.cache_axes) instead of each device holding every slot and a
+  gathered copy of the rows a dispatch runs."""
+  k = 1 if mesh is None else batch_devices(mesh)
+  return -(-max_batch // k) * k
+
+
+def dispatch_rows(n: int, slots: int, mesh) -> tuple[int, bool]:
+  """(rows, every) of a decode dispatch of n occupied slots of a cache of `slots`: with the
+  slots split over the mesh (generate.cache_axes) every slot in slot order (each device
+  decodes the slots it holds; a gather of some would cross devices), else the occupied ones
+  gathered into rows_bucket(n) rows."""
+  if mesh is not None and cache_axes(slots, mesh):
+    return slots, True
+  return rows_bucket(n, mesh), False
+
+
 def _scores(logits, tokens, top: int) -> dict:
   """log p(tokens) [...] under logits [..., V] (temperature 1), and the `top` most likely
   tokens' ids and log p [..., top] when top > 0."""
@@ -200,20 +231,26 @@ def _programs(cfg, rows: int, S: int):
   def give(pen, sub, slots):
     return jax.tree.map(lambda a, b: a.at[slots].set(b, mode="drop"), pen, sub)
 
-  def gather(cache, slots, span, lengths):
+  def gather(cache, slots, span, lengths, every=False):
     """Rows `slots` of the cache over its first `span` positions, at `lengths` (a padding
-    index past the cache reads a clipped row and is dropped by `put`)."""
-    return decode.Cache({name: decode.Latents(*(jnp.take(a[:, :, :span], slots, axis=1,
-                                                         mode="clip") for a in lat))
+    index past the cache reads a clipped row and is dropped by `put`); every: slots are all
+    of them in order, the cache's own rows where they are."""
+    pick = (lambda a: a[:, :, :span]) if every else (
+        lambda a: jnp.take(a[:, :, :span], slots, axis=1, mode="clip"))
+    return decode.Cache({name: decode.Latents(*map(pick, lat))
                          for name, lat in cache.layers.items()}, lengths)
 
-  def put(cache, sub, slots):
-    """`sub` (rows `slots`, its own positions from 0) written back into the cache."""
-    layers = {name: decode.Latents(*(
-        big.at[:, slots, :small.shape[2]].set(small.astype(big.dtype), mode="drop")
-        for big, small in zip(cache.layers[name], sub.layers[name])))
-        for name in cache.layers}
-    return decode.Cache(layers, cache.lengths.at[slots].set(sub.lengths, mode="drop"))
+  def put(cache, sub, slots, every=False):
+    """`sub` (rows `slots`, its own positions from 0) written back into the cache, which
+    stays where generate.cache_specs places it."""
+    def write(big, small):
+      if every:
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=2)
+      return big.at[:, slots, :small.shape[2]].set(small.astype(big.dtype), mode="drop")
+    layers = {name: decode.Latents(*map(write, cache.layers[name], sub.layers[name]))
+              for name in cache.layers}
+    return place_cache(decode.Cache(layers,
+                                    cache.lengths.at[slots].set(sub.lengths, mode="drop")))
 
   def admit(params, cache, tokens, lengths, slots, seeds, temperature, top_k, top_p, allowed,
             filtered, top, echo, pen=None, ps=None, bias_ids=None, bias_values=None):
@@ -233,12 +270,13 @@ def _programs(cfg, rows: int, S: int):
     return tok, scores, put(cache, new, slots), pen
 
   def steps(params, cache, slots, tokens, seeds, t, temperature, top_k, top_p, active, allowed,
-            n, span, filtered, top, pen=None, ps=None):
+            n, span, filtered, top, every=False, pen=None, ps=None):
     # The occupied slots' rows over the first `span` positions: the work of a step follows
-    # the rows and lengths in use, not the cache's size or where the rows sit in it.
+    # the rows and lengths in use, not the cache's size or where the rows sit in it (but
+    # for `every`, whose slots are split over the mesh's devices).
     sub = gather(cache, slots, span,
-                 jnp.where(active, jnp.take(cache.lengths, slots, mode="clip"), span))
-    rows = None if pen is None else take(pen, slots)
+                 jnp.where(active, jnp.take(cache.lengths, slots, mode="clip"), span), every)
+    got = None if pen is None else take(pen, slots)
 
     def body(carry, i):
       sub, tok, rows = carry
@@ -248,8 +286,12 @@ def _programs(cfg, rows: int, S: int):
       nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered, rows, ps)
       rows = None if rows is None else rows.seen(nxt)
       return (sub, nxt, rows), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
-    (sub, _, rows), (toks, scores) = jax.lax.scan(body, (sub, tokens, rows), jnp.arange(n))
-    return toks, scores, put(cache, sub, slots), None if pen is None else give(pen, rows, slots)
+    (sub, _, got), (toks, scores) = jax.lax.scan(body, (sub, tokens, got), jnp.arange(n))
+    # (a padding row's length is the span: its slot keeps the length it had)
+    sub = sub._replace(lengths=jnp.where(active, sub.lengths,
+                                         jnp.take(cache.lengths, slots, mode="clip")))
+    return (toks, scores, put(cache, sub, slots, every),
+            None if pen is None else give(pen, got, slots))
 
   def reuse(params, cache, tokens, counts, starts, slots, seeds, temperature, top_k, top_p,
             allowed, filtered, top, span):
@@ -262,7 +304,7 @@ def _programs(cfg, rows: int, S: int):
 
   return (jax.jit(admit, static_argnames=("filtered", "top", "echo"),
                   donate_argnames=("cache", "pen")),
-          jax.jit(steps, static_argnames=("n", "span", "filtered", "top"),
+          jax.jit(steps, static_argnames=("n", "span", "filtered", "top", "every"),
                   donate_argnames=("cache", "pen")),
           jax.jit(reuse, static_argnames=("filtered", "top", "span"), donate_argnums=1))
 
@@ -280,7 +322,8 @@ class Engine:
 
   Args:
     cfg, params, tokenizer: the model (as `k2jax.generate.load` returns them).
-    max_batch: slots: rows decoded together at most (a request's n rows take n).
+    max_batch: slots: rows decoded together at most (a request's n rows take n); under a
+      mesh rounded up to a multiple of its batch devices (`slot_count`).
     max_len: tokens a slot holds, prompt and completion (default and at most the model's
       context). The cache is max_batch x max_len latents (k2jax.model.decode).
     window_s: how long a request arriving at an idle engine waits for others when the last
@@ -290,7 +333,7 @@ class Engine:
     seed: draws the sampling key of requests that give none (reproducible server runs).
     chunk: decode steps per dispatch (module docstring).
     mesh: the devices to decode on (k2jax.generate.inference_mesh; params placed on it by
-      k2jax.generate.on_mesh); under context > 1 a prompt's prefill is split over the
+      k2jax.generate.target_shardings); under context > 1 a prompt's prefill is split over the
       context devices (k2jax.model.context). None: the default device.
     reuse_min: a new row continues the tokens a free slot's cache holds when they start its
       prompt for at least this many tokens (module docstring); None (default): every prompt
@@ -303,7 +346,8 @@ class Engine:
                window_s: float = 0.02, seed: int = 0, chunk: int = CHUNK,
                reuse_min: int | None = None, mesh=None):
     self.cfg, self.params, self.tok, self.mesh = cfg, params, tokenizer, mesh
-    self.max_batch, self.window_s, self.chunk = max_batch, window_s, chunk
+    self.max_batch = slot_count(max_batch, mesh)
+    self.window_s, self.chunk = window_s, chunk
     self.reuse_min = reuse_min
     self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     self.stop_ids = [tokenizer.eos_id] + chat.stop_ids(tokenizer)
@@ -313,10 +357,9 @@ class Engine:
     self._queue: queue.Queue = queue.Queue()
     self._waiting: list[Job] = []          # taken from the queue, not yet given slots
     self._last_rows = 0
-    # A chunk may run past a row's last token: the cache has room for it.
-    self._S = bucket(self.max_len + chunk)
-    self._rows: list[_Row | None] = [None] * max_batch
-    B = max_batch
+    self._S = cache_length(self.max_len, chunk)
+    B = self.max_batch
+    self._rows: list[_Row | None] = [None] * B
     self._host = dict(tokens=np.zeros(B, np.int32), seeds=np.zeros(B, np.uint32),
                       t=np.zeros(B, np.int32), temperature=np.zeros(B, np.float32),
                       top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
@@ -473,7 +516,7 @@ class Engine:
     if not new:
       return
     if self._cache is None:
-      self._cache = decode.init_cache(self.cfg, self.max_batch, self._S)
+      self._cache = new_cache(self.cfg, self.max_batch, self._S, self.mesh)
     self._last_rows = len(new)
     for row in new:
       for k, v in self._settings(row).items():
@@ -488,13 +531,16 @@ class Engine:
       self._continue([r for r in new if r.held])
     self.stats["rows"] += len(new)
 
-  def _group(self, rows: list[_Row], slots) -> dict:
+  def _group(self, rows: list[_Row], slots, at=None) -> dict:
     """The host settings of `rows` at their slots (padded: `slots` past the cache read the
-    last slot's, which nothing reports), and what shapes their program."""
+    last slot's, which nothing reports), and what shapes their program. at: each row's
+    index in the batch (default: the first len(rows))."""
     h = {k: v[np.minimum(slots, self.max_batch - 1)] for k, v in self._host.items()}
+    placed: list[_Row | None] = [None] * len(slots)
+    for i, row in zip(range(len(rows)) if at is None else at, rows):
+      placed[i] = row
     return dict(seeds=h["seeds"], temperature=h["temperature"], top_k=h["top_k"],
-                top_p=h["top_p"], allowed=self._allowed(rows + [None] * (len(slots) - len(rows)),
-                                                        len(slots)),
+                top_p=h["top_p"], allowed=self._allowed(placed, len(slots)),
                 filtered=self._filtered(rows), top=self._top(rows)), h
 
   def _penalties(self, rows: list[_Row], h: dict) -> dict:
@@ -509,8 +555,9 @@ class Engine:
         biased=h["biased"], min_tokens=h["min_tokens"], stop_ids=self._stops))
 
   def _slots(self, rows: list[_Row]) -> np.ndarray:
-    """The rows' slots, padded to a power of two with an index past the cache."""
-    slots = np.full(bucket(len(rows), minimum=1), self.max_batch, np.int32)
+    """The rows' slots, padded with an index past the cache to a power of two that the
+    mesh's batch devices divide (generate.rows_bucket)."""
+    slots = np.full(rows_bucket(len(rows), self.mesh), self.max_batch, np.int32)
     slots[:len(rows)] = [r.slot for r in rows]
     return slots
 
@@ -573,34 +620,40 @@ class Engine:
 
   def _advance(self) -> None:
     """One dispatch of decode steps over the occupied slots (gathered into a power-of-two
-    batch); rows that end free their slots."""
+    batch, or every slot where the cache is split over the mesh: dispatch_rows); rows that
+    end free their slots."""
     rows = [r for r in self._rows if r is not None]
     constrained = any(r.job.processor for r in rows)
     n = 1 if constrained else self.chunk
     span = min(bucket(int(max(self._length[r.slot] for r in rows)) + n), self._S)
-    slots = self._slots(rows)
-    active = np.arange(len(slots)) < len(rows)
-    g, h = self._group(rows, slots)
+    _, every = dispatch_rows(len(rows), self.max_batch, self.mesh)
+    # each row's index in the batch
+    at = [r.slot for r in rows] if every else list(range(len(rows)))
+    slots = np.arange(self.max_batch, dtype=np.int32) if every else self._slots(rows)
+    active = np.zeros(len(slots), bool)
+    active[at] = True
+    g, h = self._group(rows, slots, at)
     top = g["top"]
     steps = self._compiled()[1]
     p = self._penalties(rows, h)
     if p:
       self._pen = None                                 # donated into the call
     toks, scores, self._cache, pen = steps(self.params, self._cache, slots, h["tokens"],
-                                           t=h["t"], active=active, n=n, span=span, **g, **p)
+                                           t=h["t"], active=active, n=n, span=span,
+                                           every=every, **g, **p)
     if p:
       self._pen = pen
     toks, scores = np.asarray(toks), jax.tree.map(np.asarray, scores)
     self.stats["steps"] += n
     self.stats["row_steps"] += n * len(rows)
     self.stats["most_rows"] = max(self.stats["most_rows"], len(rows))
-    for j, row in enumerate(rows):   # what the dispatch fed each row (its cache holds them)
+    for j, row in zip(at, rows):   # what the dispatch fed each row (its cache holds them)
       self._held[row.slot] += [int(h["tokens"][j])] + toks[:-1, j].tolist()
       self._host["tokens"][row.slot] = toks[-1, j]
       self._host["t"][row.slot] += n
       self._length[row.slot] += n
     for i in range(n):
-      for j, row in enumerate(rows):
+      for j, row in zip(at, rows):
         if row.finish is None:
           self._on_token(row, int(toks[i, j]), _entry(scores, i, j) if top >= 0 else None)
 

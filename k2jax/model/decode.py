@@ -50,11 +50,14 @@ def prefill(cfg, params, tokens, lengths, cache: Cache, every: bool = False):
   log probabilities (a server's echo)."""
   B, T = tokens.shape
   seg = (jnp.arange(T)[None, :] < lengths[:, None]).astype(jnp.int32)   # padding: segment 0
-  logits, _, lat = forward(cfg, params, tokens, segment_ids=seg, return_latents=True)
+  # the head at each row's last token only, unless every position's logits are asked for
+  logits, _, lat = forward(cfg, params, tokens, segment_ids=seg, return_latents=True,
+                           head_at=None if every else lengths - 1)
   layers = {name: Latents(*(jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), 0, axis=2)
                             for c, n in zip(cache.layers[name], lat[name])))
             for name in cache.layers}
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  last = (jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0] if every
+          else logits)
   cache = Cache(layers, lengths.astype(jnp.int32))
   return (last, logits, cache) if every else (last, cache)
 

@@ -183,7 +183,8 @@ def layer_residual_bytes(cfg, ffn: str, seq_len: int, batch: int = 1, data: int 
   return total
 
 
-def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_latents=False):
+def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_latents=False,
+            head_at=None):
   """tokens [B, T] int -> (logits [B, T, vocab] float32, ForwardStats).
 
   positions [B, T] (default 0..T-1) and segment_ids [B, T] are optional. segment_ids mark
@@ -191,6 +192,9 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
   for nothing in max_logits, expert_load and the balance loss); None = one document per row.
   return_latents=True also returns {stack name: Latents [layers, B, T, ...]}, the MLA cache
   entries of every token (prefill; k2jax.model.decode).
+  head_at [B] int: the head runs at that position of each row only, logits [B, vocab] (a
+  prefill's next-token logits: every position's are T times their memory, 21 GB a 32k-token
+  row at K2's vocabulary).
   """
   dt = jnp.dtype(cfg.dtype)
   B, T = tokens.shape
@@ -213,9 +217,13 @@ def forward(cfg, params, tokens, *, positions=None, segment_ids=None, return_lat
     if lat:
       cache[st.name] = jax.tree.map(lambda a: context.from_placement(a, C, chunk, 2), lat[0])
   x = context.from_placement(x, C, chunk)
+  if head_at is not None:
+    x = jnp.take_along_axis(x, head_at[:, None, None], axis=1)            # [B, 1, d]
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt),
                       preferred_element_type=jnp.float32)
+  if head_at is not None:
+    logits = logits[:, 0]
   if moe_stats is None:  # an all-dense model
     moe_stats = MoEStats(jnp.zeros((0, cfg.n_routed_experts), jnp.float32),
                          jnp.zeros((0,), jnp.float32))
