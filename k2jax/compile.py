@@ -4,6 +4,10 @@
     python -m k2jax.compile --config kimi_k2 --topology v5p:8x16x16
     python -m k2jax.compile --config tiny --topology v5e:1x1        # Colab's single chip
     python -m k2jax.compile --config tiny --topology local           # this machine's devices
+    python -m k2jax.compile --config kimi_k2 --program decode --topology v5p:2x4x4 --mesh expert=32
+
+`--program` rl, prefill or decode compiles the RL update with its sampler, or the serving
+engine's programs, instead of the train step (k2jax.compile_programs; sft: the train step).
 
 `jax.experimental.topologies` gives the chips of a TPU slice as devices that XLA:TPU
 compiles for (nothing can run on them). The step compiled is the trainer's own
@@ -242,7 +246,7 @@ def until_buffer_assignment(argv, timeout: float = 3600, poll: float = 2.0,
 _SOURCE = re.compile(r"(k2jax/[\w/]+\.py|kernels/[\w/]+\.py)[\":, line]*(\d+)")
 
 
-def refusal(error: BaseException) -> str:
+def refusal(error: BaseException, what: str = "the step") -> str:
   """One line for a compile XLA refused: its reason and the k2jax source line it names
   (the instruction's metadata in the message), where it names one."""
   text = str(error)
@@ -250,7 +254,7 @@ def refusal(error: BaseException) -> str:
   reason = lines[0] if lines else type(error).__name__
   where = _SOURCE.search(text)
   at = f" (at {where.group(1)}:{where.group(2)})" if where else ""
-  return f"XLA refused the step: {reason[:400]}{at}"
+  return f"XLA refused {what}: {reason[:400]}{at}"
 
 
 def table(name: str, topology: str, config, result: Compiled, est) -> str:
@@ -309,15 +313,22 @@ def main(argv=None):
                  help="also print XLA's device heap at its fullest by the k2jax line that made "
                  "each buffer, the N largest (k2jax.xla_heap; dumps to --dump or a temporary "
                  "directory)")
+  from k2jax import compile_programs as programs
+  programs.add_arguments(p)
   try:
     from k2jax.params import parse_config
     args, config, overrides = parse_config("k2jax.compile", p, argv)
+    programs.check_program(args)
     devices = topology_devices(args.topology)
     if args.topology != "local":
       # a compile-only client's executables go into JAX's persistent cache but cannot be
       # read back from it (libtpu 0.0.42.1: "PjRtCompiler must be constructed with a
       # Client"): every later read would warn and compile again
       jax.config.update("jax_enable_compilation_cache", False)
+    if args.program not in ("train", "sft"):
+      return programs.cli(args, config, devices)
+    if args.program == "sft":
+      print(programs.SFT_NOTE)
     config = fit_mesh(config, len(devices))
     est = None
     if not args.no_plan:

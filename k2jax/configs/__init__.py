@@ -9,7 +9,8 @@ import importlib
 
 from ml_collections import config_dict
 
-PRESETS = ("tiny", "tiny_sft", "tiny_rl", "kimi_k2", "kimi_k2_long_context", "deepseek_v3")
+PRESETS = ("tiny", "tiny_sft", "tiny_rl", "kimi_k2", "kimi_k2_long_context", "kimi_k2_rl",
+           "deepseek_v3")
 
 
 def get_config(name: str) -> config_dict.ConfigDict:
