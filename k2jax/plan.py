@@ -34,6 +34,7 @@ from k2jax.kernels import platform as kernel_platform
 from k2jax.model import expert_parallel, spec as model_spec, transformer
 from k2jax.configs.sharding_rules import mesh_axes, muon_work_spec, param_spec
 from k2jax.parallel import MESH_AXES, grad_shardings, layout, pipeline, state_shardings
+from k2jax.parallel import param_shardings as parallel_param_shardings
 from k2jax.parallel.mesh import parse_mesh
 from k2jax.parallel.mesh import entry_axes
 from k2jax.step import differentiated, init_state
@@ -495,6 +496,42 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
   return "\n".join(lines)
 
 
+# devices per host by platform: a TPU v4 / v5p VM host has 4 chips, a GPU node 8
+CHIPS_PER_HOST = {"tpu": 4, "gpu": 8}
+
+
+def loading(cfg, mesh, chips_per_host: int) -> str:
+  """What starting `cfg` (a full config, as `estimate` returns it) from published weights
+  costs each host: the bytes it reads and the buffers it holds, asked of the loader itself
+  (k2jax.interop.hf.load_plan) for the trainer's stored layout on this mesh."""
+  from k2jax.interop import hf
+  sp = layout.of(cfg)
+  stored = layout.stored_model(cfg.model, sp)
+  amesh = AbstractMesh(tuple(mesh.get(a, 1) for a in MESH_AXES), MESH_AXES)
+  param_specs = model.param_specs(stored)
+  shardings = jax.tree_util.tree_flatten_with_path(
+      parallel_param_shardings(param_specs, amesh))[0]
+  specs = {tuple(k.key for k in p): s.spec for p, s in shardings}
+  n = math.prod(mesh.get(a, 1) for a in MESH_AXES)
+  chips = min(chips_per_host, n)
+  hosts = (np.arange(n) // chips).reshape([mesh.get(a, 1) for a in MESH_AXES])
+  held = sum(int(np.prod(s.shard_shape(p.shape))) for (_, s), p in zip(
+      shardings, jax.tree.leaves(param_specs, is_leaf=model_spec.is_spec)))
+  held *= np.dtype(cfg.model.param_dtype).itemsize * chips
+  lines = [f"starting from published weights (sft / rl --init HF_DIR; k2jax.interop.hf.load), "
+           f"per host of {chips} devices ({n // chips} hosts), params {cfg.model.param_dtype}:"]
+  for label, kw in (("FP8 linears (as Kimi-K2-Instruct)", dict(fp8=True)),
+                    ("INT4 experts (as K2-Thinking)", dict(int4=True))):
+    f = hf.load_plan(cfg.model, specs, mesh, hosts, layout=sp, **kw)
+    r = np.array(list(f["read"].values()))
+    lines.append(f"  {label}, {f['file'] / 1e12:.2f} TB of files: each host reads "
+                 f"{r.max() / GB:.2f} GB (least {r.min() / GB:.2f}), holds {held / GB:.1f} GB "
+                 f"of params on its devices, at most {f['block'] / 1e6:.1f} MB in one host "
+                 f"buffer; a device receives at most {f['chunk'] / 1e6:.1f} MB of raw codes "
+                 f"at once beside its params")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m k2jax.plan", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -521,6 +558,9 @@ def main(argv=None):
                  "--compile, the target's)")
   p.add_argument("--storage", choices=("model", "fp8"), default=None,
                  help="activation storage of MoE / SwiGLU inputs (report 2.4.3)")
+  p.add_argument("--chips_per_host", type=int, default=None,
+                 help="devices per host, for what loading weights costs each host (default "
+                 "4 on tpu, 8 on gpu)")
   p.add_argument("--compile", metavar="TOPOLOGY", default=None,
                  help="also ask the compiler: XLA's per-device memory of this train step "
                  "compiled for a TPU topology (v5p:8x16x16; libtpu: pip install -e "
@@ -529,7 +569,8 @@ def main(argv=None):
   try:
     from k2jax.params import parse_config
     args, config, overrides = parse_config("k2jax.plan", p, argv, positive=(
-        "devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages", "microbatches"))
+        "devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages", "microbatches",
+        "chips_per_host"))
     target = None
     if args.compile:   # plan the mesh k2jax.compile fits to the chips, with their kernels
       from k2jax import compile as xla
@@ -563,6 +604,7 @@ def main(argv=None):
     est = estimate(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes, **kw)
     print(report(config, mesh, args.seq_len, args.micro_batch, args.grad_bytes,
                  name=args.config, est=est, **kw))
+    print(loading(est.cfg, mesh, args.chips_per_host or CHIPS_PER_HOST.get(args.platform, 1)))
   except ValueError as e:
     print(f"k2jax.plan: error: {e}", file=sys.stderr)
     raise SystemExit(2)

@@ -338,3 +338,44 @@ def test_the_loop_holds_a_third_layer_of_experts_only_where_the_exchange_runs_in
   assert plan.stack_layer_bytes(m, "moe_layers", mesh, only="experts") == experts
   assert device(2.0) - device(16.0) == pytest.approx(experts, rel=1e-6)
   assert device(2.0, "cpu") == pytest.approx(device(16.0, "cpu"), rel=1e-9)   # no rounds
+
+
+def test_loading_is_sized_per_host_by_the_loader_itself():
+  """plan's loading figures (k2jax.interop.hf.load_plan, the loader's own blocks counted):
+  for K2's FP8 release on PP16 x EP16 in hosts of 8 devices, the slice reads the files'
+  bytes once, but for what every stage holds a copy of (the embedding, the dense first
+  layer: under 6% more); on PP16 x DP2 x EP8
+  with the replicas on other hosts, each host reads half its share and the slice still
+  reads the files once, not twice (without that split each host would read twice what it
+  reads on PP16 x EP16); the figures reach the CLI."""
+  import jax
+  import numpy as np
+  from jax.sharding import AbstractMesh
+
+  from k2jax.interop import hf
+  from k2jax.parallel import MESH_AXES, layout, param_shardings
+  config = configs.get_config("kimi_k2")
+  sp = layout.of(config)
+  stored = layout.stored_model(config.model, sp)
+
+  def reads(mesh):
+    amesh = AbstractMesh(tuple(mesh.get(a, 1) for a in MESH_AXES), MESH_AXES)
+    specs = {tuple(k.key for k in p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(
+        param_shardings(model.param_specs(stored), amesh))[0]}
+    hosts = (np.arange(256) // 8).reshape(amesh.axis_sizes)
+    return hf.load_plan(config.model, specs, dict(amesh.shape), hosts, layout=sp, fp8=True)
+
+  one = reads({"pipeline": 16, "expert": 16})
+  total = sum(one["read"].values())
+  assert one["file"] <= total <= 1.06 * one["file"], (total, one["file"])
+  two = reads({"pipeline": 16, "data": 2, "expert": 8})
+  assert one["file"] <= sum(two["read"].values()) <= 1.06 * one["file"]
+  # a host there holds a whole stage's experts, twice what it holds on EP16, and reads half
+  assert max(two["read"].values()) <= 1.1 * max(one["read"].values())
+  p = subprocess.run([sys.executable, "-m", "k2jax.plan", "--config", "kimi_k2", "--mesh",
+                      "pipeline=16,expert=16,data=1", "--chips_per_host", "8"],
+                     capture_output=True, text=True)
+  assert p.returncode == 0, p.stderr[-2000:]
+  line = next(l for l in p.stdout.splitlines() if l.strip().startswith("FP8 linears"))
+  assert f"{one['file'] / 1e12:.2f} TB of files" in line
+  assert f"each host reads {max(one['read'].values()) / 1e9:.2f} GB" in line
