@@ -713,16 +713,39 @@ def context_meshes(*specs):
   print("RESULT " + json.dumps(result))
 
 
+def _greedy_jobs(engine, prompts, max_tokens=6):
+  """Submit `prompts` to the engine together as greedy jobs with log probabilities; wait for
+  all: (errors, [[tokens], ...], [[log p], ...])."""
+  import threading
+  from k2jax.engine import Job
+  got, done = {}, threading.Semaphore(0)
+
+  def emit(i):
+    def on(e):
+      if e.kind in ("done", "error"):
+        got[i] = e
+        done.release()
+    return on
+  for i, p in enumerate(prompts):
+    engine.submit(Job(prompt=p, max_tokens=max_tokens, temperature=0.0, logprobs=0,
+                      emit=emit(i)))
+  for _ in prompts:
+    done.acquire()
+  errors = [str(e.error) for e in got.values() if e.kind == "error"]
+  tokens = [[entry[0] for entry in got[i].logprobs or []] for i in range(len(prompts))]
+  lps = [[entry[1] for entry in got[i].logprobs or []] for i in range(len(prompts))]
+  return errors, tokens, lps
+
+
 def serve_context():
   """The server's engine (k2jax.engine, what k2jax.serve runs) on --mesh data=2,context=4
   against generate on one device: greedy tokens and their log probabilities for prompts
   of 5 to 100 tokens admitted together (the prefill of their 128-token bucket split over 4
   context devices), and whether the context path ran."""
-  import threading
   from unittest import mock
   from k2jax import configs, generate, model
   from k2jax.data import ByteTokenizer
-  from k2jax.engine import Engine, Job
+  from k2jax.engine import Engine
   from k2jax.model import context
   cfg = configs.get_config("tiny").model
   cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
@@ -733,26 +756,11 @@ def serve_context():
                                     return_logprobs=True)
   mesh = generate.inference_mesh("data=2,context=4")
   calls, attend = [], context.attend
-  got = {}
   with mock.patch.object(context, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k)):
     engine = Engine(cfg, jax.device_put(params, generate.target_shardings(cfg, mesh)),
                     ByteTokenizer(), max_batch=4, mesh=mesh, window_s=0.5)
-    done = threading.Semaphore(0)
-
-    def emit(i):
-      def on(e):
-        if e.kind in ("done", "error"):
-          got[i] = e
-          done.release()
-      return on
-    for i, p in enumerate(prompts):
-      engine.submit(Job(prompt=p, max_tokens=6, temperature=0.0, logprobs=0, emit=emit(i)))
-    for _ in prompts:
-      done.acquire()
+    errors, tokens, lps = _greedy_jobs(engine, prompts)
     engine.close()
-  errors = [str(e.error) for e in got.values() if e.kind == "error"]
-  tokens = [[entry[0] for entry in got[i].logprobs or []] for i in range(len(prompts))]
-  lps = [[entry[1] for entry in got[i].logprobs or []] for i in range(len(prompts))]
   print("RESULT " + json.dumps({
       "errors": errors, "context_ran": bool(calls), "prefills": engine.stats["prefills"],
       "prefix": all(t == w[:len(t)] and len(t) > 0 for t, w in zip(tokens, want)),
@@ -843,6 +851,36 @@ def generate_context():
       "logprob_err": max(abs(a - b) for r, w in zip(got_lp, want_lp) for a, b in zip(r, w))}))
 
 
+def engine_mesh():
+  """One request on --mesh data=2,expert=2 (4 batch devices, more than its rows): generate
+  pads its prompt to 4 rows; the engine (max_batch 3: 4 slots, engine.slot_count) decodes
+  it alone, then two requests together. Greedy tokens and log probabilities of each against
+  generate's on one device."""
+  from k2jax import configs, generate, model
+  from k2jax.data import ByteTokenizer
+  from k2jax.engine import Engine
+  cfg = configs.get_config("tiny").model
+  cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
+  params = model.init(cfg, jax.random.key(7))
+  prompts = [[5, 9, 200, 31, 77], list(range(40, 77))]
+  want = [generate.generate(cfg, params, [p], max_new_tokens=6, return_logprobs=True)
+          for p in prompts]
+  mesh = generate.inference_mesh("data=2,expert=2")
+  placed = lambda: jax.device_put(params, generate.target_shardings(cfg, mesh))
+  with jax.set_mesh(mesh):
+    gen = generate.generate(cfg, placed(), [prompts[0]], max_new_tokens=6,
+                            return_logprobs=True)
+  engine = Engine(cfg, placed(), ByteTokenizer(), max_batch=3, mesh=mesh, window_s=0.0)
+  alone = _greedy_jobs(engine, prompts[:1])
+  both = _greedy_jobs(engine, prompts)
+  engine.close()
+  runs = [[gen[0][0], gen[1][0]]] + [[t, lp] for e, ts, lps in (alone, both)
+                                       for t, lp in zip(ts, lps)]
+  print("RESULT " + json.dumps({
+      "errors": alone[0] + both[0], "slots": engine.max_batch, "runs": runs,
+      "want": [[w[0][0], w[1][0]] for w in want]}))
+
+
 if __name__ == "__main__":
   {"meshes": meshes, "zero1": zero1, "reduce_into": reduce_into, "ep_transports": ep_transports,
    "pipeline_collectives": pipeline_collectives, "tick_collectives": tick_collectives,
@@ -850,5 +888,6 @@ if __name__ == "__main__":
    "attend_shards": attend_shards, "muon_local": muon_local,
    "embedding": embedding, "context_meshes": context_meshes,
    "generate_context": generate_context,
-   "context_kernels": context_kernels, "serve_context": serve_context}[sys.argv[1]](
+   "context_kernels": context_kernels, "serve_context": serve_context,
+   "engine_mesh": engine_mesh}[sys.argv[1]](
        *sys.argv[2:])

@@ -259,63 +259,17 @@ def test_penalties_bias_and_min_tokens_pick_what_their_definitions_pick(tiny):
     engine.close()
 
 
-_ON_A_MESH = r"""
-import json, threading
-import jax, numpy as np
-from k2jax import configs, generate, model
-from k2jax.data import ByteTokenizer
-from k2jax.engine import Engine, Job
-cfg = configs.get_config("tiny").model
-cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
-params = model.init(cfg, jax.random.key(7))
-prompts = [[5, 9, 200, 31, 77], list(range(40, 77))]
-want = [generate.generate(cfg, params, [p], max_new_tokens=6, return_logprobs=True) for p in prompts]
-mesh = generate.inference_mesh("data=2,expert=2")
-out = {}
-with jax.set_mesh(mesh):      # generate: one prompt, a batch of 4 rows (one per device)
-  out["generate"] = generate.generate(cfg, jax.device_put(params, generate.target_shardings(
-      cfg, mesh)), [prompts[0]], max_new_tokens=6, return_logprobs=True)
-engine = Engine(cfg, jax.device_put(params, generate.target_shardings(cfg, mesh)),
-                ByteTokenizer(), max_batch=3, mesh=mesh, window_s=0.0)
-got, done = {}, threading.Semaphore(0)
-def emit(i):
-  def on(e):
-    if e.kind in ("done", "error"):
-      got[i] = e
-      done.release()
-  return on
-engine.submit(Job(prompt=prompts[0], max_tokens=6, temperature=0.0, logprobs=0, emit=emit(0)))
-done.acquire()                 # alone, then both: one slot of four, then two
-for i, p in enumerate(prompts):
-  engine.submit(Job(prompt=p, max_tokens=6, temperature=0.0, logprobs=0, emit=emit(i + 1)))
-done.acquire(); done.acquire()
-engine.close()
-out["errors"] = [str(e.error) for e in got.values() if e.kind == "error"]
-out["engine"] = [[[x[0] for x in got[i].logprobs or []], [x[1] for x in got[i].logprobs or []]]
-                 for i in range(3)]
-out["want"] = [[w[0][0], w[1][0]] for w in want]
-out["slots"] = engine.max_batch
-print("RESULT " + json.dumps(out))
-"""
-
-
 def test_one_request_decodes_on_a_mesh_of_more_batch_devices_than_rows():
   """On --mesh data=2,expert=2 (4 simulated devices) a batch splits its rows over 4 devices:
   generate pads one prompt to 4 rows, and the engine keeps 4 slots for max_batch 3
   (engine.slot_count), split one a device, decoding every slot each dispatch. A request
   alone, then two together, give one device's greedy tokens (log probabilities within 1e-4).
   (A batch of fewer rows than those devices failed in the MoE layers' shard_map.)"""
-  import json
-  import subprocess
-  import sys
-  from tests.multidevice import REPO, env
-  r = subprocess.run([sys.executable, "-c", _ON_A_MESH], cwd=REPO, env=env(4),
-                     capture_output=True, text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  got = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+  from tests.multidevice import worker
+  got = worker(4, "engine_mesh")
   assert not got["errors"] and got["slots"] == 4, got
   want = got["want"]
-  runs = [got["generate"][0][0], got["generate"][1][0]], *got["engine"]
+  runs = got["runs"]       # generate's one prompt, the engine's alone, then both
   assert len(runs) == 4
   for (tokens, lps), (w_tokens, w_lps) in zip(runs, [want[0], want[0], want[0], want[1]]):
     assert tokens == w_tokens, (tokens, w_tokens)

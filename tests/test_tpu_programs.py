@@ -7,29 +7,17 @@ as tests/test_tpu_inference.py) expert-parallel over a v5e:2x2 slice; RL the tin
 cut to one MoE layer without PTX on one v5e chip. Each compile runs in a subprocess (a libtpu
 abort must not take a pytest worker with it)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("libtpu")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.test_tpu_compile import compile_cli  # noqa: E402  (the same command, in a subprocess)
+
 K2_SHAPED = ["--config", "kimi_k2", "--config.model.num_hidden_layers=2",
              "--config.model.first_k_dense_replace=0", "--config.model.n_routed_experts=16",
              "--config.model.num_experts_per_tok=4", "--config.model.vocab_size=32768",
              # the pre-training mesh is checked with the config: one a small slice takes
              "--config.mesh.pipeline=1", "--config.mesh.virtual_stages=1"]
-
-
-def compile_cli(tmp_path, *args, timeout=600):
-  out = tmp_path / "figures.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  r = subprocess.run([sys.executable, "-m", "k2jax.compile", *args, "--json", str(out)],
-                     capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
-  return r, (json.loads(out.read_text()) if out.exists() else None)
 
 
 def check_figures(fig, program):
