@@ -67,6 +67,11 @@ THINK = ["<think>", "</think>"]
 CHUNK = 8     # decode steps per dispatch: fewer dispatches vs a row's wait to join / leave
 
 
+class Unfit(ValueError):
+  """A request the engine cannot take as asked (more rows or tokens than its slots hold, a
+  min_tokens past max_tokens): the client's to fix, unlike a failure while decoding."""
+
+
 @dataclasses.dataclass
 class Event:
   """What a job's `emit` receives: kind "delta" (text of choice `index`), "section" (with
@@ -494,12 +499,12 @@ class Engine:
       if job.cancelled:
         continue
       if job.n > self.max_batch or len(job.prompt) + job.max_tokens > self.max_len:
-        job.emit(Event("error", error=ValueError(
+        job.emit(Event("error", error=Unfit(
             f"a request of {job.n} rows x {len(job.prompt)} + {job.max_tokens} tokens does "
             f"not fit the engine's slots ({self.max_batch} of {self.max_len} tokens)")))
         continue
       if not 0 <= job.min_tokens <= job.max_tokens:
-        job.emit(Event("error", error=ValueError(
+        job.emit(Event("error", error=Unfit(
             f"min_tokens {job.min_tokens}: must be in [0, max_tokens {job.max_tokens}]")))
         continue
       seed = job.seed if job.seed is not None else int(self._rng.integers(2**31))
@@ -511,7 +516,7 @@ class Engine:
         new.append(row)
     if self._waiting and self._waiting[0].n > self.max_batch:
       job = self._waiting.pop(0)
-      job.emit(Event("error", error=ValueError(
+      job.emit(Event("error", error=Unfit(
           f"n {job.n} is more than the engine's {self.max_batch} slots")))
     if not new:
       return

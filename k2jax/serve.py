@@ -45,7 +45,7 @@ import time
 import uuid
 
 from k2jax import chat, console, interrupt
-from k2jax.engine import Engine, Event, Job
+from k2jax.engine import Engine, Event, Job, Unfit
 from k2jax.generate import MESH_HELP
 
 log = logging.getLogger("k2jax.serve")
@@ -624,8 +624,10 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
             return None
         if e is None:
           continue
-        if e.kind == "error":
-          raise e.error
+        if e.kind == "error":     # the request's other rows stop with it
+          for job in jobs:
+            job.cancelled = True
+          raise _engine_error(e.error)
         if e.kind == "done":
           done[k, e.index] = e
     except asyncio.CancelledError:
@@ -803,8 +805,8 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
 
   async def failed(request, e: Exception):
     log.exception("request failed")
-    err = RequestError(f"internal error: {type(e).__name__}: {e}", status=500, kind="server_error")
-    return JSONResponse(err.body(), status_code=500)
+    err = _engine_error(e)
+    return JSONResponse(err.body(), status_code=err.status)
 
   return Starlette(routes=[Route("/v1/models", models), Route("/health", health),
                            Route("/metrics", prometheus),
@@ -850,10 +852,21 @@ class Background:
     self.stop()
 
 
+def _engine_error(e: BaseException) -> RequestError:
+  """What a client hears of an error: the engine's refusal of its request (a 400 saying
+  why), or that the server failed (a 500 naming only the exception's type: its text may
+  hold the model's config or arrays; the server's log has it)."""
+  if isinstance(e, RequestError):
+    return e
+  if isinstance(e, Unfit):
+    return RequestError(str(e))
+  return RequestError(f"internal error ({type(e).__name__}); the server's log has the "
+                      "details", status=500, kind="server_error")
+
+
 def _failed(e: Event) -> str:
-  """A stream's last event when decoding failed: OpenAI's error object (a 500's)."""
-  return _sse(RequestError(f"decoding failed: {e.error}", status=500,
-                           kind="server_error").body())
+  """A stream's last event when its request failed: OpenAI's error object."""
+  return _sse(_engine_error(e.error).body())
 
 
 def _sse(obj) -> str:

@@ -365,6 +365,58 @@ def test_a_client_that_leaves_a_stream_frees_its_rows(served, client):
   assert engine.stats["tokens"] - before < 600      # the abandoned rows did not run to 800
 
 
+def test_a_decoding_failure_is_a_500_that_carries_no_internal_state(served, client,
+                                                                    monkeypatch):
+  """The engine's exception text (here standing in for the model config a shard_map error
+  printed) stays in the server's log: the client gets the error's type only, streamed or
+  not, and the server goes on."""
+  engine = served[1]
+  advance = engine._advance
+
+  def fail():
+    raise ValueError("SECRET: num_hidden_layers: 61")
+  monkeypatch.setattr(engine, "_advance", fail)
+  code, got = _post(served[0] + "/v1/chat/completions", {**OK, "max_tokens": 8})
+  assert code == 500 and got["error"]["type"] == "server_error", got
+  assert "ValueError" in got["error"]["message"] and "SECRET" not in json.dumps(got)
+  events = []
+  try:
+    for c in client.chat.completions.create(model="tiny", messages=USER, max_tokens=8,
+                                            stream=True):
+      events.append(c)
+  except openai.APIError as e:
+    assert "SECRET" not in str(e.body) and "ValueError" in str(e.message), e
+  else:
+    raise AssertionError(f"the stream ended without its error: {events}")
+  monkeypatch.setattr(engine, "_advance", advance)
+  assert _post(served[0] + "/v1/chat/completions", OK)[0] == 200
+
+
+def test_one_refused_prompt_stops_its_siblings_and_is_a_400(served, monkeypatch):
+  """A multi-prompt completion whose second prompt the engine refuses (engine.Unfit): the
+  answer is a 400 with the engine's reason, and the first prompt's job, which nobody will
+  read, is cancelled (its rows leave their slots) instead of decoding to max_tokens."""
+  from k2jax.engine import Event, Unfit
+  engine = served[1]
+  submit, taken = engine.submit, []
+
+  def refuse_the_second(job):
+    if job.prompt[-3:] == list(b"!!!"):
+      job.emit(Event("error", error=Unfit("a request of 1 rows does not fit (a test)")))
+    else:
+      taken.append(job)
+      submit(job)
+  monkeypatch.setattr(engine, "submit", refuse_the_second)
+  code, got = _post(served[0] + "/v1/completions", {
+      "model": "tiny", "prompt": ["a long one", "refused!!!"], "max_tokens": 200})
+  assert code == 400 and "does not fit (a test)" in got["error"]["message"], got
+  assert len(taken) == 1 and taken[0].cancelled
+  deadline = time.time() + 30
+  while engine.running_rows() and time.time() < deadline:
+    time.sleep(0.05)
+  assert engine.running_rows() == 0
+
+
 def test_a_non_streaming_client_that_leaves_frees_its_rows(served):
   """The issue's report: a non-streaming client that went away left its rows decoding to
   max_tokens. Two rows of 800 tokens under a JSON schema (a host mask every step: several
