@@ -56,6 +56,9 @@ class _Ids:
   def decode(self, ids):
     return ""
 
+  def text_bytes(self, i):
+    return b""
+
 
 def engine_tokens_per_s(cfg, params, prompts, new):
   """The same prompts through k2jax.engine (what k2jax.serve runs: continuous batching over

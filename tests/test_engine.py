@@ -274,3 +274,62 @@ def test_one_request_decodes_on_a_mesh_of_more_batch_devices_than_rows():
   for (tokens, lps), (w_tokens, w_lps) in zip(runs, [want[0], want[0], want[0], want[1]]):
     assert tokens == w_tokens, (tokens, w_tokens)
     assert max(abs(a - b) for a, b in zip(lps, w_lps)) < 1e-4
+
+
+def _reply_by_decoding_it_all(tok, ids, stops, stop_ids):
+  """Brute force: after each token decode every id so far and search the whole text for the
+  stops (the engine's former rule, which cost the host a reply's length a token): the text a
+  reply ends with and the token it ends at."""
+  for k in range(1, len(ids) + 1):
+    text = tok.decode([t for t in ids[:k] if t not in stop_ids])
+    while text.endswith("\ufffd") and k < len(ids):   # a character still arriving
+      text = text[:-1]
+    found = [f for f in (text.find(s) for s in stops) if f >= 0]
+    if found:
+      return text[:min(found)], k
+    if ids[k - 1] in stop_ids:
+      return tok.decode([t for t in ids[:k] if t not in stop_ids]), k
+  return tok.decode([t for t in ids if t not in stop_ids]), len(ids)
+
+
+def test_a_reply_decoded_a_token_at_a_time_reads_as_decoding_it_whole(tiny):
+  """Sampled replies of a random byte-level model (bytes of every kind: ASCII, the leading
+  and continuation bytes of multi-byte characters, invalid ones): each row's streamed deltas
+  add up to its final text, and that text and the token it stops at are what decoding every
+  id again and searching all of it find (the stop strings are common letters, so most rows
+  stop at one). And the engine decodes no reply whole: the ids it hands the tokenizer's
+  decode() stay within the replies' length (they were that length again every token)."""
+  cfg, params, tok = tiny
+  decoded = []
+
+  class Counting(ByteTokenizer):
+    def decode(self, ids):
+      ids = list(ids)
+      decoded.append(len(ids))
+      return super().decode(ids)
+  engine = Engine(cfg, params, Counting(), max_batch=8, window_s=0.2)
+  stops = [["e"], ["ab", "x"], [" t", "\u00e9"], []]
+  streamed, waiters, replies = {}, [], []
+  try:
+    for i, stop in enumerate(stops):
+      w = _Waiter()
+      w.n = 1
+
+      def emit(e, w=w, i=i):
+        if e.kind == "delta":
+          streamed[i] = streamed.get(i, "") + e.text
+        w.emit(e)
+      engine.submit(Job(prompt=_prompt(tok, i), max_tokens=120, temperature=1.0, seed=i,
+                        stop=stop, logprobs=0, emit=emit))
+      waiters.append(w)
+    for i, (stop, w) in enumerate(zip(stops, waiters)):
+      w.result()
+      done = w.done[0]
+      ids = [entry[0] for entry in done.logprobs]
+      want, at = _reply_by_decoding_it_all(tok, ids, stop, engine.stop_ids)
+      assert done.text == want and len(ids) == at, (i, done.text, want, len(ids), at)
+      assert streamed.get(i, "") == done.text, (i, streamed.get(i), done.text)
+      replies.append(len(ids))
+    assert sum(decoded) <= sum(replies), (sum(decoded), replies)
+  finally:
+    engine.close()

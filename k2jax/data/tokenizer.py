@@ -1,7 +1,10 @@
 """Tokenizers: a byte-level one (the CPU default, no files needed) and tiktoken BPE files.
 
 Both share one small interface: `encode(str | bytes) -> int32 array`, `encode_batch(docs)`,
-`decode(ids) -> str`, `token_bytes(id) -> bytes`, and the ids `bos_id`, `eos_id`, `pad_id`, `vocab_size`. Special ids sit
+`decode(ids) -> str`, `token_bytes(id) -> bytes`, `text_bytes(id) -> bytes` (what the id
+adds to decode's UTF-8: decode(ids) == b"".join(map(text_bytes, ids)).decode("utf-8",
+"replace"), so a server can decode a reply a token at a time), and the ids `bos_id`,
+`eos_id`, `pad_id`, `vocab_size`. Special ids sit
 after the ordinary ones and `encode` never emits them, so packing can find document starts
 by looking for `bos_id` in the token stream.
 """
@@ -54,6 +57,10 @@ class ByteTokenizer:
   def decode(self, ids: Iterable[int]) -> str:
     ids = np.asarray(ids, dtype=np.int64).ravel()
     return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def text_bytes(self, i: int) -> bytes:
+    """The bytes id i adds to `decode`'s text: its byte, none for a special."""
+    return bytes([i]) if 0 <= i < 256 else b""
 
   def token_bytes(self, i: int) -> bytes:
     """The bytes one id stands for (a special's name; b"" for a reserved id): what a
@@ -131,6 +138,10 @@ class TiktokenTokenizer:
         out.append(names[i])
     return "".join(out)
 
+
+  def text_bytes(self, i: int) -> bytes:
+    """The bytes id i adds to `decode`'s text (specials=False): none for a special."""
+    return self._enc.decode_single_token_bytes(i) if 0 <= i < self._n_ranks else b""
 
   def token_bytes(self, i: int) -> bytes:
     """The bytes one id stands for (a special's name; b"" for an unnamed reserved id)."""
