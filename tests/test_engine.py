@@ -333,3 +333,20 @@ def test_a_reply_decoded_a_token_at_a_time_reads_as_decoding_it_whole(tiny):
     assert sum(decoded) <= sum(replies), (sum(decoded), replies)
   finally:
     engine.close()
+
+
+@pytest.mark.parametrize("max_len", [256, 1000, 1024])
+def test_a_slot_holds_its_rows_tokens_and_a_dispatch_not_twice_them(tiny, max_len):
+  """A slot of the cache holds max_len tokens and the chunk a dispatch may run past a row's
+  end, to TPU's 128 lanes: a power-of-two max_len (the default, and K2's 4,096) once took
+  the next power of two, twice the memory a row can use. The decode program's cache has
+  that many positions."""
+  cfg, params, tok = tiny
+  engine = Engine(cfg, params, tok, max_batch=2, max_len=max_len)
+  try:
+    need = max_len + engine.chunk
+    assert need <= engine._S < need + 128 and engine._S % 128 == 0, (max_len, engine._S)
+    _alone(engine, prompt=_prompt(tok, 1), max_tokens=3, temperature=0.0)
+    assert {a.shape[2] for lat in engine._cache.layers.values() for a in lat} == {engine._S}
+  finally:
+    engine.close()
