@@ -17,7 +17,10 @@ long ones). Rows, each a ratio to the one-client baseline measured in the same r
   server did before continuous batching, `StaticEngine` below);
 - transformers: `generate` on the same prompts in batches of N (left-padded), each batch
   running to its longest request; only the requested tokens count (no server: its ceiling).
-"short req s" is the short requests' mean latency. Every batch bucket is compiled first
+"short req s" is the short requests' mean latency. `--only_constrained`: 15 plain clients'
+throughput with and without one client beside them whose requests are grammar-constrained
+(response_format json_schema), today's engine against an earlier one from git (`--before`),
+in the same run: constrained.csv. Every batch bucket is compiled first
 (Engine.warmup), then the requests run once as a warm-up. The machine's ceiling (a measured
 f32 matmul rate) is printed beside it. CSV: experiments/results/serve/throughput.csv and
 agent_loop.csv (--out picks the folder).
@@ -191,6 +194,101 @@ def agent_loop(cfg, params, *, reuse: bool, turns: int, max_tokens: int):
     engine.close()
 
 
+def engine_class(rev: str | None):
+  """k2jax.engine.Engine as it is, or as it was at git revision `rev`."""
+  if rev is None:
+    return Engine
+  import importlib.util
+  import subprocess
+  import tempfile
+  src = subprocess.run(["git", "show", f"{rev}:k2jax/engine.py"], cwd=os.path.dirname(HERE),
+                       check=True, capture_output=True, text=True).stdout
+  path = os.path.join(tempfile.mkdtemp(), f"engine_{rev}.py")
+  open(path, "w").write(src)
+  spec = importlib.util.spec_from_file_location(f"engine_{rev}", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.Engine
+
+
+def beside_json(cfg, params, *, engine_cls, json_client: bool, clients: int, requests: int,
+                max_tokens: int, window_ms: float) -> dict:
+  """`clients` plain clients' greedy requests of `max_tokens`, with (json_client) one more
+  client sending response_format json_schema requests back to back the whole time: the
+  plain requests' tokens per second, and the JSON client's."""
+  import threading
+
+  import openai
+  engine = engine_cls(cfg, params, ByteTokenizer(), max_batch=clients + 1,
+                      window_s=window_ms / 1e3)
+  server = Background(make_app(engine, "tiny"))
+  client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+  schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 24}},
+            "required": ["s"]}
+  stop, json_tokens = threading.Event(), [0]
+
+  def plain(i):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt_text(i)}],
+        max_tokens=max_tokens, temperature=0, stop=None)
+    return r.usage.completion_tokens
+
+  def constrained():
+    while not stop.is_set():
+      r = client.chat.completions.create(
+          model="tiny", messages=[{"role": "user", "content": "json please"}],
+          max_tokens=max_tokens, temperature=1.0, response_format={
+              "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+      json_tokens[0] += r.usage.completion_tokens
+  try:
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+      list(pool.map(plain, range(clients)))                      # compiles
+      side = threading.Thread(target=constrained, daemon=True) if json_client else None
+      if side:
+        side.start()
+        time.sleep(1.0)                                          # its grammar is in
+      t0 = time.perf_counter()
+      tokens = sum(pool.map(plain, range(requests)))
+      dt = time.perf_counter() - t0
+      stop.set()
+      if side:
+        side.join()
+    return dict(plain_tokens_per_s=tokens / dt, json_tokens_per_s=json_tokens[0] / dt,
+                seconds=dt)
+  finally:
+    server.stop()
+    engine.close()
+
+
+def constrained_rows(cfg, params, args, gflops):
+  rows = []
+  for engine_name, rev in (("now", None), ("before", args.before)):
+    for json_client in (False, True):
+      r = beside_json(cfg, params, engine_cls=engine_class(rev), json_client=json_client,
+                      clients=15, requests=args.requests, max_tokens=args.max_tokens,
+                      window_ms=args.window_ms)
+      rows.append(dict(engine=engine_name if rev is None else f"before ({rev})",
+                       json_client=json_client, **r))
+      print(rows[-1], flush=True)
+  for r in rows:
+    alone = next(x for x in rows if x["engine"] == r["engine"] and not x["json_client"])
+    r["plain_vs_alone"] = r["plain_tokens_per_s"] / alone["plain_tokens_per_s"]
+  path = os.path.join(args.out, "constrained.csv")
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["max_tokens", "matmul_gflops"])
+    w.writeheader()
+    w.writerows([dict(r, max_tokens=args.max_tokens, matmul_gflops=round(gflops, 1))
+                 for r in rows])
+  print(f"\n15 plain clients, {args.requests} greedy requests of {args.max_tokens} tokens, "
+        "with and without a client sending JSON-schema requests beside them")
+  print(f"{'engine':18s} {'JSON client':>11s} {'plain tok/s':>11s} {'vs alone':>8s} "
+        f"{'JSON tok/s':>10s}")
+  for r in rows:
+    print(f"{r['engine']:18s} {str(r['json_client']):>11s} {r['plain_tokens_per_s']:11.1f} "
+          f"{r['plain_vs_alone']:7.2f}x {r['json_tokens_per_s']:10.1f}")
+  print(f"-> {path}")
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--requests", type=int, default=128)
@@ -200,12 +298,19 @@ def main():
                  "(k2jax.serve --batch_window_ms)")
   p.add_argument("--turns", type=int, default=6, help="turns of the agent loop")
   p.add_argument("--only_loop", action="store_true", help="run the agent loop rows only")
+  p.add_argument("--only_constrained", action="store_true",
+                 help="run the rows of plain clients beside a JSON client only")
+  p.add_argument("--before", default="fcba314", help="--only_constrained: the engine to "
+                 "compare with (default: the last that ran every row one step a dispatch "
+                 "while any row was constrained)")
   p.add_argument("--out", default=os.path.join(HERE, "results", "serve"))
   args = p.parse_args()
   cfg, params, tmodel = bench_model()
   gflops = matmul_gflops()
   os.makedirs(args.out, exist_ok=True)
   print(f"{jax.devices()[0].platform} f32 1024^3 matmul {gflops:.0f} GFLOP/s")
+  if args.only_constrained:
+    return constrained_rows(cfg, params, args, gflops)
   if not args.only_loop:
     throughput(cfg, params, tmodel, args, gflops)
   loop = []

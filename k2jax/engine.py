@@ -628,21 +628,35 @@ class Engine:
       self._on_token(row, int(first[i]), _entry(scores["first"], i) if top >= 0 else None)
 
   def _advance(self) -> None:
-    """One dispatch of decode steps over the occupied slots (gathered into a power-of-two
-    batch, or every slot where the cache is split over the mesh: dispatch_rows); rows that
-    end free their slots."""
+    """Decode steps for the occupied slots; rows that end free their slots.
+
+    A row under a logits processor (a tool call, a response_format) needs the host's mask
+    before each of its tokens, so it runs one step a dispatch; the other rows keep their
+    dispatches of `chunk` steps in a dispatch of their own, issued first: the device runs
+    it while the host computes the constrained rows' masks. (Where the cache is split over
+    a mesh a dispatch runs every slot, `dispatch_rows`: one dispatch, one step while a row
+    is constrained.)"""
     rows = [r for r in self._rows if r is not None]
-    constrained = any(r.job.processor for r in rows)
-    n = 1 if constrained else self.chunk
-    span = min(bucket(int(max(self._length[r.slot] for r in rows)) + n), self._S)
+    held = [r for r in rows if r.job.processor]
+    free = [r for r in rows if not r.job.processor]
     _, every = dispatch_rows(len(rows), self.max_batch, self.mesh)
-    # each row's index in the batch
-    at = [r.slot for r in rows] if every else list(range(len(rows)))
+    if every or not held or not free:
+      groups = [(rows, 1 if held else self.chunk)]
+    else:
+      groups = [(free, self.chunk), (held, 1)]
+    launched = [self._dispatch(group, n, every) for group, n in groups]
+    for out in launched:
+      self._hand_out(*out)
+
+  def _dispatch(self, rows: list[_Row], n: int, every: bool):
+    """Launch n decode steps of `rows` (gathered into a power-of-two batch, or every slot
+    in place: `dispatch_rows`); returns what `_hand_out` needs, the tokens not yet fetched."""
+    span = min(bucket(int(max(self._length[r.slot] for r in rows)) + n), self._S)
+    at = [r.slot for r in rows] if every else list(range(len(rows)))   # rows in the batch
     slots = np.arange(self.max_batch, dtype=np.int32) if every else self._slots(rows)
     active = np.zeros(len(slots), bool)
     active[at] = True
     g, h = self._group(rows, slots, at)
-    top = g["top"]
     steps = self._compiled()[1]
     p = self._penalties(rows, h)
     if p:
@@ -652,12 +666,16 @@ class Engine:
                                            every=every, **g, **p)
     if p:
       self._pen = pen
+    return rows, at, n, g["top"], h["tokens"], toks, scores
+
+  def _hand_out(self, rows, at, n, top, fed, toks, scores) -> None:
+    """Give each row of a dispatch its n tokens (`_on_token`)."""
     toks, scores = np.asarray(toks), jax.tree.map(np.asarray, scores)
     self.stats["steps"] += n
     self.stats["row_steps"] += n * len(rows)
     self.stats["most_rows"] = max(self.stats["most_rows"], len(rows))
     for j, row in zip(at, rows):   # what the dispatch fed each row (its cache holds them)
-      self._held[row.slot] += [int(h["tokens"][j])] + toks[:-1, j].tolist()
+      self._held[row.slot] += [int(fed[j])] + toks[:-1, j].tolist()
       self._host["tokens"][row.slot] = toks[-1, j]
       self._host["t"][row.slot] += n
       self._length[row.slot] += n

@@ -173,20 +173,17 @@ def _tools(body) -> tuple[list | None, dict | str]:
   return tools or None, choice
 
 
-def _per_row(make, param: str):
-  """A Job processor with one constraint (`make()`) per row. The grammar is compiled now: a
-  schema that does not compile is the request's fault (400 naming `param`)."""
-  constraints: dict = {}
-
-  def processor(row, ids):
-    if row not in constraints:
-      constraints[row] = make()
-    return constraints[row](row, ids)
+def _per_row(make, param: str, rows: int):
+  """A Job processor with one constraint (`make()`) for each of its `rows`, all made now:
+  in the request's parse, off the event loop and off the engine's thread, whose dispatches
+  would otherwise wait for a grammar's compile. A schema that does not compile is the
+  request's fault (400 naming `param`)."""
   try:
-    processor(-1, [])
+    constraints = [make() for _ in range(rows)]
+    constraints[0](0, [])      # the first mask: compiles what the constructor left lazy
   except ValueError as e:
     raise RequestError(f"{param}: {e}", param=param) from None
-  return processor
+  return lambda row, ids: constraints[row](row, ids)
 
 
 def _response_format(body) -> dict | None:
@@ -333,13 +330,15 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
   if not isinstance(parallel, bool):
     raise RequestError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
   calls = dict(max_calls=2 if parallel else 1, max_tokens=max_tokens)  # false: one call a turn
-  processor = None
+  processor, n = None, sampling["job"]["n"]
   if tools and choice == "auto":     # free text, but a section it opens follows the schemas
-    processor = _per_row(lambda: chat.ToolSectionConstraint(tokenizer, tools, **calls), "tools")
+    processor = _per_row(lambda: chat.ToolSectionConstraint(tokenizer, tools, **calls), "tools",
+                         n)
   elif tools and choice != "none":
     allowed = tools if choice == "required" else [
         t for t in tools if t["function"]["name"] == choice["function"]["name"]]
-    processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed, **calls), "tools")
+    processor = _per_row(lambda: chat.ToolCallConstraint(tokenizer, allowed, **calls), "tools",
+                         n)
   schema = _response_format(body)
   if sampling["job"]["min_tokens"] and (schema is not None or (tools and choice != "none")):
     # a grammar may end before it (only stop tokens allowed, all masked)
@@ -350,7 +349,7 @@ def parse(body, *, model: str, cfg, tokenizer, default_max_tokens: int, max_len:
       raise RequestError("response_format json_object / json_schema with tools: drop one, or "
                          "pass tool_choice none", param="response_format")
     processor = _per_row(lambda: chat.JSONConstraint(tokenizer, schema, max_tokens=max_tokens),
-                         "response_format")
+                         "response_format", n)
   job = Job(prompt=prompt, max_tokens=max_tokens,
             emit=lambda e: None, hold_tool_calls=bool(tools) and choice != "none",
             processor=processor, logprobs=(top or 0) if logprobs else None, **sampling["job"])
@@ -638,9 +637,11 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
 
   async def chat_completions(request):
     body = await read(request)
-    job, info = parse(body, model=model, cfg=engine.cfg, tokenizer=engine.tok,
-                      default_max_tokens=default_max_tokens, max_len=engine.max_len,
-                      max_n=engine.max_batch)
+    # in a worker thread: a tool or response_format grammar compiles in the parse (tens of
+    # ms for a large schema), which on the event loop would stall every other stream
+    job, info = await asyncio.to_thread(
+        parse, body, model=model, cfg=engine.cfg, tokenizer=engine.tok,
+        default_max_tokens=default_max_tokens, max_len=engine.max_len, max_n=engine.max_batch)
     events = start([job])
     rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": rid, "created": now, "model": model, "system_fingerprint": "k2jax"}

@@ -350,3 +350,42 @@ def test_a_slot_holds_its_rows_tokens_and_a_dispatch_not_twice_them(tiny, max_le
     assert {a.shape[2] for lat in engine._cache.layers.values() for a in lat} == {engine._S}
   finally:
     engine.close()
+
+
+def test_a_constrained_row_does_not_slow_the_others_dispatches(tiny):
+  """One row under a logits processor (its mask from the host before each token, as a tool
+  call or response_format has) beside two free rows: the free rows keep dispatches of
+  `chunk` steps (they ran one step a dispatch while any row was constrained), the
+  constrained row one, and every row's tokens are those of its request decoded alone."""
+  import numpy as np
+  cfg, params, tok = tiny
+  letters = np.zeros(cfg.vocab_size, bool)
+  letters[ord("a"):ord("z") + 1] = True
+
+  def only_letters(row, ids):
+    return letters
+  engine = Engine(cfg, params, tok, max_batch=4, window_s=0.3)
+  try:
+    kws = [dict(prompt=_prompt(tok, 1), max_tokens=12, temperature=1.0, seed=3,
+                processor=only_letters),
+           dict(prompt=_prompt(tok, 2), max_tokens=40, temperature=0.0),
+           dict(prompt=_prompt(tok, 3), max_tokens=40, temperature=1.0, seed=4)]
+    alone = [_alone(engine, **kw) for kw in kws]
+    assert set(alone[0][0][0]) <= set("abcdefghijklmnopqrstuvwxyz") and alone[0][0][2] == 12
+    dispatches, dispatch = [], engine._dispatch
+
+    def record(rows, n, every):
+      dispatches.append((n, [r.job.processor is not None for r in rows]))
+      return dispatch(rows, n, every)
+    engine._dispatch = record
+    waiters = [_Waiter() for _ in kws]
+    for w, kw in zip(waiters, kws):
+      engine.submit(w.job(**kw))
+    assert [w.result() for w in waiters] == alone
+    together = [n for n, held in dispatches if any(held)]
+    free = [n for n, held in dispatches if not any(held)]
+    assert together and set(together) == {1}, dispatches
+    assert free and set(free) == {engine.chunk}, dispatches
+    assert all(all(held) or not any(held) for _, held in dispatches), dispatches
+  finally:
+    engine.close()

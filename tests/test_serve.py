@@ -721,6 +721,32 @@ def test_response_format_json_schema_gives_json_that_validates(client):
     jsonschema.validate(json.loads(ch.message.content), schema)
 
 
+def test_grammars_compile_off_the_event_loop_and_the_engines_thread(served, client,
+                                                                     monkeypatch):
+  """A response_format's grammar (one constraint a choice) is built in the request's parse,
+  in a worker thread: not on the event loop, where every other stream waits on it, nor on
+  the engine's thread, whose dispatches would."""
+  import asyncio
+  import threading
+  from k2jax import chat as chat_lib
+  made, real = [], chat_lib.JSONConstraint
+
+  def recording(*a, **kw):
+    try:
+      asyncio.get_running_loop()
+      where = "the event loop"
+    except RuntimeError:
+      where = threading.current_thread().name
+    made.append(where)
+    return real(*a, **kw)
+  monkeypatch.setattr(chat_lib, "JSONConstraint", recording)
+  r = client.chat.completions.create(
+      model="tiny", messages=USER, max_tokens=30, n=3, seed=2, temperature=1.0,
+      response_format={"type": "json_object"})
+  assert len(r.choices) == 3 and len(made) == 3, made
+  assert not {"the event loop", "k2jax-engine"} & set(made), made
+
+
 def test_a_final_assistant_message_is_continued_not_closed(served, client):
   """A dialog ending in an assistant message (a prefilled reply) is rendered open, and the
   reply is its continuation: what the model generates after that text."""
