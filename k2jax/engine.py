@@ -631,22 +631,25 @@ class Engine:
     """Decode steps for the occupied slots; rows that end free their slots.
 
     A row under a logits processor (a tool call, a response_format) needs the host's mask
-    before each of its tokens, so it runs one step a dispatch; the other rows keep their
-    dispatches of `chunk` steps in a dispatch of their own, issued first: the device runs
-    it while the host computes the constrained rows' masks. (Where the cache is split over
-    a mesh a dispatch runs every slot, `dispatch_rows`: one dispatch, one step while a row
-    is constrained.)"""
+    before each of its tokens, so it runs one step a dispatch. The other rows keep their
+    dispatches of `chunk` steps, in a dispatch of their own issued first; the constrained
+    rows then take up to `chunk` one-step dispatches, their masks computed while the device
+    runs the free rows' steps: every row moves `chunk` tokens. (Where the cache is split
+    over a mesh a dispatch runs every slot, `dispatch_rows`: one dispatch, one step while
+    a row is constrained.)"""
     rows = [r for r in self._rows if r is not None]
     held = [r for r in rows if r.job.processor]
     free = [r for r in rows if not r.job.processor]
     _, every = dispatch_rows(len(rows), self.max_batch, self.mesh)
     if every or not held or not free:
-      groups = [(rows, 1 if held else self.chunk)]
-    else:
-      groups = [(free, self.chunk), (held, 1)]
-    launched = [self._dispatch(group, n, every) for group, n in groups]
-    for out in launched:
-      self._hand_out(*out)
+      return self._hand_out(*self._dispatch(rows, 1 if held else self.chunk, every))
+    launched = self._dispatch(free, self.chunk, every)
+    for _ in range(self.chunk):
+      held = [r for r in held if r.finish is None]
+      if not held:
+        break
+      self._hand_out(*self._dispatch(held, 1, every))
+    self._hand_out(*launched)
 
   def _dispatch(self, rows: list[_Row], n: int, every: bool):
     """Launch n decode steps of `rows` (gathered into a power-of-two batch, or every slot
