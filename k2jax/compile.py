@@ -14,7 +14,7 @@ compiles for (nothing can run on them). The step compiled is the trainer's own
 (`k2jax.step.program`: its state and batch shardings, donation, the kernels `auto` picks
 for the target's platform), on a mesh of the topology's chips: the config's mesh, with
 `data` filled in from the chip count when the config's product is not it. XLA's memory
-analysis of the compiled program is the truth for memory (DESIGN.md); it is printed beside
+analysis of the compiled program is the truth for memory; it is printed beside
 `k2jax.plan`'s figures for the same config and mesh, and the chip's HBM.
 
 A config XLA refuses ends in one line: XLA's reason and the k2jax source line of the

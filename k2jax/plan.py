@@ -615,7 +615,7 @@ def main(argv=None):
 def compiled_beside(args, overrides, mesh, est, devices) -> str:
   """XLA's figures of the same step (k2jax.compile.until_buffer_assignment: its buffer
   assignment, where its out-of-memory check runs) beside `est`'s: the compiler is the truth
-  for memory (DESIGN.md); plan's count says where it goes. Exits 1 with XLA's one line
+  for memory; plan's count says where it goes. Exits 1 with XLA's one line
   where it refuses the step."""
   from k2jax import compile as xla
   # the step plan counted: its mesh, and its microbatches where plan rounded them for it

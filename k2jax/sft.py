@@ -203,6 +203,16 @@ def build_data(config, process_index: int = 0, process_count: int = 1,
                        process_index=process_index, process_count=process_count)
 
 
+INIT_HELP = (
+    "--init: the weights to start from: a k2jax run directory (its params only) or a Hugging "
+    "Face directory (config.json + safetensors, bf16 / FP8 / INT4 as published), read "
+    "straight into the config's mesh (k2jax.weights). The model's shape is --init's: pair it "
+    "with the preset whose mesh and optimizer fit it (kimi_k2 for Kimi-K2-Instruct, "
+    "deepseek_v3 for DeepSeek-V3); --config.model.* may change only how it computes and "
+    "param_dtype. The tokenizer is --init's (a run's, or the directory's tiktoken.model, "
+    "else the byte tokenizer) unless --config.data.tokenizer names one.",)
+
+
 def init_from(path: str):
   """The weights of a k2jax run directory or a Hugging Face directory (k2jax.weights.Source):
   their config, read before anything else; their params, loaded into the trainer's
@@ -284,7 +294,8 @@ def main(argv=None):
   from k2jax import train
   init, argv = pop_init(sys.argv if argv is None else argv)
   try:
-    config, workdir = train.parse(argv, "k2jax.sft", " [--init RUN | HF_DIR]")
+    config, workdir = train.parse(argv, "k2jax.sft", " [--init RUN | HF_DIR]",
+                                  more_help=INIT_HELP)
     train.init_distributed()     # several processes (--coordinator_address ...): before JAX
     params = None
     if init is not None:

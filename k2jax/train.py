@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -532,9 +533,10 @@ def _config_file_error(path: str | None, e: BaseException) -> str | None:
   return None
 
 
-def usage(prog: str = "k2jax.train", extra: str = "", preset: str | None = None) -> str:
+def usage(prog: str = "k2jax.train", extra: str = "", preset: str | None = None,
+          more: Sequence[str] = ()) -> str:
   """--help: the command, the presets, every config group with its keys (of `preset`, default
-  the base config), and the flags."""
+  the base config), and the flags (`more`: the command's own, a line each)."""
   from k2jax.configs import base
   cfg = configs.get_config(preset) if preset else base.get_config()
   lines = [f"usage: python -m {prog} --config PRESET|FILE[:ARG] --workdir DIR "
@@ -550,14 +552,15 @@ def usage(prog: str = "k2jax.train", extra: str = "", preset: str | None = None)
                "compilation_cache", "heartbeat_timeout"):
     if name in flags.FLAGS:
       lines.append(f"  --{name}: {flags.FLAGS[name].help}")
-  return "\n".join(lines)
+  return "\n".join(lines + [f"  {line}" for line in more])
 
 
-def parse(argv, prog: str = "k2jax.train", extra_usage: str = "", help_preset=None):
+def parse(argv, prog: str = "k2jax.train", extra_usage: str = "", help_preset=None,
+          more_help: Sequence[str] = ()):
   """-> (config, workdir), or UserError with one line saying what is wrong. --help / -h
   prints `usage` and exits 0."""
   if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-    print(usage(prog, extra_usage, help_preset))
+    print(usage(prog, extra_usage, help_preset, more_help))
     raise SystemExit(0)
   config = load_config(argv)
   if not _WORKDIR.value:

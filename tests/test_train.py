@@ -321,6 +321,10 @@ def test_help_lists_the_config_groups_and_how_to_override_them():
     assert out.startswith(f"usage: python -m {m} --config PRESET|FILE")
     assert "--config.GROUP.KEY=VALUE" in out and "  train: " in out and "--workdir:" in out
     assert ("  rl: " in out) == (m == "k2jax.rl")
+    # the starting weights: what they may be, which preset to pair, whose tokenizer
+    assert ("  --init: " in out) == (m != "k2jax.train"), out[-800:]
+    if m != "k2jax.train":
+      assert "Hugging Face" in out and "kimi_k2" in out and "tokenizer" in out
 
 
 def test_host_state_keeps_optimizer_states_in_host_memory_and_changes_nothing(tmp_path):

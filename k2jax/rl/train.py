@@ -676,7 +676,8 @@ def main(argv=None):
 def _main(argv, init):
   """Parse, check, run; a mistake raises train.UserError."""
   from k2jax import resume, sft, train
-  config, workdir = train.parse(argv, "k2jax.rl", " [--init RUN | HF_DIR]", "tiny_rl")
+  config, workdir = train.parse(argv, "k2jax.rl", " [--init RUN | HF_DIR]", "tiny_rl",
+                                more_help=sft.INIT_HELP)
   train.init_distributed()     # several processes (--coordinator_address ...): before JAX
   if "rl" not in config:
     raise train.UserError("config has no rl group: start from the tiny_rl preset "
