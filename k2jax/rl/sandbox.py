@@ -347,7 +347,10 @@ def _run(code, stdin, timeout_s, memory_mb, max_procs, file_mb, scratch_mb, pyth
       out, err = proc.communicate(stdin.encode(), timeout=timeout_s)
       reason = "ok" if proc.returncode == 0 else (
           f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}")
-      if proc.returncode == -signal.SIGXCPU:
+      # the CPU limit (timeout + 1 s, soft = hard: the kernel's SIGKILL can come before its
+      # SIGXCPU) ended it: the wall-clock timeout would have, on a machine less loaded
+      if proc.returncode == -signal.SIGXCPU or (proc.returncode == -signal.SIGKILL and
+                                                time.time() - started >= timeout_s):
         reason = "timeout"
     except subprocess.TimeoutExpired:
       os.killpg(proc.pid, signal.SIGKILL)
