@@ -247,7 +247,7 @@ def rl_update(config, devices, rows: int, length: int) -> Job:
   state = placed(abstract, shardings)
   P, K = rows // r.samples, r.samples
   batch = dict(inputs=host((rows, length), np.int32), targets=host((rows, length), np.int32),
-               mask=host((rows, length), np.float32),
+               mask=host((rows, length), np.float32), weights=host((rows, length), np.float32),
                segment_ids=host((rows, length), np.int32),
                positions=host((rows, length), np.int32), rewards=host((P, K), np.float32),
                sample_mask=host((P, K), np.bool_),

@@ -109,6 +109,79 @@ def test_sequence_logprobs_brute_force():
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode,level", [("tis", "token"), ("icepop", "token"),
+                                        ("tis", "sequence"), ("icepop", "sequence"),
+                                        ("none", "token")])
+def test_rollout_weights_brute_force(mode, level):
+  """Each counted token's (or sequence's) ratio pi_old / pi_sampler, truncated or masked by
+  its definition, one element at a time in float64; tokens without a sampler
+  log-probability (NaN) or outside the mask keep weight 1 and are not counted."""
+  from k2jax.rl.loss import rollout_weights
+  rng = np.random.default_rng(7)
+  B, T = 5, 9
+  trainer = rng.normal(-2, 1, (B, T))
+  sampler = trainer + rng.normal(0, 0.6, (B, T))
+  mask = rng.uniform(size=(B, T)) < 0.7
+  sampler[0, :3] = np.nan                 # tokens of a trajectory kept before logp was
+  cap, low, high = 1.5, 0.6, 1.4
+  w, stats = rollout_weights(trainer, sampler, mask, mode=mode, level=level, cap=cap,
+                             low=low, high=high)
+  ratios, want = [], np.ones((B, T))
+  for b in range(B):
+    counted = [t for t in range(T) if mask[b, t] and not np.isnan(sampler[b, t])]
+    seq = float(np.exp(sum(trainer[b, t] - sampler[b, t] for t in counted)))
+    if level == "sequence" and counted:
+      ratios.append(seq)
+    for t in counted:
+      rho = seq if level == "sequence" else float(np.exp(trainer[b, t] - sampler[b, t]))
+      if level == "token":
+        ratios.append(rho)
+      want[b, t] = (min(rho, cap) if mode == "tis" else
+                    (rho if low <= rho <= high else 0.0) if mode == "icepop" else 1.0)
+  np.testing.assert_allclose(w, want, rtol=1e-6)
+  assert stats["ratio_mean"] == pytest.approx(np.mean(ratios), rel=1e-9)
+  cut = np.mean([r > cap for r in ratios]) if mode == "tis" else 0.0
+  out = np.mean([not low <= r <= high for r in ratios]) if mode == "icepop" else 0.0
+  assert stats["truncated_frac"] == pytest.approx(cut) and stats["masked_frac"] == pytest.approx(out)
+  assert (0 < cut < 1) or (0 < out < 1) or mode == "none"     # the cases are exercised
+  with pytest.raises(ValueError, match="modes none, tis, icepop"):
+    rollout_weights(trainer, sampler, mask, mode="clip")
+
+
+def test_weighted_sequence_logprobs_give_the_k15_gradient_each_token_weighted():
+  """With importance weights the K1.5 loss keeps its value, and its gradient in the logits
+  is the float64 derivative with each token's term scaled by its weight:
+  dL/dz[b,t,v] = dL/dlogp_b * mask[b,t] * w[b,t] * (onehot(y[b,t])_v - softmax(z[b,t])_v),
+  dL/dlogp_b = -2 tau resid_b m_b / n_p / groups."""
+  rng = np.random.default_rng(11)
+  P, K, T, V, tau = 2, 3, 4, 6, 0.3
+  z = rng.normal(size=(P * K, T, V))
+  y = rng.integers(0, V, (P * K, T))
+  mask = (rng.uniform(size=(P * K, T)) < 0.8).astype(np.float64)
+  w = rng.uniform(0, 2, (P * K, T))
+  old = rng.normal(-8, 1, (P, K))
+  r = rng.uniform(0, 1, (P, K))
+
+  def loss(zz, weights):
+    lp = sequence_logprobs(zz, jnp.asarray(y), jnp.asarray(mask, jnp.float32), weights)
+    return k15_loss(lp.reshape(P, K), jnp.asarray(old, jnp.float32),
+                    jnp.asarray(r, jnp.float32), tau)
+  zj = jnp.asarray(z, jnp.float32)
+  assert float(loss(zj, jnp.asarray(w, jnp.float32))) == pytest.approx(float(loss(zj, None)),
+                                                                       rel=1e-6)
+  got = np.asarray(jax.grad(loss)(zj, jnp.asarray(w, jnp.float32)))
+  ls = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  logp = (np.take_along_axis(ls, y[..., None], -1)[..., 0] * mask).sum(-1).reshape(P, K)
+  resid = r - r.mean(-1, keepdims=True) - tau * (logp - old)
+  dlogp = (-2 * tau * resid / K / P).reshape(-1)
+  soft = np.exp(ls)
+  onehot = np.eye(V)[y]
+  want = dlogp[:, None, None] * (mask * w)[..., None] * (onehot - soft)
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-7)
+  unweighted = np.asarray(jax.grad(loss)(zj, None))
+  assert np.abs(got - unweighted).max() > 1e-3 * np.abs(unweighted).max()   # weights matter
+
+
 def test_budget_penalty_and_temperature_decay():
   np.testing.assert_array_equal(
       budget_rewards(jnp.asarray([1.0, 0.0, 1.0]), jnp.asarray([False, True, True]), -0.5),
@@ -636,6 +709,23 @@ TINY_RL_FLAGS = [
 def _rl_rows(workdir):
   rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
   return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def test_a_bf16_sampler_differs_and_the_rollout_correction_sees_it(tmp_path):
+  """rl.sampler_dtype bfloat16 (weights and activations, as a serving engine runs them)
+  against the float32 trainer: the logged gap between the sampler's and the trainer's log
+  pi is far above float rounding (the float32 sampler's is < 1e-4), and icepop's ratios,
+  their mean and the fraction masked are logged; the run trains (finite losses)."""
+  from k2jax.rl import train as rl_train
+  c = rl_config(sampler_dtype="bfloat16", rollout_correction="icepop", mask_low=0.9,
+                mask_high=1.1)
+  rows = rl_train.run(c, str(tmp_path))["history"]
+  last = rows[-1]
+  assert last["logp_gap_tokens"] > 0 and last["logp_gap_max"] > 1e-3, last
+  assert np.isfinite(last["k15_loss"]) and last["rollout_ratio_mean"] > 0
+  assert 0 <= last["rollout_masked_frac"] <= 1 and last["rollout_truncated_frac"] == 0
+  with pytest.raises(ValueError, match="rl.rollout_correction"):
+    rl_train.configs_validate(rl_config(rollout_correction="clip"))
 
 
 def test_rl_resumes_exactly_after_kill_9(tmp_path):

@@ -210,7 +210,7 @@ def test_rl_update_compiles_for_a_v5e_chip(chip):
   rows = lambda dt: jax.ShapeDtypeStruct((P * K, L), dt, sharding=rep)
   groups = lambda dt: jax.ShapeDtypeStruct((P, K), dt, sharding=rep)
   batch = dict(inputs=rows(jnp.int32), targets=rows(jnp.int32), mask=rows(jnp.float32),
-               segment_ids=rows(jnp.int32), positions=rows(jnp.int32),
+               weights=rows(jnp.float32), segment_ids=rows(jnp.int32), positions=rows(jnp.int32),
                rewards=groups(jnp.float32), sample_mask=groups(jnp.bool_),
                logp_old=groups(jnp.float32))
   with platform.target("tpu"):

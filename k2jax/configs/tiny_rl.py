@@ -40,6 +40,12 @@ def get_config():
       eval_tasks=32,              # tasks in each environment's eval set
       samples_every=10,           # iterations whose sampled responses go to samples.jsonl
       kl_to_init=False,           # log KL(policy || the initial policy) (a second forward)
+      sampler_dtype="",           # the sampler's precision ("": the trainer's; bfloat16)
+      rollout_correction="none",  # importance weights pi_old / pi_sampler: none, tis, icepop
+      correction_level="token",   # ... per token, or per sequence (their product)
+      tis_cap=2.0,                # tis: weights truncated at this
+      mask_low=0.5,               # icepop: tokens whose ratio leaves [mask_low, mask_high]
+      mask_high=2.0,              # get no gradient
       inference_mesh=base.mesh_config(),   # the sampler's layout; weights are resharded to it
   ))
   # optimizer steps = iterations x updates_per_iteration

@@ -8,10 +8,17 @@ policy that sampled them pi_old:
 The mean reward of the group is the baseline; the log-ratio term (a squared-loss form of a
 KL regularizer with strength tau) keeps the update near the sampling policy. The total is
 the mean over prompts, plus an auxiliary pre-training (PTX) loss on curated data.
+
+pi_old is the trainer's own probability under the weights that sampled (one forward before
+the updates). The sampler that drew y computes that policy in another program (decoding
+over the latent cache, perhaps in another precision), so y comes from pi_sampler, not
+pi_old: `rollout_weights` corrects for it, scaling each token's (or sequence's) share of the
+gradient by rho = pi_old / pi_sampler, truncated (TIS) or masked outside a band (IcePop).
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -42,10 +49,71 @@ def k15_loss(logp, logp_old, rewards, tau: float, mask=None):
   return jnp.sum(per_prompt) / groups
 
 
-def sequence_logprobs(logits, targets, mask):
-  """sum over the masked (response) positions of log softmax(logits)[target] -> [B]."""
+def sequence_logprobs(logits, targets, mask, weights=None):
+  """sum over the masked (response) positions of log softmax(logits)[target] -> [B].
+
+  weights [B, T] (no gradient): the value is unchanged, its gradient is
+  sum_t mask_t w_t grad log pi_t, each token's share scaled by its importance weight
+  (`rollout_weights`): sum_t mask_t (w_t log pi_t + (1 - w_t) stop_gradient(log pi_t)).
+  """
   logp = -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  if weights is not None:
+    w = jax.lax.stop_gradient(weights).astype(jnp.float32)
+    logp = w * logp + (1.0 - w) * jax.lax.stop_gradient(logp)
   return jnp.sum(logp * mask, axis=-1)
+
+
+def rollout_weights(logp_trainer, logp_sampler, mask, *, mode: str = "none",
+                    level: str = "token", cap: float = 2.0, low: float = 0.5,
+                    high: float = 2.0):
+  """Importance weights for rollouts drawn by a sampler that is not the trainer (another
+  precision, layout or kernels; in an MoE a small logit difference flips a token's experts).
+
+  The ratio of a sampled token, or of a whole sequence (level="sequence": the product over
+  its tokens), is rho = pi_trainer_old / pi_sampler, with pi_trainer_old the trainer's
+  probability under the weights that sampled it (the K1.5 loss's pi_old). Then
+
+      mode "tis":    w = min(rho, cap)                       truncated importance sampling
+      mode "icepop": w = rho if low <= rho <= high, else 0   two-sided masking
+      mode "none":   w = 1
+
+  Tokens outside `mask`, or whose sampler log-probability is not known (NaN in
+  logp_sampler), get w = 1 and are not counted.
+
+  Args:
+    logp_trainer, logp_sampler: [B, T] per-token log-probabilities.
+    mask: [B, T] the policy's (sampled) tokens.
+  Returns:
+    (w [B, T] float32, stats: ratio_mean, truncated_frac, masked_frac over the counted
+    tokens or sequences).
+  """
+  if mode not in ("none", "tis", "icepop") or level not in ("token", "sequence"):
+    raise ValueError(f"rollout correction {mode!r} at level {level!r}: modes none, tis, "
+                     "icepop; levels token, sequence")
+  lt, ls = np.asarray(logp_trainer, np.float64), np.asarray(logp_sampler, np.float64)
+  counted = (np.asarray(mask) > 0) & np.isfinite(ls)
+  log_rho = np.where(counted, lt - np.where(counted, ls, 0.0), 0.0)
+  if level == "sequence":
+    seqs = counted.any(-1)
+    rho = np.exp(np.clip(log_rho.sum(-1), -50, 50))
+    units, where = rho[seqs], counted
+    rho = np.broadcast_to(rho[:, None], lt.shape)
+  else:
+    rho = np.exp(np.clip(log_rho, -50, 50))
+    units, where = rho[counted], counted
+  if mode == "tis":
+    w, cut = np.minimum(rho, cap), units > cap
+  elif mode == "icepop":
+    inside = (rho >= low) & (rho <= high)
+    w, cut = np.where(inside, rho, 0.0), (units < low) | (units > high)
+  else:
+    w, cut = np.ones_like(rho), np.zeros(units.shape, bool)
+  w = np.where(where, w, 1.0).astype(np.float32)
+  n = max(units.size, 1)
+  stats = dict(ratio_mean=float(units.mean()) if units.size else float("nan"),
+               truncated_frac=float(cut.sum() / n) if mode == "tis" else 0.0,
+               masked_frac=float(cut.sum() / n) if mode == "icepop" else 0.0)
+  return w, stats
 
 
 def budget_rewards(rewards, truncated, penalty: float = -1.0):

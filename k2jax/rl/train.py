@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 from k2jax import chat, kernels, model, optim, parallel
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
-from k2jax.rl.loss import k15_loss, sequence_logprobs, temperature_at
+from k2jax.rl.loss import k15_loss, rollout_weights, sequence_logprobs, temperature_at
 from k2jax.step import TrainState, _gate, lm_loss, on_device, split_as_stored
 
 log = logging.getLogger("k2jax.rl")
@@ -138,7 +138,9 @@ def rl_loss(config, params, batch, ptx):
   P, K = batch["rewards"].shape
   logits, aux = model.forward(mcfg, params, batch["inputs"], positions=batch["positions"],
                               segment_ids=batch["segment_ids"])
-  logp = sequence_logprobs(logits, batch["targets"], batch["mask"]).reshape(P, K)
+  # (weights: the rollout correction's per-token importance weights, `rollout_weights`)
+  logp = sequence_logprobs(logits, batch["targets"], batch["mask"],
+                           batch.get("weights")).reshape(P, K)
   k15 = k15_loss(logp, batch["logp_old"], batch["rewards"], r.tau, batch["sample_mask"])
   loss, stats = k15 + aux.aux_loss, aux
   ptx_loss = jnp.zeros(())
@@ -467,8 +469,44 @@ def batch_of(groups, rewards, prompts: int, pad_id: int):
   R[:len(groups)] = rewards
   sm = np.zeros((prompts, K), bool)
   sm[:len(groups)] = True
-  b.update(rewards=R, sample_mask=sm, logp_old=np.zeros((prompts, K), np.float32))
+  b.update(rewards=R, sample_mask=sm, logp_old=np.zeros((prompts, K), np.float32),
+           weights=np.ones_like(b["mask"]))
   return b
+
+
+def sampler_config(config):
+  """The model config the sampler decodes with: the trainer's, or with rl.sampler_dtype
+  (e.g. bfloat16) its weights and activations in that precision, as a serving engine runs
+  them while the trainer keeps float32: a sampler that differs on purpose, whose mismatch
+  the logs (logp_gap_*) and the rollout correction see."""
+  dtype = config.rl.get("sampler_dtype", "")
+  if not dtype:
+    return config.model
+  m = config.model.copy_and_resolve_references()
+  m.dtype = m.param_dtype = dtype
+  return m
+
+
+def as_sampler(params, sampler_model, trainer_model):
+  """The trainer's params in the sampler's precision (`sampler_config`); the same arrays
+  when the sampler is the trainer's model."""
+  if sampler_model is trainer_model:
+    return params
+  dt = jnp.dtype(sampler_model.param_dtype)
+  return jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating)
+                      and a.dtype != dt else a, params)
+
+
+def sampler_logprobs(groups, shape, mask):
+  """The sampler's log-probabilities of the policy tokens, laid out as batch_of's rows
+  [rows, T] (NaN where it has none: prompt and padding, and the tokens of a trajectory
+  written before it kept them)."""
+  out = np.full(shape, np.nan, np.float32)
+  for i, t in enumerate(x for ts in groups for x in ts):
+    at = np.flatnonzero(mask[i] > 0)
+    if len(at) == len(t.logp):
+      out[i, at] = t.logp
+  return out
 
 
 def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
@@ -514,6 +552,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   shardings = parallel.state_shardings(specs, train_mesh, abstract, tx,
                                        host_state=config.optimizer.host_state)
   inf_shardings = parallel.param_shardings(specs, inf_mesh)
+  sampler_model = sampler_config(config)
 
   manager = ocp.CheckpointManager(
       os.path.abspath(os.path.join(workdir, "checkpoints")),
@@ -579,16 +618,17 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
       t0 = time.perf_counter()
       temperature = temperature_at(it, r.iterations, r.temperature_start, r.temperature_end)
       # training layout -> inference layout (a reshard when the meshes differ)
-      inf_params = jax.device_put(state.params, inf_shardings)
+      inf_params = as_sampler(jax.device_put(state.params, inf_shardings), sampler_model,
+                            config.model)
       judge.params = inf_params
       row = {}
       if sets and it % r.eval_every == 0:    # the weights this iteration starts from
         with jax.set_mesh(inf_mesh):
-          row.update(evaluate(config, tok, sets, config.model, inf_params,
+          row.update(evaluate(config, tok, sets, sampler_model, inf_params,
                               r.truncation_penalty))
       rollouts.refill()
       with jax.set_mesh(inf_mesh):
-        decoded = rollouts.decode(config.model, inf_params, temperature,
+        decoded = rollouts.decode(sampler_model, inf_params, temperature,
                                   seed=decode_seed(t.seed, it))
       groups = rollouts.complete_groups()
       row.update({"temperature": temperature, "decoded_tokens": decoded,
@@ -600,6 +640,12 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
         with jax.set_mesh(train_mesh):
           batch["logp_old"], trainer_tok = logp_fn(state.params, batch)
           gap, gap_max, gap_n = sampler_gap(groups, np.asarray(trainer_tok), batch["mask"])
+          batch["weights"], correction = rollout_weights(
+              np.asarray(trainer_tok), sampler_logprobs(groups, batch["mask"].shape,
+                                                        batch["mask"]),
+              batch["mask"], mode=r.get("rollout_correction", "none"),
+              level=r.get("correction_level", "token"), cap=r.get("tis_cap", 2.0),
+              low=r.get("mask_low", 0.5), high=r.get("mask_high", 2.0))
           if init_policy is not None:
             kl = kl_k3(np.asarray(trainer_tok), np.asarray(logp_fn(init_policy, batch)[1]),
                        batch["mask"])
@@ -622,7 +668,8 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
                                                          for i, ts in enumerate(groups)
                                                          if ts[0].task.env == e.name]))
                       for e in environments if any(ts[0].task.env == e.name for ts in groups)})
-        row.update(logp_gap_sampler_trainer=gap, logp_gap_max=gap_max, logp_gap_tokens=gap_n)
+        row.update(logp_gap_sampler_trainer=gap, logp_gap_max=gap_max, logp_gap_tokens=gap_n,
+                   **{f"rollout_{k}": v for k, v in correction.items()})
         if init_policy is not None:
           row["kl_to_init"] = kl
         if r.get("samples_every", 0) and (it + 1) % r.samples_every == 0:
@@ -739,6 +786,19 @@ def configs_validate(config):
     v = float(r[k])
     if not np.isfinite(v) or not (v > 0 if low == "> 0" else v >= 0):
       raise ValueError(f"rl.{k} = {r[k]} must be {low}{why}")
+  if r.get("rollout_correction", "none") not in ("none", "tis", "icepop"):
+    raise ValueError(f"rl.rollout_correction = {r.rollout_correction!r}: choose none, tis or "
+                     "icepop")
+  if r.get("correction_level", "token") not in ("token", "sequence"):
+    raise ValueError(f"rl.correction_level = {r.correction_level!r}: choose token or sequence")
+  if not float(r.get("tis_cap", 2.0)) > 0:
+    raise ValueError(f"rl.tis_cap = {r.tis_cap} must be > 0")
+  if not 0 < float(r.get("mask_low", 0.5)) <= 1 <= float(r.get("mask_high", 2.0)):
+    raise ValueError(f"rl.mask_low = {r.mask_low}, rl.mask_high = {r.mask_high}: need "
+                     "0 < mask_low <= 1 <= mask_high (a band around equal probabilities)")
+  if r.get("sampler_dtype", "") not in ("", "float32", "bfloat16", "float16"):
+    raise ValueError(f"rl.sampler_dtype = {r.sampler_dtype!r}: choose float32, bfloat16, "
+                     "float16, or empty for the trainer's")
   if float(r.ptx_weight) > 0 and int(r.ptx_batch_size) < 1:
     raise ValueError(f"rl.ptx_batch_size = {r.ptx_batch_size} must be >= 1 while "
                      "rl.ptx_weight > 0")
