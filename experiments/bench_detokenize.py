@@ -15,15 +15,13 @@ experiments/results/serve/detokenize.csv.
 
 import argparse
 import csv
-import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 # k2jax when not installed; last, so that the root's kernels/ hides no installed package
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))      # from_git
 
 from k2jax import configs  # noqa: E402
 from k2jax.data import ByteTokenizer  # noqa: E402
@@ -38,14 +36,8 @@ def engine_module(rev: str | None):
   if rev is None:
     from k2jax import engine
     return engine
-  src = subprocess.run(["git", "show", f"{rev}:k2jax/engine.py"], cwd=ROOT, check=True,
-                       capture_output=True, text=True).stdout
-  path = os.path.join(tempfile.mkdtemp(), f"engine_{rev}.py")
-  open(path, "w").write(src)
-  spec = importlib.util.spec_from_file_location(f"engine_{rev}", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  from from_git import module_at
+  return module_at(rev, "k2jax/engine.py", f"engine_{rev}")
 
 
 def reply_ids(tok, n: int) -> list[int]:

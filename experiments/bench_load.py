@@ -30,7 +30,6 @@ Writes experiments/results/load/load.csv.
 
 import argparse
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -46,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(HERE, "results", "load")
 BEFORE = "2ddd0a3"      # the commit whose loader this replaced
+sys.path.append(HERE)   # experiments/from_git.py (after site-packages, as ROOT below)
 
 
 def arch(gb: float) -> dict:
@@ -198,19 +198,12 @@ def child_load(args):
 
 def _before_module():
   """k2jax.interop.hf as of BEFORE, with its safetensors_io and quant, from git."""
-  d = tempfile.mkdtemp()
-  for name in ("hf", "safetensors_io", "quant"):
-    text = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE}:k2jax/interop/{name}.py"],
-                          capture_output=True, text=True, check=True).stdout
-    text = text.replace("from k2jax.interop import quant, safetensors_io",
-                        "import before_quant as quant, before_safetensors_io as safetensors_io")
-    with open(os.path.join(d, f"before_{name}.py"), "w") as f:
-      f.write(text)
-  sys.path.append(d)
-  spec = importlib.util.spec_from_file_location("before_hf", os.path.join(d, "before_hf.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  from from_git import module_at
+  for name in ("quant", "safetensors_io"):
+    module_at(BEFORE, f"k2jax/interop/{name}.py", f"before_{name}")
+  return module_at(BEFORE, "k2jax/interop/hf.py", "before_hf", replace=[(
+      "from k2jax.interop import quant, safetensors_io",
+      "import before_quant as quant, before_safetensors_io as safetensors_io")])
 
 
 def child_before(args):

@@ -198,17 +198,8 @@ def engine_class(rev: str | None):
   """k2jax.engine.Engine as it is, or as it was at git revision `rev`."""
   if rev is None:
     return Engine
-  import importlib.util
-  import subprocess
-  import tempfile
-  src = subprocess.run(["git", "show", f"{rev}:k2jax/engine.py"], cwd=os.path.dirname(HERE),
-                       check=True, capture_output=True, text=True).stdout
-  path = os.path.join(tempfile.mkdtemp(), f"engine_{rev}.py")
-  open(path, "w").write(src)
-  spec = importlib.util.spec_from_file_location(f"engine_{rev}", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.Engine
+  from from_git import module_at
+  return module_at(rev, "k2jax/engine.py", f"engine_{rev}").Engine
 
 
 def beside_json(cfg, params, *, engine_cls, json_client: bool, clients: int, requests: int,
