@@ -208,20 +208,19 @@ def trainer_logprobs(config, params, batch):
   return jnp.sum(tok * batch["mask"], axis=-1).reshape(P, K), tok
 
 
-def sampler_gap(groups, trainer_tok, mask):
+def sampler_gap(groups, trainer_tok, sampler_tok, mask):
   """|log pi_sampler - log pi_trainer| over the policy tokens sampled this iteration (the
   sampler's weights are the trainer's then; older segments of a paused trajectory were
-  sampled by older weights): -> (mean, max, count). The two compute one policy in different
-  programs (decode over the latent cache on the inference layout, the training forward):
-  they should agree to float rounding; a gap that grows means the update trains on
+  sampled by older weights): -> (mean, max, count). sampler_tok: `sampler_logprobs`. The
+  two compute one policy in different programs (decode over the latent cache on the
+  inference layout, the training forward): they should agree to float rounding (unless
+  rl.sampler_dtype differs on purpose); a gap that grows means the update trains on
   probabilities the sampler did not sample with."""
-  gaps = []
+  fresh = np.zeros(mask.shape, bool)
   for i, t in enumerate(x for ts in groups for x in ts):
-    trainer = trainer_tok[i, np.flatnonzero(mask[i] > 0)]
-    if len(trainer) != len(t.logp):      # a trajectory of a checkpoint written before logp
-      continue
-    gaps.append(np.abs(trainer[t.fresh:] - np.asarray(t.logp[t.fresh:], np.float32)))
-  gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    fresh[i, np.flatnonzero(mask[i] > 0)[t.fresh:]] = True
+  fresh &= np.isfinite(sampler_tok)
+  gaps = np.abs(trainer_tok[fresh] - sampler_tok[fresh])
   return (float(gaps.mean()) if gaps.size else float("nan"),
           float(gaps.max()) if gaps.size else float("nan"), int(gaps.size))
 
@@ -639,15 +638,15 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
         batch = batch_of(groups, rewards, r.prompts, tok.pad_id)
         with jax.set_mesh(train_mesh):
           batch["logp_old"], trainer_tok = logp_fn(state.params, batch)
-          gap, gap_max, gap_n = sampler_gap(groups, np.asarray(trainer_tok), batch["mask"])
+          trainer_tok = np.asarray(trainer_tok)
+          sampler_tok = sampler_logprobs(groups, batch["mask"].shape, batch["mask"])
+          gap, gap_max, gap_n = sampler_gap(groups, trainer_tok, sampler_tok, batch["mask"])
           batch["weights"], correction = rollout_weights(
-              np.asarray(trainer_tok), sampler_logprobs(groups, batch["mask"].shape,
-                                                        batch["mask"]),
-              batch["mask"], mode=r.get("rollout_correction", "none"),
+              trainer_tok, sampler_tok, batch["mask"], mode=r.get("rollout_correction", "none"),
               level=r.get("correction_level", "token"), cap=r.get("tis_cap", 2.0),
               low=r.get("mask_low", 0.5), high=r.get("mask_high", 2.0))
           if init_policy is not None:
-            kl = kl_k3(np.asarray(trainer_tok), np.asarray(logp_fn(init_policy, batch)[1]),
+            kl = kl_k3(trainer_tok, np.asarray(logp_fn(init_policy, batch)[1]),
                        batch["mask"])
           # PTX rows drawn from a generator keyed by the iteration, not one carried across
           # iterations: a resumed run draws what the uninterrupted one drew
