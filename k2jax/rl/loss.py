@@ -63,6 +63,10 @@ def sequence_logprobs(logits, targets, mask, weights=None):
   return jnp.sum(logp * mask, axis=-1)
 
 
+CORRECTIONS = ("none", "tis", "icepop")     # rollout_weights' modes
+LEVELS = ("token", "sequence")
+
+
 def rollout_weights(logp_trainer, logp_sampler, mask, *, mode: str = "none",
                     level: str = "token", cap: float = 2.0, low: float = 0.5,
                     high: float = 2.0):
@@ -87,32 +91,30 @@ def rollout_weights(logp_trainer, logp_sampler, mask, *, mode: str = "none",
     (w [B, T] float32, stats: ratio_mean, truncated_frac, masked_frac over the counted
     tokens or sequences).
   """
-  if mode not in ("none", "tis", "icepop") or level not in ("token", "sequence"):
-    raise ValueError(f"rollout correction {mode!r} at level {level!r}: modes none, tis, "
-                     "icepop; levels token, sequence")
+  if mode not in CORRECTIONS or level not in LEVELS:
+    raise ValueError(f"rollout correction {mode!r} at level {level!r}: modes "
+                     f"{', '.join(CORRECTIONS)}; levels {', '.join(LEVELS)}")
   lt, ls = np.asarray(logp_trainer, np.float64), np.asarray(logp_sampler, np.float64)
   counted = (np.asarray(mask) > 0) & np.isfinite(ls)
   log_rho = np.where(counted, lt - np.where(counted, ls, 0.0), 0.0)
   if level == "sequence":
-    seqs = counted.any(-1)
     rho = np.exp(np.clip(log_rho.sum(-1), -50, 50))
-    units, where = rho[seqs], counted
+    units = rho[counted.any(-1)]
     rho = np.broadcast_to(rho[:, None], lt.shape)
   else:
     rho = np.exp(np.clip(log_rho, -50, 50))
-    units, where = rho[counted], counted
+    units = rho[counted]
   if mode == "tis":
     w, cut = np.minimum(rho, cap), units > cap
   elif mode == "icepop":
-    inside = (rho >= low) & (rho <= high)
-    w, cut = np.where(inside, rho, 0.0), (units < low) | (units > high)
+    w, cut = np.where((rho >= low) & (rho <= high), rho, 0.0), (units < low) | (units > high)
   else:
     w, cut = np.ones_like(rho), np.zeros(units.shape, bool)
-  w = np.where(where, w, 1.0).astype(np.float32)
-  n = max(units.size, 1)
+  w = np.where(counted, w, 1.0).astype(np.float32)
+  frac = float(cut.mean()) if units.size else 0.0
   stats = dict(ratio_mean=float(units.mean()) if units.size else float("nan"),
-               truncated_frac=float(cut.sum() / n) if mode == "tis" else 0.0,
-               masked_frac=float(cut.sum() / n) if mode == "icepop" else 0.0)
+               truncated_frac=frac if mode == "tis" else 0.0,
+               masked_frac=frac if mode == "icepop" else 0.0)
   return w, stats
 
 

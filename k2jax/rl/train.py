@@ -47,7 +47,8 @@ import orbax.checkpoint as ocp
 from k2jax import chat, kernels, model, optim, parallel
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
-from k2jax.rl.loss import k15_loss, rollout_weights, sequence_logprobs, temperature_at
+from k2jax.rl.loss import (CORRECTIONS, LEVELS, k15_loss, rollout_weights, sequence_logprobs,
+                           temperature_at)
 from k2jax.step import TrainState, _gate, lm_loss, on_device, split_as_stored
 
 log = logging.getLogger("k2jax.rl")
@@ -486,21 +487,23 @@ def sampler_config(config):
   return m
 
 
-def as_sampler(params, sampler_model, trainer_model):
-  """The trainer's params in the sampler's precision (`sampler_config`); the same arrays
-  when the sampler is the trainer's model."""
-  if sampler_model is trainer_model:
-    return params
+def sampler_weights(config, sampler_model, inf_shardings):
+  """fn(the trainer's params) -> the sampler's: in the sampler's precision
+  (`sampler_config`), cast on the trainer's layout by one compiled program before the
+  reshard to `inf_shardings`, so the bytes moved are the sampler's."""
+  if sampler_model is config.model:
+    return lambda params: jax.device_put(params, inf_shardings)
   dt = jnp.dtype(sampler_model.param_dtype)
-  return jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating)
-                      and a.dtype != dt else a, params)
+  cast = jax.jit(lambda params: jax.tree.map(
+      lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, params))
+  return lambda params: jax.device_put(cast(params), inf_shardings)
 
 
-def sampler_logprobs(groups, shape, mask):
+def sampler_logprobs(groups, mask):
   """The sampler's log-probabilities of the policy tokens, laid out as batch_of's rows
   [rows, T] (NaN where it has none: prompt and padding, and the tokens of a trajectory
   written before it kept them)."""
-  out = np.full(shape, np.nan, np.float32)
+  out = np.full(mask.shape, np.nan, np.float32)
   for i, t in enumerate(x for ts in groups for x in ts):
     at = np.flatnonzero(mask[i] > 0)
     if len(at) == len(t.logp):
@@ -552,6 +555,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
                                        host_state=config.optimizer.host_state)
   inf_shardings = parallel.param_shardings(specs, inf_mesh)
   sampler_model = sampler_config(config)
+  to_sampler = sampler_weights(config, sampler_model, inf_shardings)
 
   manager = ocp.CheckpointManager(
       os.path.abspath(os.path.join(workdir, "checkpoints")),
@@ -617,8 +621,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
       t0 = time.perf_counter()
       temperature = temperature_at(it, r.iterations, r.temperature_start, r.temperature_end)
       # training layout -> inference layout (a reshard when the meshes differ)
-      inf_params = as_sampler(jax.device_put(state.params, inf_shardings), sampler_model,
-                            config.model)
+      inf_params = to_sampler(state.params)
       judge.params = inf_params
       row = {}
       if sets and it % r.eval_every == 0:    # the weights this iteration starts from
@@ -639,7 +642,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
         with jax.set_mesh(train_mesh):
           batch["logp_old"], trainer_tok = logp_fn(state.params, batch)
           trainer_tok = np.asarray(trainer_tok)
-          sampler_tok = sampler_logprobs(groups, batch["mask"].shape, batch["mask"])
+          sampler_tok = sampler_logprobs(groups, batch["mask"])
           gap, gap_max, gap_n = sampler_gap(groups, trainer_tok, sampler_tok, batch["mask"])
           batch["weights"], correction = rollout_weights(
               trainer_tok, sampler_tok, batch["mask"], mode=r.get("rollout_correction", "none"),
@@ -785,11 +788,12 @@ def configs_validate(config):
     v = float(r[k])
     if not np.isfinite(v) or not (v > 0 if low == "> 0" else v >= 0):
       raise ValueError(f"rl.{k} = {r[k]} must be {low}{why}")
-  if r.get("rollout_correction", "none") not in ("none", "tis", "icepop"):
-    raise ValueError(f"rl.rollout_correction = {r.rollout_correction!r}: choose none, tis or "
-                     "icepop")
-  if r.get("correction_level", "token") not in ("token", "sequence"):
-    raise ValueError(f"rl.correction_level = {r.correction_level!r}: choose token or sequence")
+  if r.get("rollout_correction", "none") not in CORRECTIONS:
+    raise ValueError(f"rl.rollout_correction = {r.rollout_correction!r}: choose one of "
+                     f"{', '.join(CORRECTIONS)}")
+  if r.get("correction_level", "token") not in LEVELS:
+    raise ValueError(f"rl.correction_level = {r.correction_level!r}: choose one of "
+                     f"{', '.join(LEVELS)}")
   if not float(r.get("tis_cap", 2.0)) > 0:
     raise ValueError(f"rl.tis_cap = {r.tis_cap} must be > 0")
   if not 0 < float(r.get("mask_low", 0.5)) <= 1 <= float(r.get("mask_high", 2.0)):
