@@ -12,18 +12,16 @@ memory holds one tensor (and its float32 view for FP8 quantization), every file 
 once, and no tensor crosses between processes (but for the resharding above).
 """
 
+import functools
 import json
 import os
 
 import jax
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (np.dtype("bfloat16") below)
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k2jax.interop import hf_format as hf, quant, safetensors_io
-
-_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
+from k2jax.interop import hf_format as hf, quant, safetensors_io, shards
 
 def whole_tensors(array, lead: int):
   """`array` resharded so that no dim after the first `lead` is split (itself if none is)."""
@@ -34,14 +32,20 @@ def whole_tensors(array, lead: int):
   if all(e is None for e in entries[lead:]):
     return array
   target = NamedSharding(s.mesh, P(*entries[:lead]), memory_kind=s.memory_kind)
-  return jax.jit(lambda x: x, out_shardings=target)(array)
+  return _resharder(target)(array)
+
+
+@functools.cache
+def _resharder(target):
+  """One jitted identity per target sharding (a new lambda each call traced it again)."""
+  return jax.jit(lambda x: x, out_shardings=target)
 
 
 def _owners(array, lead: int) -> dict:
   """{leading position: lowest process index of a device holding that tensor whole}."""
   out = {}
   for device, index in array.sharding.devices_indices_map(array.shape).items():
-    ranges = [range(*s.indices(n)[:2]) for s, n in zip(index[:lead], array.shape[:lead])]
+    ranges = [range(s.start, s.stop) for s in shards.normal(index[:lead], array.shape)]
     for pos in np.ndindex(*[len(r) for r in ranges]):
       at = tuple(r[i] for r, i in zip(ranges, pos))
       out[at] = min(out.get(at, device.process_index), device.process_index)
@@ -51,7 +55,7 @@ def _owners(array, lead: int) -> dict:
 def _fetch(array, at: tuple) -> np.ndarray:
   """The tensor at leading position `at`, from a local shard that holds it whole."""
   for shard in array.addressable_shards:
-    index = [slice(*s.indices(n)[:2]) for s, n in zip(shard.index, array.shape)]
+    index = shards.normal(shard.index, array.shape)
     if all(s.start <= p < s.stop for s, p in zip(index, at)):
       local = tuple(p - s.start for s, p in zip(index, at))
       return np.asarray(shard.data[local] if local else shard.data)
@@ -70,7 +74,7 @@ def save(cfg, params, path: str, *, dtype: str = "float32", fp8: bool = False,
          max_shard_bytes: int = 4 << 30) -> dict:
   """Write `params` to `path` (see the module docstring). -> {"files": this process's
   files, "bytes": the bytes it wrote, "host_peak": its largest tensor buffer}."""
-  np_dtype = _DTYPES[dtype]
+  np_dtype = np.dtype(dtype)
   me = jax.process_index()
   table = hf.leaves(cfg)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)

@@ -82,42 +82,17 @@ def int4_check(name: str, shape, packed_dtype, packed_shape, scale_shape,
                             f"{list(want_scale)})")
 
 
-# --------------------------------------------------------------------------- blocks
-# Each takes the block [r0:r1, c0:c1] of W and says which blocks of its parts it needs
-# (`*_parts`), then dequantizes from them (`*_block`): the loader reads exactly the parts,
-# k2jax.plan counts their bytes.
-
-
-def fp8_parts(rows: slice, cols: slice, block: int = FP8_BLOCK) -> tuple:
-  """(codes block, scale_inv block) of W's block rows x cols."""
-  return ((rows, cols),
-          (slice(rows.start // block, (rows.stop - 1) // block + 1),
-           slice(cols.start // block, (cols.stop - 1) // block + 1)))
+# --------------------------------------------------------------------------- on the host
+# (the loader dequantizes on the devices, k2jax.interop.loader.dequantize; these serve tests
+# and tools that hold a whole tensor)
 
 
 def fp8_block(q: np.ndarray, scale_inv: np.ndarray, rows: slice, cols: slice,
               block: int = FP8_BLOCK) -> np.ndarray:
-  """float32 W[rows, cols] from its codes and the scale_inv block fp8_parts names."""
+  """float32 W[rows, cols] from its codes and the scale_inv blocks covering them."""
   r = np.arange(rows.start, rows.stop) // block - rows.start // block
   c = np.arange(cols.start, cols.stop) // block - cols.start // block
   return q.astype(np.float32) * scale_inv.astype(np.float32)[r[:, None], c[None, :]]
-
-
-def int4_parts(rows: slice, cols: slice, group_size: int) -> tuple:
-  """(packed words block, scale block) of W's block rows x cols."""
-  return ((rows, slice(cols.start // 8, (cols.stop - 1) // 8 + 1)),
-          (rows, slice(cols.start // group_size, (cols.stop - 1) // group_size + 1)))
-
-
-def int4_block(packed: np.ndarray, scale: np.ndarray, rows: slice, cols: slice,
-               group_size: int) -> np.ndarray:
-  """float32 W[rows, cols] from the packed words and scales int4_parts names."""
-  words = packed.view(np.uint32)[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))
-  codes = (words & 0xF).astype(np.int8).reshape(packed.shape[0], -1)
-  first = cols.start - 8 * (cols.start // 8)
-  q = codes[:, first:first + cols.stop - cols.start] - np.int8(8)
-  g = np.arange(cols.start, cols.stop) // group_size - cols.start // group_size
-  return q.astype(np.float32) * scale.astype(np.float32)[:, g]
 
 
 # --------------------------------------------------------------------------- whole tensors
@@ -141,17 +116,6 @@ def quantize_fp8(w: np.ndarray, block: int = FP8_BLOCK):
   scale_inv = np.maximum(np.abs(blocks).max(axis=(1, 3)) / fmax, 1e-12).astype(np.float32)
   q = np.clip(blocks / scale_inv[:, None, :, None], -fmax, fmax).astype(ml_dtypes.float8_e4m3fn)
   return q.reshape(br * block, bc * block)[:rows, :cols], scale_inv
-
-
-def dequantize_int4(name: str, packed: np.ndarray, scale: np.ndarray, shape=None,
-                    group_size: int = 32) -> np.ndarray:
-  """float32 W [out, in] from a whole weight's pack-quantized parts."""
-  packed = np.asarray(packed)
-  rows = packed.shape[0] if packed.ndim == 2 else 0
-  cols = int(np.asarray(shape).reshape(-1)[1]) if shape is not None else (
-      packed.shape[1] * 8 if packed.ndim == 2 else 0)
-  int4_check(name, (rows, cols), packed.dtype, packed.shape, np.shape(scale), group_size)
-  return int4_block(packed, np.asarray(scale), slice(0, rows), slice(0, cols), group_size)
 
 
 def quantize_int4(w: np.ndarray, group_size: int = 32):

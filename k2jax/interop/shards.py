@@ -24,7 +24,8 @@ from jax.sharding import SingleDeviceSharding
 from k2jax.configs.sharding_rules import entry_axes
 
 
-def _normal(index, shape) -> tuple:
+def normal(index, shape) -> tuple:
+  """A device's index (slices, perhaps open) with concrete bounds."""
   return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
@@ -37,9 +38,9 @@ def build(shape, dtype, sharding, produce):
 
   produce(index) -> np.ndarray: the block `index` (a slice per dim, concrete bounds) of
   the array, in `dtype`."""
-  blocks = {}
-  for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
-    index = _normal(index, shape)
+  blocks, indices = {}, sharding.addressable_devices_indices_map(tuple(shape))
+  for device, index in indices.items():
+    index = normal(index, shape)
     blocks.setdefault(key(index), (index, []))[1].append(device)
   arrays, held, pending = {}, 0, []
   for index, devices in blocks.values():
@@ -53,9 +54,8 @@ def build(shape, dtype, sharding, produce):
     arrays.update(zip(devices, pending))
     del host
   jax.block_until_ready(pending)
-  order = list(sharding.addressable_devices_indices_map(tuple(shape)))
   return jax.make_array_from_single_device_arrays(
-      tuple(shape), sharding, [arrays[d] for d in order], dtype=np.dtype(dtype)), held
+      tuple(shape), sharding, [arrays[d] for d in indices], dtype=np.dtype(dtype)), held
 
 
 def block_at(pspec, shape, mesh_shape: dict, coords: dict) -> tuple:
