@@ -403,13 +403,18 @@ class Engine:
     of 1..max_batch new rows (each power-of-two bucket a program) at one prompt length,
     and the decode dispatches up to prompt_tokens + max_tokens, by running such requests
     through the engine. Blocks until they are done."""
-    sizes = sorted({bucket(b, minimum=1) for b in range(1, self.max_batch + 1)})
-    for b in sizes:
+    sizes: dict[int, int] = {}
+    for b in range(1, self.max_batch + 1):    # the fewest rows that take each batch bucket
+      sizes.setdefault(rows_bucket(b, self.mesh), b)
+    for b in sorted(sizes.values()):
       for temperature in (0.0, 1.0) if sampled else (0.0,):
         done = threading.Semaphore(0)
+
+        def emit(e, b=b, done=done):      # a row's "done", or one "error" for the job
+          if e.kind in ("done", "error"):
+            done.release(1 if e.kind == "done" else b)
         self.submit(Job(prompt=[self.tok.bos_id] * prompt_tokens, n=b, max_tokens=max_tokens,
-                        temperature=temperature, seed=0,
-                        emit=lambda e: e.kind in ("done", "error") and done.release()))
+                        temperature=temperature, seed=0, emit=emit))
         for _ in range(b):
           done.acquire()
 
@@ -633,8 +638,9 @@ class Engine:
     A row under a logits processor (a tool call, a response_format) needs the host's mask
     before each of its tokens, so it runs one step a dispatch. The other rows keep their
     dispatches of `chunk` steps, in a dispatch of their own issued first; the constrained
-    rows then take up to `chunk` one-step dispatches, their masks computed while the device
-    runs the free rows' steps: every row moves `chunk` tokens. (Where the cache is split
+    rows then take up to `chunk` one-step dispatches (the first one's masks computed while
+    the device runs the free rows' steps; each later one waits for the step before it):
+    every row moves `chunk` tokens. (Where the cache is split
     over a mesh a dispatch runs every slot, `dispatch_rows`: one dispatch, one step while
     a row is constrained.)"""
     rows = [r for r in self._rows if r is not None]
@@ -753,9 +759,7 @@ class Engine:
     if row.job.hold_tool_calls and row.section_at < 0:
       row.section_at = text.find(SECTION, max(0, before - len(SECTION) + 1))
     reason = None
-    if cut >= 0:
-      reason = "stop"
-    elif i in self.stop_ids:
+    if cut >= 0 or i in self.stop_ids:
       reason = "stop"
     elif len(row.ids) >= row.job.max_tokens:
       reason = "length"
@@ -768,7 +772,8 @@ class Engine:
     end = len(text) if reason else len(text) - _held(text, row.watch)
     sec = row.section_at
     if sec >= 0 and sec + len(SECTION) <= len(text):     # the section is held, not streamed
-      end = min(end, sec) if sec + len(SECTION) <= end else end
+      if sec + len(SECTION) <= end:
+        end = sec
       if not reason:
         section = text[sec:]      # the held section as it grows (streaming)
         if len(section) > row.section_sent:

@@ -79,10 +79,17 @@ def cache_shardings(cfg, rows: int, S: int, mesh):
   return decode.Cache(jax.tree.map(lambda _: latent, cache.layers), lengths)
 
 
+_NEW_CACHE: dict = {}
+
+
 def new_cache(cfg, rows: int, S: int, mesh=None):
-  """A zero cache of `rows` x S positions placed by `cache_shardings`."""
-  return jax.jit(lambda: decode.init_cache(cfg, rows, S),
-                 out_shardings=cache_shardings(cfg, rows, S, mesh))()
+  """A zero cache of `rows` x S positions placed by `cache_shardings` (its program compiled
+  once per model, shape and mesh: RL's rollouts ask for one every iteration)."""
+  key = (cfg.to_json(), rows, S, mesh)
+  if key not in _NEW_CACHE:
+    _NEW_CACHE[key] = jax.jit(lambda: decode.init_cache(cfg, rows, S),
+                              out_shardings=cache_shardings(cfg, rows, S, mesh))
+  return _NEW_CACHE[key]()
 
 
 def place_cache(cache):

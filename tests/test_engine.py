@@ -389,3 +389,18 @@ def test_a_constrained_row_does_not_slow_the_others_dispatches(tiny):
     assert all(all(held) or not any(held) for _, held in dispatches), dispatches
   finally:
     engine.close()
+
+
+def test_warmup_ends_when_the_slots_are_not_a_power_of_two(tiny):
+  """warmup runs a request for each batch bucket: with 3 slots the bucket of 4 is reached
+  by 3 rows (it asked for 4 rows, which the engine refused once while warmup waited for 4
+  answers: it never returned)."""
+  cfg, params, tok = tiny
+  engine = Engine(cfg, params, tok, max_batch=3, window_s=0.0)
+  try:
+    t = threading.Thread(target=engine.warmup, args=(8, 2, False), daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive() and engine.stats["prefills"] == 3
+  finally:
+    engine.close()
