@@ -322,27 +322,24 @@ def rl_sampler(config, devices, rows: int, length: int, prompt: int | None):
 def main(args, config, devices) -> list[dict]:
   """Compile what --program asks for on `devices`, print each table; -> records. Raises
   ValueError for the user's mistakes; XLA's refusals as k2compile.Refused."""
-  from k2jax.generate import UserError
   jobs = []       # Jobs, or fn(the previous one's compiled executable) -> Job
-  try:
-    if args.program in ("prefill", "decode"):
-      configs.validate(config)
-      cfg = config.model
-      mesh = serving_mesh(cfg, args.mesh, devices)
-      jobs.append(serving(cfg, mesh, args.program, args.rows or 8,
-                          args.context or cfg.max_position_embeddings, args.prompt))
-    else:   # rl
-      if "rl" not in config:
-        raise ValueError(f"--config {args.config} has no rl group: use kimi_k2_rl or tiny_rl "
-                         "(or a config with an rl group)")
-      from k2jax.rl.train import configs_validate
-      configs_validate(config)
-      rows = args.rows or int(config.rl.prompts) * int(config.rl.samples)
-      length = args.context or int(config.train.seq_len)
-      jobs.append(rl_update(config, devices, rows, length))
-      jobs.extend(rl_sampler(config, devices, rows, length, args.prompt))
-  except UserError as e:
-    raise ValueError(str(e)) from None
+  # (generate.UserError, raised below for a bad --mesh, is a ValueError: cli says it)
+  if args.program in ("prefill", "decode"):
+    configs.validate(config)
+    cfg = config.model
+    mesh = serving_mesh(cfg, args.mesh, devices)
+    jobs.append(serving(cfg, mesh, args.program, args.rows or 8,
+                        args.context or cfg.max_position_embeddings, args.prompt))
+  else:   # rl
+    if "rl" not in config:
+      raise ValueError(f"--config {args.config} has no rl group: use kimi_k2_rl or tiny_rl "
+                       "(or a config with an rl group)")
+    from k2jax.rl.train import configs_validate
+    configs_validate(config)
+    rows = args.rows or int(config.rl.prompts) * int(config.rl.samples)
+    length = args.context or int(config.train.seq_len)
+    jobs.append(rl_update(config, devices, rows, length))
+    jobs.extend(rl_sampler(config, devices, rows, length, args.prompt))
   out, result = [], None
   for job in jobs:
     job = job if isinstance(job, Job) else job(result.compiled)

@@ -138,7 +138,6 @@ class TiktokenTokenizer:
         out.append(names[i])
     return "".join(out)
 
-
   def text_bytes(self, i: int) -> bytes:
     """The bytes id i adds to `decode`'s text (specials=False): none for a special."""
     return self._enc.decode_single_token_bytes(i) if 0 <= i < self._n_ranks else b""
@@ -146,7 +145,7 @@ class TiktokenTokenizer:
   def token_bytes(self, i: int) -> bytes:
     """The bytes one id stands for (a special's name; b"" for an unnamed reserved id)."""
     if 0 <= i < self._n_ranks:
-      return self._enc.decode_single_token_bytes(i)
+      return self.text_bytes(i)
     names = {v: k for k, v in self.special_ids.items()}
     return names.get(i, "").encode()
 
