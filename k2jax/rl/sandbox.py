@@ -102,7 +102,9 @@ mb = 1 << 20
 for lim, v in ((resource.RLIMIT_AS, c["memory_mb"] * mb), (resource.RLIMIT_CPU, c["cpu_s"]),
                (resource.RLIMIT_FSIZE, c["file_mb"] * mb), (resource.RLIMIT_NOFILE, 64),
                (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(lim, (v, v))
+    # the CPU limit's hard bound a second later: its SIGXCPU (a timeout) comes before the
+    # kernel's SIGKILL, which at an equal bound could come first
+    resource.setrlimit(lim, (v, v + 1 if lim == resource.RLIMIT_CPU else v))
 if c["as_root"]:
     os.setgroups([])
     os.setgid(c["gid"])
@@ -347,10 +349,7 @@ def _run(code, stdin, timeout_s, memory_mb, max_procs, file_mb, scratch_mb, pyth
       out, err = proc.communicate(stdin.encode(), timeout=timeout_s)
       reason = "ok" if proc.returncode == 0 else (
           f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}")
-      # the CPU limit (timeout + 1 s, soft = hard: the kernel's SIGKILL can come before its
-      # SIGXCPU) ended it: the wall-clock timeout would have, on a machine less loaded
-      if proc.returncode == -signal.SIGXCPU or (proc.returncode == -signal.SIGKILL and
-                                                time.time() - started >= timeout_s):
+      if proc.returncode == -signal.SIGXCPU:   # the CPU limit: the timeout, in CPU time
         reason = "timeout"
     except subprocess.TimeoutExpired:
       os.killpg(proc.pid, signal.SIGKILL)
