@@ -26,6 +26,8 @@ import time
 
 import jax
 
+from k2jax import console
+
 log = logging.getLogger("k2jax.convert")
 
 
@@ -43,16 +45,15 @@ def add_distributed(p: argparse.ArgumentParser) -> None:
 
 def init_distributed(args) -> None:
   if args.distributed or args.coordinator_address:
-    jax.distributed.initialize(coordinator_address=args.coordinator_address,
-                               num_processes=args.num_processes, process_id=args.process_id)
+    from k2jax.train import start_distributed
+    start_distributed(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def run_cli(name: str, parser: argparse.ArgumentParser, argv, body) -> None:
   """Parse, log to stderr, run body(args); a UserError ends in its one line, exit code 2."""
   add_distributed(parser)
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                      datefmt="%H:%M:%S")
+  console.setup()
   try:
     init_distributed(args)    # before any other JAX call
     body(args)
@@ -68,13 +69,13 @@ def new_directory(path: str, flag: str) -> None:
                     "touched)")
 
 
-def mesh_of(text: str | None, cfg, flag: str = "--mesh"):
+def mesh_of(text: str | None):
   """The mesh that loads / saves: --mesh, else every device on the expert axis (each then
   holds 1 / devices of the experts and of the other weights' model dims, as the trainer's
   rules split them). UserError naming the flag for a mesh that cannot be had."""
   from k2jax.generate import UserError as MeshError, inference_mesh
   try:
-    return inference_mesh(text or f"expert={jax.device_count()}", flag)
+    return inference_mesh(text or f"expert={jax.device_count()}", "--mesh")
   except MeshError as e:
     raise UserError(str(e)) from None
 
@@ -130,7 +131,6 @@ def main(argv=None):
 
 def _convert(args):
   from k2jax import weights
-  from k2jax.interop import hf
   new_directory(args.workdir, "--workdir")
   try:
     source = weights.open_source(args.hf)
@@ -140,10 +140,10 @@ def _convert(args):
     raise UserError(f"--hf {args.hf} is already a k2jax run: use it as it is")
   cfg = source.model
   cfg.param_dtype = args.param_dtype
-  mesh = mesh_of(args.mesh, cfg)
+  mesh = mesh_of(args.mesh)
   t0, stats = time.perf_counter(), {}
   try:
-    params = hf.load(args.hf, cfg, shardings_on(cfg, mesh, f"--mesh {args.mesh}"), stats=stats)
+    params = source.load(cfg, shardings_on(cfg, mesh, f"--mesh {args.mesh}"), stats=stats)
   except (OSError, ValueError) as e:
     raise UserError(f"--hf {args.hf}: {str(e).splitlines()[0]}") from None
   loaded = time.perf_counter()

@@ -52,7 +52,7 @@ def _export(args):
   except (OSError, ValueError) as e:
     raise UserError(f"--workdir {args.workdir}: {str(e).splitlines()[0]}") from None
   cfg = config.model
-  mesh = mesh_of(args.mesh, cfg)
+  mesh = mesh_of(args.mesh)
   t0 = time.perf_counter()
   try:
     _, params = checkpoint.load_run(args.workdir, shardings_on(cfg, mesh, f"--mesh {args.mesh}"))

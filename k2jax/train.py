@@ -629,12 +629,18 @@ def load_config(argv):
 
 def init_distributed():
   """jax.distributed.initialize from the flags (before any other JAX call)."""
-  if not (_DISTRIBUTED.value or _COORDINATOR.value):
-    return
+  if _DISTRIBUTED.value or _COORDINATOR.value:
+    start_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                      _HEARTBEAT.value)
+
+
+def start_distributed(coordinator=None, num_processes=None, process_id=None,
+                      heartbeat: int = _HEARTBEAT.default) -> None:
+  """jax.distributed.initialize (None: detected from the cluster), a dead peer given up on
+  after `heartbeat` seconds; logs where this process stands."""
   jax.distributed.initialize(
-      coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
-      process_id=_PROCESS_ID.value, heartbeat_timeout_seconds=_HEARTBEAT.value,
-      shutdown_timeout_seconds=_HEARTBEAT.value)
+      coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+      heartbeat_timeout_seconds=heartbeat, shutdown_timeout_seconds=heartbeat)
   log.info("process %d of %d, %d local / %d global devices", jax.process_index(),
            jax.process_count(), jax.local_device_count(), jax.device_count())
 
