@@ -165,8 +165,9 @@ class Checkpointer:
     workdir: the run directory; checkpoints go to workdir/checkpoints.
     keep: how many of the newest steps to keep.
     use_async: save in the background (orbax async checkpointing).
-    attempts, backoff_s: how often a failed restore is tried, waiting backoff_s, 2 backoff_s,
-      ... between tries (a transient storage error must not cost the checkpoint).
+    attempts: how often a failed restore is tried (a transient storage error must not cost
+      the checkpoint).
+    backoff_s: the wait before the second try, doubled before each later one.
   """
 
   def __init__(self, workdir: str, keep: int, use_async: bool, attempts: int = 3,

@@ -330,7 +330,9 @@ class Engine:
   """The device-owning decode thread, its slots and its queue (see the module docstring).
 
   Args:
-    cfg, params, tokenizer: the model (as `k2jax.generate.load` returns them).
+    cfg: the model's config (as `k2jax.generate.load` returns it).
+    params: its parameters.
+    tokenizer: its tokenizer.
     max_batch: slots: rows decoded together at most (a request's n rows take n); under a
       mesh rounded up to a multiple of its batch devices (`slot_count`).
     max_len: tokens a slot holds, prompt and completion (default and at most the model's

@@ -318,7 +318,9 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     params: the model's parameters.
     prompts: token-id lists, one per row (at least one token each).
     max_new_tokens: tokens to generate per row at most.
-    temperature, top_k, top_p: sampling (temperature 0 = greedy).
+    temperature: sampling temperature (0 = greedy).
+    top_k: keep the k most likely tokens (None: all).
+    top_p: nucleus sampling's mass (None: all).
     seed: the sampling key: one for the batch, or one per row (a row's tokens then do not
       depend on the other rows; k2jax.engine batches seeded requests this way).
     stop_ids: a row ends after emitting any of these (the stop token is included).

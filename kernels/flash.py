@@ -44,7 +44,9 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
   """-> (out [B, T, H, Dv] in v's dtype, max_logits [H] f32). See the module docstring.
 
   Args:
-    q, k: [B, T, H, Dqk]; v: [B, T, H, Dv].
+    q: [B, T, H, Dqk].
+    k: [B, T, H, Dqk].
+    v: [B, T, H, Dv].
     scale: the softmax scale s (1/sqrt(Dqk), times YaRN's mscale^2 in MLA).
     segment_ids: [B, T] int (0 = padding) or None (one document per row).
     causal: mask j > i.

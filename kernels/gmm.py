@@ -65,7 +65,7 @@ def blocked_block_size(rows: int, groups: int) -> int:
 
 @jax.custom_vjp
 def block_matmul(xp, ws, block_group, used_blocks):
-  """ys[i][j] = xp[j] @ ws[i][block_group[j]] for blocks j < used_blocks, 0 after.
+  """`ys[i][j] = xp[j] @ ws[i][block_group[j]]` for blocks j < used_blocks, 0 after.
 
   xp [B, b, K]; ws a tuple of [G, K, N_i] sharing the row blocks (an MoE's gate and up
   projections read xp once); block_group [B] int; used_blocks an int scalar. A loop over

@@ -437,7 +437,9 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
   Args:
     p_local: this shard's E_loc SwiGLU experts {"gate", "up": [E_loc, d, f], "down":
       [E_loc, f, d]}.
-    x, idx, w: local tokens [N, d], their expert ids [N, k] and combine weights [N, k].
+    x: local tokens [N, d].
+    idx: their expert ids [N, k].
+    w: their combine weights [N, k].
     axis: the mesh axis experts are split over.
     sync_axes: every other manual mesh axis of the enclosing shard_map: all devices agree on
       the buffer size, so they all take the same compiled branch.

@@ -198,7 +198,10 @@ def scale_by_muon_in(ns_dtype, *, ns_steps: int = 5, weight_dimension_numbers=No
 
   Args:
     ns_dtype: the iteration's dtype (None or float32: scale_by_muon unchanged).
-    ns_steps, weight_dimension_numbers, eps, **kwargs: optax.contrib.scale_by_muon's.
+    ns_steps: optax.contrib.scale_by_muon's.
+    weight_dimension_numbers: optax.contrib.scale_by_muon's.
+    eps: optax.contrib.scale_by_muon's.
+    **kwargs: passed to optax.contrib.scale_by_muon.
   """
   if ns_dtype is None or jnp.dtype(ns_dtype) == jnp.float32:
     return scale_by_muon(ns_steps=ns_steps, weight_dimension_numbers=weight_dimension_numbers,
@@ -238,11 +241,16 @@ def muon(cfg, learning_rate, *, weight_decay=0.1, momentum=0.95, nesterov=False,
     learning_rate: a float or an optax schedule, shared by both groups unless
       `adam_learning_rate` is given.
     weight_decay: decoupled and scaled by the learning rate, as in Algorithm 1.
-    momentum, nesterov, ns_steps, mu_dtype: Muon's mu, Nesterov flag, Newton-Schulz
-      iterations and momentum dtype (optax.contrib.scale_by_muon).
+    momentum: Muon's mu (optax.contrib.scale_by_muon).
+    nesterov: Nesterov momentum.
+    ns_steps: Newton-Schulz iterations.
+    mu_dtype: the momentum's dtype.
     ns_dtype: the dtype Newton-Schulz iterates in (`scale_by_muon_in`; None: float32).
     rms_scale: update RMS after matching (scale_by_rms_match).
-    adam_b1, adam_b2, adam_eps, adam_learning_rate: the AdamW group's settings.
+    adam_b1: the AdamW group's first-moment decay.
+    adam_b2: its second-moment decay.
+    adam_eps: its epsilon.
+    adam_learning_rate: its learning rate (None: Muon's).
   Returns:
     An optax.GradientTransformation over the whole parameter tree.
   """
@@ -277,7 +285,11 @@ def adamw(cfg, learning_rate, *, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
   Args:
     cfg: the model config.
     learning_rate: a float or an optax schedule.
-    weight_decay, b1, b2, eps, mu_dtype: optax.adamw's.
+    weight_decay: optax.adamw's.
+    b1: optax.adamw's.
+    b2: optax.adamw's.
+    eps: optax.adamw's.
+    mu_dtype: optax.adamw's.
   Returns:
     An optax.GradientTransformation over the whole parameter tree.
   """

@@ -46,7 +46,9 @@ def muonclip(cfg, learning_rate, *, tau: float = 100.0, weight_decay: float = 0.
     rms_scale: Muon update RMS after matching (Moonlight's 0.2, AdamW-like).
     ns_steps: Newton-Schulz iterations (5).
     ns_dtype: the dtype Newton-Schulz iterates in (None: float32; Moonlight's bfloat16).
-    adam_b1, adam_b2, adam_eps: AdamW's moments for the non-matrix parameters.
+    adam_b1: AdamW's first-moment decay for the non-matrix parameters.
+    adam_b2: its second-moment decay.
+    adam_eps: its epsilon.
     adam_learning_rate: a separate learning rate for the AdamW group.
     mu_dtype: dtype of the momenta (None: the parameters').
   Returns:

@@ -191,8 +191,8 @@ def split_layer(cfg, ffn, weights, x, positions, segment_ids, weight):
 def head(cfg, hp, y, targets, loss_mask, grads: bool):
   """Final norm, head and summed cross entropy of one microbatch, the vocabulary split over
   the pipeline devices (inside shard_map; Megatron's vocabulary-parallel cross entropy, on
-  the pipeline axis). Device p holds columns [p V_p, (p + 1) V_p) of the head (hp["lm_head"]
-  [D, V_p]; columns past the vocabulary, padding, are masked) and every device gets the last
+  the pipeline axis). Device p holds columns `[p V_p, (p + 1) V_p)` of the head (`hp["lm_head"]`
+  `[D, V_p]`; columns past the vocabulary, padding, are masked) and every device gets the last
   stage's output y. With z = h W_p (f32) and t the target:
 
       lse = m + log psum_p sum_j exp(z_j - m),   m = pmax_p max_j z_j

@@ -85,7 +85,8 @@ def rollout_weights(logp_trainer, logp_sampler, mask, *, mode: str = "none",
   logp_sampler), get w = 1 and are not counted.
 
   Args:
-    logp_trainer, logp_sampler: [B, T] per-token log-probabilities.
+    logp_trainer: [B, T] per-token log-probabilities under the trainer.
+    logp_sampler: [B, T] the same under the sampler.
     mask: [B, T] the policy's (sampled) tokens.
   Returns:
     (w [B, T] float32, stats: ratio_mean, truncated_frac, masked_frac over the counted

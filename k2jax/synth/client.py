@@ -81,7 +81,8 @@ class OpenAIClient(Client):
     model: the served model's name (None: the first of GET /v1/models).
     api_key: sent as the bearer token (local servers ignore it).
     concurrency: requests in flight at once (chat_many).
-    retries, timeout: per request.
+    retries: attempts per request (the openai client's max_retries).
+    timeout: seconds per request.
   """
 
   def __init__(self, base_url: str, model: str | None = None, *, api_key: str = "unused",
