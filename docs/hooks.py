@@ -1,0 +1,132 @@
+"""mkdocs hooks: the results pages read the experiments' own files, and the figures are drawn
+by the code that does the thing.
+
+- Every file under `experiments/results/` is published at `results/data/...`, so pages link
+  the CSVs and plots the benchmarks wrote instead of copies of them.
+- `<!-- table: AREA/FILE.csv [cols=a,b,c] [digits=3] -->` in a page becomes a table of that
+  CSV (the columns named, in that order; floats to `digits` significant digits). A results
+  page states the table's date, machine and commit once, above it.
+- `guides/img/schedule_*.png`: tick diagrams of the pipeline schedules, drawn from
+  `k2jax.parallel.schedules.build`, the table the jitted loop runs.
+
+Python-Markdown, mkdocs-material and mkdocstrings do the rest; these are the two things no
+plugin knows about our repository.
+"""
+
+import csv
+import io
+import math
+import os
+import re
+import subprocess
+
+from mkdocs.structure.files import File
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "experiments", "results")
+PUBLISHED = (".csv", ".png", ".md", ".json", ".log", ".txt", ".svg")
+TABLE = re.compile(r"<!--\s*table:\s*(\S+)((?:\s+\w+=\S+)*)\s*-->")
+# (schedule, pipeline devices P, virtual stages V, microbatches M) drawn for the guide
+SCHEDULE_FIGURES = (("1f1b", 4, 2, 8), ("gpipe", 4, 2, 8), ("zbh1", 4, 2, 8))
+
+
+def on_files(files, config):
+  for dirpath, _, names in os.walk(RESULTS):
+    for name in sorted(names):
+      if name.endswith(PUBLISHED):
+        path = os.path.join(dirpath, name)
+        uri = "results/data/" + os.path.relpath(path, RESULTS).replace(os.sep, "/")
+        files.append(File.generated(config, uri, abs_src_path=path))
+  for name, P, V, M in SCHEDULE_FIGURES:
+    files.append(File.generated(config, f"guides/img/schedule_{name}.png",
+                                content=schedule_png(name, P, V, M)))
+  return files
+
+
+def on_page_markdown(markdown, page, config, files):
+  return TABLE.sub(lambda m: csv_table(m.group(1), m.group(2)), markdown)
+
+
+def _number(text: str, digits: int) -> str:
+  try:
+    x = float(text)
+  except ValueError:
+    return text
+  if math.isnan(x):
+    return ""
+  if x == int(x) and abs(x) < 1e15 and "." not in text and "e" not in text.lower():
+    return f"{int(x):,}" if abs(x) >= 10_000 else str(int(x))
+  return f"{x:.{digits}g}"
+
+
+def csv_table(rel: str, options: str) -> str:
+  """A Markdown table of experiments/results/REL, or an error the --strict build reports."""
+  path = os.path.join(RESULTS, rel)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"<!-- table: {rel} -->: no such file under experiments/results")
+  opts = dict(kv.split("=", 1) for kv in options.split())
+  digits = int(opts.get("digits", 3))
+  with open(path, newline="") as f:
+    rows = list(csv.DictReader(f))
+  columns = opts["cols"].split(",") if "cols" in opts else list(rows[0])
+  missing = [c for c in columns if c not in rows[0]]
+  if missing:
+    raise KeyError(f"<!-- table: {rel} -->: no column {missing}; it has {list(rows[0])}")
+  out = io.StringIO()
+  out.write("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n")
+  for row in rows:
+    cells = [_number(row[c] or "", digits).replace("|", "\\|") for c in columns]
+    out.write("| " + " | ".join(cells) + " |\n")
+  out.write(f"\n[{os.path.basename(rel)}](data/{rel}){_provenance(path)}\n")
+  return out.getvalue()
+
+
+def _provenance(path: str) -> str:
+  """', written DATE at COMMIT' from git: the table's date and commit, stated once, by the
+  file itself (results pages sit beside data/)."""
+  try:
+    stamp = subprocess.run(["git", "log", "-1", "--format=%cs at %h", "--", path], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30).stdout.strip()
+  except (OSError, subprocess.TimeoutExpired):
+    return ""
+  return f", committed {stamp}" if stamp else ""
+
+
+def schedule_png(name: str, P: int, V: int, M: int) -> bytes:
+  """Tick diagram of one schedule: a row per device, a column per tick, a box per phase."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from k2jax.parallel import schedules
+
+  tab = schedules.build(name, P, V, M)
+  kinds = ("F", "B", "W") if tab.split else ("F", "B")
+  colours = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+  ticks = tab.ticks
+  fig, ax = plt.subplots(figsize=(max(6.0, ticks * 0.32), 0.5 + P * 0.55 * len(kinds) / 2))
+  height = 0.8 / len(kinds)
+  for t in range(ticks):
+    for p in range(P):
+      for k, kind in enumerate(kinds):
+        v, m = (int(x) for x in tab.task[kind][t, p])
+        if v < 0:
+          continue
+        y = p - 0.4 + k * height
+        ax.add_patch(plt.Rectangle((t, y), 0.95, height * 0.95, color=colours[kind],
+                                   alpha=0.35 + 0.65 * (v + 1) / V))
+        ax.text(t + 0.47, y + height * 0.47, f"{m}", ha="center", va="center", fontsize=6)
+  ax.set_xlim(0, ticks)
+  ax.set_ylim(P - 0.5, -0.5)
+  ax.set_yticks(range(P), [f"device {p}" for p in range(P)])
+  ax.set_xlabel(f"tick; a box's number is its microbatch, darker = a later virtual stage "
+                f"(idle {tab.idle_fraction():.1%} of device time at equal stage costs)", fontsize=8)
+  ax.set_title(f"{name}: {P} devices x {V} virtual stages, {M} microbatches", fontsize=10)
+  handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in kinds]
+  ax.legend(handles, kinds, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+  buf = io.BytesIO()
+  fig.tight_layout()
+  fig.savefig(buf, format="png", dpi=110)
+  plt.close(fig)
+  return buf.getvalue()
