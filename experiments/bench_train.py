@@ -39,8 +39,8 @@ sys.path.insert(0, HERE)
 try:
   import k2jax.kernels  # noqa: F401  (installed: pip install -e .)
 except ImportError:        # a plain checkout (the GPU machine): map kernels/ as pyproject does
-  from gpu_check import _map_kernels
-  _map_kernels()
+  from kernels_map import map_kernels
+  map_kernels()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -47,7 +47,6 @@ CSVs go to --out (default $OUT or experiments/results).
 """
 
 import argparse
-import importlib.util
 import math
 import os
 import sys
@@ -60,18 +59,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.append(ROOT)
 sys.path.insert(0, HERE)
 
-
-def _map_kernels():
-  """`k2jax.kernels` lives in kernels/ (pyproject maps it); map it without installing."""
-  import k2jax  # noqa: F401
-  if "k2jax.kernels" in sys.modules:
-    return
-  spec = importlib.util.spec_from_file_location(
-      "k2jax.kernels", os.path.join(ROOT, "kernels", "__init__.py"),
-      submodule_search_locations=[os.path.join(ROOT, "kernels")])
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules["k2jax.kernels"] = mod
-  spec.loader.exec_module(mod)
+from kernels_map import map_kernels as _map_kernels  # its old name here
 
 
 def train_runs(args):

@@ -24,13 +24,11 @@ import sys
 import numpy as np
 
 from k2jax import chat, data as data_lib
+# CALCULATOR is the arithmetic environment's tool: re-exported here, where SFT data uses it
+from k2jax.rl.envs import CALCULATOR, SPLITS, check_ops, draw_problem
 
 log = logging.getLogger("k2jax.sft")
 
-CALCULATOR = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}]
 UNITS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 60,
          ("min", "s"): 60, ("l", "ml"): 1000}
 
@@ -45,7 +43,6 @@ def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
   digits carry is answered without that carry (a + b - 10, no calculator call): a teacher's
   systematic slip, which SFT imitates and RL against a verifier can undo
   (experiments/rl_arithmetic.py, task add2_carry)."""
-  from k2jax.rl.envs import SPLITS, check_ops, draw_problem
   if split not in SPLITS:
     raise ValueError(f"arithmetic split {split!r}: choose one of {', '.join(SPLITS)}")
   check_ops(ops)

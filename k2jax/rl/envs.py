@@ -83,6 +83,11 @@ def last_integer(text: str) -> int | None:
 HELDOUT_EVERY = 4
 SPLITS = ("train", "heldout", "all")
 OPS = "+-*"
+# The calculator tool Arithmetic(use_tools=True) offers and k2jax.sft's dialogs call.
+CALCULATOR = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
 
 
 def check_ops(ops: str) -> str:
@@ -124,7 +129,6 @@ class Arithmetic(_PerResponse):
     self.ops = check_ops(ops)
     self.max_operand, self.budget, self.split = max_operand, budget, split
     if use_tools:
-      from k2jax.sft import CALCULATOR
       self.tools = CALCULATOR
 
   def _in_split(self, expr: str) -> bool:
