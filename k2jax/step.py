@@ -182,8 +182,7 @@ def split_as_stored(ocfg, opt_state, shardings):
   between the host transfers and not across them. Left free, XLA takes the split the
   gather wants back through the transfer (or the one the output wants forward), and
   XLA:TPU then runs the all-gather on the host (its host offloader's "HostExecute": a host
-  network collective and a host heap of float32 states; 2.49 GB of host and 3.9 GB of
-  thread-local memory on the 8-chip K2 step, 9.6 GB thread-local at K2,
+  network collective and a host heap of float32 states; sizes in
   experiments/results/compile/compile_tpu.csv)."""
   if shardings is None or not ocfg.get("host_state", False):
     return opt_state
@@ -218,8 +217,8 @@ def train_step(config, tx, schedule, state: TrainState, batch, grad_shardings=No
     # rounding is the old params as long as params were made from it (init_state, tx.init
     # of loaded params, every step since). Taken from the master, the old params are not
     # read after the gradient loop, and XLA:TPU need not hold a float32 update tree and the
-    # old params beside the new ones: -4.4 GB per device at the update's peak (the 8-chip K2
-    # step with host states, experiments/results/compile/compile_tpu.csv)
+    # old params beside the new ones, which lowers the update's peak (the step with host
+    # states: experiments/results/compile/compile_tpu.csv)
     params = jax.tree.map(lambda w, p: w.astype(p.dtype), opt_state.master, state.params)
   else:
     params = _gate(finite, optax.apply_updates(state.params, updates), state.params)

@@ -24,9 +24,9 @@ argument, or a host-resident one brought to the device). heap - live(t) is what 
 lost: values of different lifetimes that could not share the heap's space.
 
 The heap is not all of it: a donated argument's buffer is free once the argument's last
-reader has run, and XLA places temporaries there. It does so on purpose at K2's step
-(libtpu 0.0.42.1): the expert stacks are copied into the heap before the tick loop and the
-loop's float32 gradient sums live in their donated buffers. A "copy of" row is then a move,
+reader has run, and XLA places temporaries there. At K2's step XLA:TPU does so on purpose:
+the expert stacks are copied into the heap before the tick loop and the loop's float32
+gradient sums live in their donated buffers. A "copy of" row is then a move,
 not a cost; what the arguments' buffers hold at the heap's fullest moment, other than the
 arguments themselves, is charged the same way (`HeapPeak.in_arguments`).
 """

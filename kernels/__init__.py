@@ -13,11 +13,10 @@ def prepare(attention_impl: str = "auto", moe_impl: str = "auto") -> tuple[str, 
   """Import the libraries these kernel choices run on this backend, before anything traces.
 
   Call it before jitting a step that is called repeatedly (the trainer, the decoder). A
-  library imported for the first time inside a trace can register trace-context values:
-  importing tokamax under jax 0.11 adds six, so every function traced before it misses
-  jit's cache at its next call and compiles again (the H100 bench step, 2026-11-26: a
-  second 18 s compile of the 1B model's step, counted as step time). Returns the resolved
-  (attention, routed experts) implementations."""
+  library imported for the first time inside a trace can register trace-context values
+  (tokamax does), so every function traced before it misses jit's cache at its next call
+  and compiles again: a second compile of the step, counted as step time. Returns the
+  resolved (attention, routed experts) implementations."""
   attn = flash.auto_impl() if attention_impl == "auto" else attention_impl
   experts = moe.auto_impl() if moe_impl == "auto" else moe_impl
   if "tokamax" in (attn, experts):

@@ -78,17 +78,9 @@ def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
   raise ValueError(f"attention impl = {impl!r}: must be one of auto, {', '.join(IMPLS)}")
 
 
-# GPU device kinds where `auto` takes tokamax over pallas_gpu, from measurements
-# (experiments/results/attention/, tokamax 0.0.17, jax 0.11.2; MLA 192 / 128, bf16, causal,
-# 16 heads, S_max emitted; forward / forward + backward TFLOP/s):
-#   NVIDIA H100 80GB HBM3  (2026-11-27, 64K tokens a call, gpu_attention_h100_64k.csv) T 4096:
-#                          tokamax mosaic_gpu 529 / 401, pallas_gpu 276 / 267, cuDNN (no
-#                          S_max, v padded to 192) 396 / 289; T 8192: 611 / 434, 306 / 293,
-#                          470 / 310
-#   NVIDIA H200            (2026-11-27, 64K tokens a call, tokamax_tune_h200.csv) T 4096:
-#                          tokamax mosaic_gpu 559 / 411 (11-26, 16K tokens a call, where the
-#                          host's dispatch shows: 304 / 337; pallas_gpu 228 / 253; cuDNN 301 /
-#                          259)
+# GPU device kinds where `auto` takes tokamax over pallas_gpu: on each, tokamax's Mosaic GPU
+# kernel was the faster at MLA's 192 / 128 with S_max emitted, forward and backward
+# (experiments/results/attention/gpu_attention_h100_64k.csv, tokamax_tune_h200.csv).
 # A kind not listed keeps ours, and so does lowering for CUDA on a machine without a GPU (the
 # choice needs the device kind).
 AUTO_GPU = {"NVIDIA H100 80GB HBM3": "tokamax", "NVIDIA H200": "tokamax"}
@@ -129,7 +121,7 @@ def masks(T: int, segment_ids, causal: bool, q_pos=None, k_pos=None):
 def attention_xla(q, k, v, scale, segment_ids=None, causal=True):
   """The reference: materialized f32 logits and softmax."""
   T = q.shape[1]
-  # Head-major layout: XLA:CPU runs the batched matmuls ~2x faster than with heads inside.
+  # Head-major layout: XLA:CPU runs the batched matmuls faster than with heads inside.
   q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))              # [B, H, T, D]
   logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
   valid, counted = masks(T, segment_ids, causal)

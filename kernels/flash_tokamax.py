@@ -38,16 +38,13 @@ from k2jax.kernels import platform
 PREFERENCE = {"gpu": ("mosaic_gpu", "triton"), "tpu": ("mosaic_tpu",), "cpu": ("xla",)}
 
 # residual row max x factor = scaled natural-unit logit; entries measured by residual_check:
-#   xla         1.0 (tests/test_attention.py, CPU, float64 reference)
-#   mosaic_gpu  1.0 (H100, tokamax 0.0.17, bf16: factor 0.9999999, rel 2e-7; it has no f32
-#               kernel: "Unsupported precision TF32")
-#   triton      1.0 (H100, tokamax 0.0.17: f32 factor 1.000005, rel 2e-4; bf16 1.0013, 1.3e-3)
-# The H200 (2026-11-26, same versions) gave the same factors to every printed digit.
-# experiments/results/attention/tokamax_residuals*.csv; gpu_check.py --only tokamax re-measures.
+# xla by tests/test_attention.py (CPU), the GPU ones on an H100 and an H200 (bf16, and f32
+# where the kernel has it: experiments/results/attention/tokamax_residuals*.csv);
+# gpu_check.py --only tokamax re-measures.
 RESIDUAL_MAX = {"xla": 1.0, "mosaic_gpu": 1.0, "triton": 1.0}
 
 # Implementations that cannot run our contract at all, with the reason and what to use.
-# mosaic_tpu: its mask check (pallas_mosaic_tpu_common.py; read in tokamax 0.0.12) raises
+# mosaic_tpu: its mask check (pallas_mosaic_tpu_common.py) raises
 # NotImplementedError for Mask.k_start, which is how packed documents reach tokamax here.
 REFUSED = {"mosaic_tpu": "tokamax's Mosaic TPU attention raises NotImplementedError for "
                          "Mask.k_start, the per-row key start packed documents need; use "
@@ -65,9 +62,8 @@ def _ops():
 # Where no entry matches, tokamax chooses (its autotuning cache for the device kind, else its
 # heuristics). Entries come from tokamax's own candidate sets timed at MLA's training shape
 # (experiments/bench_attention.py `tokamax_tune`, `gpu_check.py --only attention_tune`).
-# None yet: on one H100 and one H200 (2026-11-27, T 4096, 64K tokens a call) no candidate
-# beat the tiles its heuristics pick (H200 forward 554 vs 559 TFLOP/s, backward level;
-# experiments/results/attention/tokamax_tune_{h100,h200}.csv).
+# None yet: on an H100 and an H200 no candidate beat the tiles its heuristics pick
+# (experiments/results/attention/tokamax_tune_{h100,h200}.csv).
 TILES = {}
 
 # Where each implementation's config classes live (forward, backward), by tokamax module.

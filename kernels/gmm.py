@@ -42,16 +42,15 @@ AUTO = {"cpu": "blocked", "gpu": "pallas_gpu", "tpu": "ragged_dot"}
 def _count_at_or_below(boundaries, n: int):
   """c[i] = #{b in boundaries : b <= i} for i < n (boundaries sorted, int).
 
-  A scatter-add and a cumsum; jnp.searchsorted would do, but it fails under shard_map's
-  manual axes in jax 0.10 (and this is O(n + len(boundaries)))."""
+  A scatter-add and a cumsum; jnp.searchsorted would do, but it has failed under
+  shard_map's manual axes (and this is O(n + len(boundaries)))."""
   marks = jnp.zeros((n + 1,), jnp.int32).at[jnp.minimum(boundaries, n)].add(1)
   return jnp.cumsum(marks)[:n]
 
 
-# Relative cost per row of block_matmul at each block size (2-core CPU, K = N = 256, fwd +
-# bwd of one MoE layer of 8 / 16 / 64 experts, interleaved runs; experiments/bench_moe.py
-# "blocked block sweep"): a smaller block pads less but spends more per row (more loop
-# steps, each reading its expert's weights). Measured 1.3-1.9x (32) and 1.1-1.4x (64).
+# Relative cost per row of block_matmul at each block size, measured on a 2-core CPU (fwd +
+# bwd of one MoE layer; experiments/bench_moe.py "blocked block sweep"): a smaller block pads
+# less but spends more per row (more loop steps, each reading its expert's weights).
 _ROW_COST = {32: 1.5, 64: 1.25, 128: 1.0}
 
 
@@ -70,8 +69,8 @@ def block_matmul(xp, ws, block_group, used_blocks):
   xp [B, b, K]; ws a tuple of [G, K, N_i] sharing the row blocks (an MoE's gate and up
   projections read xp once); block_group [B] int; used_blocks an int scalar. A loop over
   the used blocks that slices each block's weight in place: a batched matmul over weights
-  gathered per block ([B, K, N] copies, saved again for the backward pass) ran 1.1-3x slower
-  on XLA:CPU, more so with more groups, and here padding past used_blocks costs nothing.
+  gathered per block ([B, K, N] copies, saved again for the backward pass) ran slower on
+  XLA:CPU, more so with more groups, and here padding past used_blocks costs nothing.
   The backward pass loops the same way:
 
       dxp[j] = sum_i dys_i[j] ws_i[g]^T,    dws_i[g] += xp[j]^T dys_i[j],   g = block_group[j]
@@ -158,7 +157,7 @@ def _megablox():
 def _megablox_call(name: str, *args, **kwargs):
   """megablox.`name`(*args, **kwargs) traced with jax_enable_x64 off.
 
-  Under x64 jax's megablox (make_group_metadata, jax 0.10) counts its active row tiles with
+  Under x64 jax's megablox (make_group_metadata) counts its active row tiles with
   `group_tiles.sum()`, which promotes the int32 tile counts to int64, and that count is the
   pallas_call's dynamic grid size: XLA:TPU then refuses the kernel ("UNIMPLEMENTED: While
   rewriting computation to not contain X64 element types ... tpu_custom_call", forward and
@@ -213,14 +212,11 @@ grouped_matmul_megablox.defvjp(_megablox_fwd, _megablox_bwd)
 
 # tokamax's Mosaic GPU ragged dot takes its tiles from an autotuning cache keyed by exact
 # shapes (group count and total rows included) and otherwise from heuristics (64 x 64 x 128,
-# 2 stages on Hopper). TOKAMAX_TILES holds tiles measured per device kind for the forward
-# y = x w_g and the input gradient dx = dy w_g^T (experiments/bench_moe.py gpu_roles, K2's
-# expert shapes: d 7168, f 2048, 384 experts, 65,536 rows, bf16; results/moe/gpu_gmm_roles.csv,
-# 2026-11-24, tokamax 0.0.17): on the H100 these tiles give 286 / 281 TFLOP/s for the up /
-# down projections (its own choice 217 / 228; ours 246 / 216) but 128 for dx (ours 217).
-# The weight gradient dw_g = x_g^T dy_g is ours on GPUs (moe_gpu.tgmm): tokamax's
-# ragged-contracting Mosaic kernel returned wrong values there (relative error 0.31-0.91
-# against float32 on the first expert, for its own tiles and every tile set tried).
+# 2 stages on Hopper). TOKAMAX_TILES holds the tiles that won per device kind for the forward
+# y = x w_g and the input gradient dx = dy w_g^T (measured at K2's expert shapes by
+# experiments/bench_moe.py gpu_roles: experiments/results/moe/gpu_gmm_roles.csv). The weight
+# gradient dw_g = x_g^T dy_g is ours on GPUs (moe_gpu.tgmm): tokamax's ragged-contracting
+# Mosaic kernel returned wrong values there, for its own tiles and every tile set tried.
 _H100_TILES = dict(block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1,
                    persistent=True, grid_minor_dim="N", grid_tile_width=8)
 TOKAMAX_TILES: dict = {"NVIDIA H100 80GB HBM3": {"fwd": _H100_TILES, "dlhs": _H100_TILES}}
@@ -281,7 +277,7 @@ def tokamax_tpu(x, w, group_sizes):
   """tokamax's ragged dot on TPU (its Mosaic TPU kernels, forward and VJP), traced with
   jax_enable_x64 off. Under x64 its kernels mix int64 and int32 index arithmetic, which
   Pallas' Mosaic verifier refuses ("'arith.divsi' op requires the same type for all operands
-  and results", tokamax 0.0.12). Its VJP is traced where jax.grad transposes, outside any
+  and results"). Its VJP is traced where jax.grad transposes, outside any
   context set around the forward call, so the backward is re-entered here under the same
   switch (its forward there is unused and dropped). Operands are bf16 / f32 / int32: x64
   off changes only the kernels' own index types."""

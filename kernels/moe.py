@@ -9,9 +9,9 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
             whole blocks (`blocked_layout`: about half a block of padding per expert, the
             block chosen per shape), then gate and up, and down, run as one loop over the
             used blocks each (k2jax.kernels.gmm.block_matmul: the block's weight is sliced
-            in place, no per-block weight copies); rows come back by one gather. Against
-            `ragged` on the same loop: 1.1-1.3x faster for a layer fwd + bwd, 8-256
-            experts (one layout instead of three scatter / gather pairs).
+            in place, no per-block weight copies); rows come back by one gather. Faster
+            than `ragged` on the same loop for a layer's forward + backward (one layout
+            instead of three scatter / gather pairs; experiments/bench_moe.py).
   ragged    sort the N k assignments by expert, three grouped matmuls over the sorted rows
             (k2jax.kernels.gmm, its own `auto` per backend), unsort, combine; the default
             where no fused kernel is better (TPU: XLA's ragged_dot, gmm.AUTO; megablox only
@@ -20,9 +20,9 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
             with no weight gathers, C = CAPACITY_FACTOR x the balanced load N k / E; rows
             past an expert's capacity go through the blocked path under a lax.cond, so
             nothing is dropped (a cond, not a switch over capacities: XLA:CPU runs a
-            conditional's body without intra-op threads, 1.8x slower on 2 cores). Faster
-            than blocked for a balanced layer of 8-16 experts on 2 CPU cores, but not the
-            CPU default: a fresh router sends up to 6x the mean load to one expert, so the
+            conditional's body without intra-op threads, which is slower). Faster than
+            blocked for a balanced layer of few experts on CPU, but not the CPU default: a
+            fresh router sends several times the mean load to one expert, so the
             overflow runs every step, and with 64+ experts the [E, C] buffers are mostly
             padding (experiments/bench_moe.py has both in the train step).
   tokamax   the ragged path on tokamax's grouped matmul (optional package; Mosaic GPU
@@ -62,7 +62,7 @@ def auto_impl(backend: str | None = None) -> str:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def take_rows(x, idx, n: int):
   """y[p] = x[idx[p]], 0 where idx[p] < 0. Its transpose is a segment sum, which XLA:CPU runs
-  ~30x faster than the scatter-add a gather's default transpose lowers to."""
+  much faster than the scatter-add a gather's default transpose lowers to."""
   return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.zeros((), x.dtype))
 
 

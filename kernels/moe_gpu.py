@@ -181,25 +181,17 @@ def tgmm(lhs, rhs, tiles: Tiles, src_l, src_r, num_groups: int, *, interpret=Fal
 
 # (rows per tile bm, then the two other tile dims, num_warps, num_stages) per kernel. gmm's
 # row tile lays out its output rows (forward and input gradients); tgmm's, the rows it sums
-# over (weight gradients). Chosen by the sweep in experiments/gpu_check.py (part `tune`;
-# experiments/results/moe/gpu_moe_tune.csv, one H200, 2026-11-26, 8192 tokens top-8, TFLOP/s):
-#   tgmm 64 x 128 x 128, 4 warps, 3 stages: dw_up 238 / dw_down 193 at the bench model's
-#        expert shapes (d 2048, f 768, 32 experts), 190 / 188 at K2's (7168, 2048, 384); the
-#        previous tiles 164 / 210 and 146 / 147 (the previous kernel there: 128 / 104, 99 / 97)
-#   gmm  64 x 256 x 64, 8 warps, 4 stages: up / down / dlhs 244 / 226 / 221 at the bench
-#        model's, 288 / 259 / 255 at K2's; the previous 128 x 256 x 64 (3 stages) 209 / 177 /
-#        149 and 301 / 267 / 264: 3-4% slower at K2's shapes, 17-48% faster at the smaller.
+# over (weight gradients). Measured on one H200 by experiments/gpu_check.py's `tune` sweep at
+# the bench model's and K2's expert shapes (experiments/results/moe/gpu_moe_tune.csv); gmm's
+# 64-row tile trades a little at K2's shapes for much more at the smaller ones.
 TUNING = {"gmm": (64, 256, 64, 8, 4), "tgmm": (64, 128, 128, 4, 3)}
 
 # Entries that replace TUNING's for expert matrices of at least so many elements (K N of one
 # expert's weight, the same for every product of a layer: up, down, input and weight
 # gradients); the largest that applies wins. Between measured sizes the smaller one's
-# entry holds (unmeasured). From the same sweep (one H200, 2026-11-27, TFLOP/s; dense matmul
-# of the same FLOPs 536) at K2's share of one device on its 16-way expert-parallel layout
-# (d 7168, f 2048, 24 experts, 32,768 rows: bench_moe.TUNE_SHAPES "k2_ep16"):
-#   gmm  128 x 256 x 64, 8 warps, 3 stages: up / down / dlhs 477 / 397 / 426; TUNING's
-#        64-row tiles 420 / 372 / 387 (and 3-4% ahead at K2's 384 experts on one device too)
-#   tgmm TUNING's tiles stay the fastest: dw_up / dw_down 349 / 315
+# entry holds (unmeasured). Measured by the same sweep on one H200 at K2's share of one device
+# on its 16-way expert-parallel layout (bench_moe.TUNE_SHAPES "k2_ep16":
+# experiments/results/moe/gpu_moe_tune_k2_ep16.csv); for tgmm TUNING's tiles stay fastest.
 TUNING_BY_SIZE = {7168 * 2048: {"gmm": (128, 256, 64, 8, 3)}}
 
 
@@ -228,17 +220,11 @@ def _bm(kernel: str, K: int, N: int):
 #
 # Per GPU compute capability (major): each kernel's (block_m, block_n, block_k,
 # max_concurrent_steps, grid_block_n); a GPU without an entry runs the Triton kernels.
-# Measured 2026-11-27 (bf16, TFLOP/s) at K2's share of one device on its 16-way
-# expert-parallel layout (d 7168, f 2048, 24 experts, 32,768 rows):
-#   each product alone, one H200 (gpu_check.py --only wgrad, results/moe/
-#   gpu_wgrad_k2_ep16_h200.csv; a batched cuBLAS dot of 24 equal groups, same FLOPs: 505-511):
-#     weight gradient   down / up 503 / 499; the Triton kernel's best of 18 tiles 354 / 375;
-#                       with up's gather of x's rows (0.48 ms) 422
-#     input gradient    472 against 412 (and the forward's down projection 516 against 396)
-#   the layer's forward + backward, nine products (--only moe_bwd, gpu_moe_backward_*.csv,
-#   every gradient within 7.2e-3 of float32 XLA either way): H100 20.55 -> 17.00 ms
-#   (421 -> 509), H200 18.91 -> 16.63 ms; at the bench model's experts (d 2048, f 768, 32)
-#   5.50 -> 4.62 ms (H200); its train step 848.6 -> 780.5 ms (H200, 32K tokens per step).
+# Measured on an H100 and an H200 at K2's share of one device on its 16-way expert-parallel
+# layout: each product alone (gpu_check.py --only wgrad: experiments/results/moe/
+# gpu_wgrad_k2_ep16_h200.csv) and the layer's forward + backward (--only moe_bwd:
+# gpu_moe_backward_*.csv, every gradient checked against float32 XLA), where jax's kernels
+# beat the Triton ones, gather included.
 # jax's kernels carry no cost estimate, so k2jax.parallel.bwsplit counts their FLOPs as 0
 # when a pipeline's backward is split on a Hopper GPU (plan and CPU traces see the Triton
 # kernels' estimates).
@@ -247,8 +233,8 @@ MGPU = {9: {"roles": ("backward",),
 # "roles": which products run there. "backward": every product of the backward pass.
 # "combine": the forward's down projection on sorted rows, then scaled by the combine weights
 # and scattered to token order in XLA (the Triton kernel does both in its store); jax's
-# kernel alone runs it at 516 TFLOP/s against our 396 (above) but the pair is unmeasured,
-# so no entry lists it yet (gpu_check.py --only moe_bwd times it: FORCE below).
+# kernel alone runs it faster than ours but the pair is unmeasured, so no entry lists it yet
+# (gpu_check.py --only moe_bwd times it: FORCE below).
 # Measured at 24 and 32 experts per device; jax's forward kernel unrolls a loop over the
 # groups in every output tile, so far more (K2's 384 on one device) stay on Triton.
 MGPU_MAX_GROUPS = 64

@@ -27,8 +27,8 @@ def vma(a) -> frozenset:
 
 
 def type_vma(t) -> frozenset:
-  """The manual mesh axes a value of type `t` (an aval) varies over (jax 0.10+:
-  manual_axis_type; earlier: vma)."""
+  """The manual mesh axes a value of type `t` (an aval) varies over (its manual_axis_type
+  where jax has one; older jax: vma)."""
   mat = getattr(t, "manual_axis_type", None)
   return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
 
@@ -46,7 +46,7 @@ def cotangent_for(ct, primal):
 
 
 # pallas_call (check_vma on) needs each output's manual axis type, a field of
-# ShapeDtypeStruct since jax 0.10.
+# ShapeDtypeStruct in the jax versions that have it.
 _DECLARES_VMA = "manual_axis_type" in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
 
 
@@ -69,8 +69,8 @@ def foreign_kernel(fn, *args, **kwargs):
   check off, the outputs are then cast to vary like the array arguments (one device's
   kernel, one device's result; the cast is free). Without the cast they would be typed as
   equal on every device, and a replicated weight's gradient would skip its psum. A no-op
-  outside shard_map. The switch is JAX's internal config (jax 0.10-0.11); without it the
-  call is made as is."""
+  outside shard_map. The switch is JAX's internal config (`_check_vma`); where jax has none
+  the call is made as is."""
   from jax._src import config as _config
   check = getattr(_config, "_check_vma", None)
   operands = [a for a in (*args, *kwargs.values()) if isinstance(a, jax.Array)]  # tracers too

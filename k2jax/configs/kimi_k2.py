@@ -45,9 +45,8 @@ def get_config():
       param_dtype="bfloat16",
       # Report 2.4.3: selective recomputation, FP8 (E4M3, 1 x 128 tiles) storage of the MoE
       # up-projection and SwiGLU inputs, and the saved activations offloaded to host memory:
-      # on this pipeline the schedule's residual slots are host memory (the 47 stages in
-      # flight: 54.6 GB per device there, 4.4 GB of activations left on the device;
-      # `python -m k2jax.plan --config kimi_k2 --devices 2048`).
+      # on this pipeline the schedule's residual slots are host memory (the bytes per
+      # device: `python -m k2jax.plan --config kimi_k2 --devices 2048`).
       remat="selective",
       activation_storage="fp8",
       offload=True,
@@ -56,8 +55,8 @@ def get_config():
   # 67M-token global batch (16384 x 4096) -> ~149k constant + ~82k decay steps. tau = 100.
   # Report 2.4.2: the optimizer states (Muon momentum, fp32 master weights; ZeRO-1 over
   # data) live in host memory and come to the device for the update only, so a device
-  # holds bf16 params + fp32 gradient buffer: 29.0 GB on the fullest device of PP16 x EP16
-  # x DP8 (`python -m k2jax.plan --config kimi_k2 --devices 2048`), 33.9 GB with them on it.
+  # holds bf16 params + fp32 gradient buffer between updates (`python -m k2jax.plan
+  # --config kimi_k2 --devices 2048` counts both placements).
   c.optimizer.update(dict(learning_rate=2e-4, end_learning_rate=2e-5, warmup_steps=500,
                           decay_steps=82_000, weight_decay=0.1, tau=100.0, host_state=True))
   # Logging reads metrics back from the device (device_get); every 10 steps keeps the
@@ -69,19 +68,18 @@ def get_config():
   # 60 MoE layers over 16 x 2 stages of 2 (64 stored rows, 4 of them padding, placed where
   # the work is largest: the stage with the embedding + dense layer first,
   # layout._balanced_counts); the head is split over the 16 pipeline devices by vocabulary.
-  # With model.offload the stage residuals of the microbatches in flight wait in host memory
-  # (54.6 GB per device), 33.4 GB on the device in all (84.6 GB without offload; `python -m
-  # k2jax.plan --config kimi_k2 --mesh pipeline=16,expert=16,data=8` reads all of it from the
-  # code that runs it).
+  # With model.offload the stage residuals of the microbatches in flight wait in host memory,
+  # which is what fits the device (`python -m k2jax.plan --config kimi_k2 --mesh
+  # pipeline=16,expert=16,data=8` reads the bytes from the code that runs it;
+  # docs/results/compile.md has XLA:TPU's check of them).
   c.mesh.update(dict(pipeline=16, expert=16, data=1, virtual_stages=2))
   # One sequence per device per microbatch (base.one_sequence_per_device): the global batch
   # of 16384 is 1024 microbatches on 256 devices, 128 on the report's PP16 x EP16 x DP8,
   # and follows an override of mesh.data. The bubble shrinks with the microbatch count while
-  # the activations in flight do not grow: idle 8.5% of device time by stage FLOPs at 128
-  # microbatches. 16 x 4 stages of 1 idle 12.3% there: stage 0 holds padding only and its
-  # backward recomputes the embedding and dense layer, so its ticks are the longest. zbh1
-  # idles 6.8% at 16 x 2 but keeps 54 GB more in host memory (what B hands W: 1.69 GB per
-  # layer and sequence, the routed experts' row cotangents most of it), so the preset stays
-  # 1f1b.
+  # the activations in flight do not grow. 16 x 4 stages of 1 idle more: stage 0 holds
+  # padding only and its backward recomputes the embedding and dense layer, so its ticks are
+  # the longest. zbh1 idles less at 16 x 2 but keeps much more in host memory (what B hands
+  # W, the routed experts' row cotangents most of it), so the preset stays 1f1b (the figures:
+  # docs/results/parallelism.md, "Idle time and memory of 1f1b against zbh1").
   base.one_sequence_per_device(c)
   return c

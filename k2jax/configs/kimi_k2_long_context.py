@@ -35,6 +35,6 @@ def get_config():
   # on 2,048 devices holds 4k tokens of a sequence per device, as pre-training did, so
   # one sequence per microbatch gives the same 128 microbatches and the same residuals in
   # flight (`python -m k2jax.plan --config kimi_k2_long_context`). Without it each device
-  # held 32k tokens: 16 microbatches (31% idle) and 300 GB of host residuals per device.
+  # would hold 32k tokens: 16 microbatches (a large bubble) and far more host residuals.
   c.mesh.context = 8
   return c

@@ -30,8 +30,8 @@ def get_config():
       segment_tokens=1024,        # longer ones go on next iteration (partial rollouts)
   ))
   # Without a pipeline the layers' residuals are the scan's: kimi_k2's offload of them to
-  # host memory (remat.remat_policy) stops XLA:TPU's code generation (libtpu 0.0.42.1:
-  # "cannot query the word size without a memory space"), and kept on the device the
+  # host memory (remat.remat_policy) stops XLA:TPU's code generation ("cannot query the
+  # word size without a memory space"), and kept on the device the
   # selective policy's do not fit beside the state; full recomputation keeps each layer's
   # input only.
   c.model.update(dict(remat="full", offload=False))

@@ -84,8 +84,8 @@ def param_spec(axes, shape, mesh, whole: bool = False) -> P:
       entries[d] = None
   if axes and axes[0] == "layers" and pspec[0] is not None and entries[0] is None:
     # ... and not split over `expert` either: its update then runs on the device that holds it
-    # (split, XLA partitioned its Newton-Schulz across pipeline devices: 0.44x the pipelined
-    # stack's bytes crossed them per step on pipeline 4 x expert 2); K2: 2.6 GB per device.
+    # (split, XLA partitioned its Newton-Schulz across pipeline devices, and a large share of
+    # the stack's bytes crossed them every step).
     entries = [None if n in MEMORY_ONLY else e for n, e in zip(axes, entries)]
   return P(*entries[:len(pspec)])
 

@@ -28,13 +28,13 @@ def get_config():
       max_position_embeddings=1024,
       bos_token_id=257,
       eos_token_id=256,
-      # DeepSeek-V3's gamma = 0.001 suits ~1e5-step runs; in 400 steps it leaves the max expert
-      # at ~2-4x the mean load. 0.01 balances within ~150 steps at equal loss.
+      # DeepSeek-V3's gamma = 0.001 suits ~1e5-step runs; in 400 steps it leaves the busiest
+      # expert well above the mean load. 0.01 balances within this run at equal loss.
       bias_update_speed=0.01,
   ))
   c.optimizer.update(dict(learning_rate=2e-3, end_learning_rate=2e-4, warmup_steps=40,
                           decay_steps=120, weight_decay=0.1, tau=100.0))
-  # ~0.8M tokens: about 3 minutes on 2 CPU cores (the step is compute-bound at ~25 GFLOP/s).
+  # ~0.8M tokens: sized for a CPU run of a few minutes.
   c.train.update(dict(steps=400, batch_size=16, seq_len=128, log_every=20, eval_every=100,
                       checkpoint_every=100))
   return c

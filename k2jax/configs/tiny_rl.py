@@ -1,6 +1,6 @@
 """RL of the tiny model with the K1.5 loss (k2jax.rl), after k2jax.sft: one-digit arithmetic,
-8 prompts x 4 samples per iteration, 150 iterations of two small Muon steps (~12 minutes on 2
-CPU cores); responses up to the 32-token budget are decoded whole (lower rl.segment_tokens for
+8 prompts x 4 samples per iteration, 150 iterations of two small Muon steps (sized for a CPU
+run); responses up to the 32-token budget are decoded whole (lower rl.segment_tokens for
 partial rollouts). (With rl.tools=True the calculator is offered; a byte-level tiny model needs
 ~200 tokens per call.)"""
 
@@ -53,10 +53,10 @@ def get_config():
   # lr 3e-5, not SFT's 1e-3 -> 1e-4: one Muon step at 3e-4 on a 32-sample policy gradient
   # lowers log pi of the samples that carry no signal (at their group's mean reward) as much
   # as it raises the good ones, so probability leaks to answers nobody sampled and greedy
-  # accuracy fell (0.66 -> 0.44); at 3e-5 the good ones gain 3.6x what the others lose, and
-  # 300 steps raise the sampled reward (one-digit: 0.46 -> 0.57, 3 seeds). Greedy accuracy on
-  # held-out problems rises only where SFT left right answers that sampling finds and greedy
-  # misses: experiments/rl_arithmetic.py's add2_carry (0.54 -> 0.77 at lr 1e-4, no PTX).
+  # accuracy falls; at 3e-5 the good ones gain several times what the others lose, and the
+  # sampled reward rises. Greedy accuracy on held-out problems rises only where SFT left right
+  # answers that sampling finds and greedy misses (experiments/rl_arithmetic.py's add2_carry,
+  # at lr 1e-4 without PTX). The figures: docs/results/claims.md, the K1.5 RL rows.
   c.optimizer.update(dict(learning_rate=3e-5, end_learning_rate=3e-6, warmup_steps=5,
                           decay_steps=20))
   return c

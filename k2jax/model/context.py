@@ -1,46 +1,33 @@
 """Context parallelism: each sequence's tokens split over the `context` mesh axis.
 
-K2 trains its last stages at 32k and 128k tokens (report 2.4.2 / 2.5: YaRN), and its SFT and RL
+K2 trains its last stages at 32k and 128k tokens (report 2.4.2 / 2.5: YaRN), and SFT and RL
 trajectories run as long. The `context` axis (sharding_rules: logical `length`) splits every
 sequence over C devices; everything but attention works token by token, so only MLA needs
-to see the other devices' tokens.
+the other devices' tokens.
 
-Placement (striped head-tail). The sequence is cut into chunks of `model.context_chunk`
-tokens (128) in groups of 2C, and context device c holds chunks c and 2C - 1 - c of every
-group. Under the causal mask a chunk's work grows with its place in the sequence, so each
-device gets one cheap and one dear chunk of every group: every device runs the same number
-of (query block, key block) pairs, where contiguous chunks leave the last device
-(2C - 1) / C of the mean. Packed documents make the work each token's place in its own
-document, not in the row: one head and one tail chunk of the whole row (chunk = T / 2C)
-leave the busiest of 8 devices 1.56x the mean on random-length documents at 32k, chunks of
-128 spread every long document over all devices, 1.04x (experiments/bench_context.py). The
-model permutes its tokens into this order as they enter (`to_placement`) and back before
-the head (`from_placement`); positions and segment ids travel with the tokens, so RoPE,
-document masks and padding are per token and the split is invisible outside the model.
+Placement (striped head-tail): the sequence is cut into chunks of `model.context_chunk`
+tokens in groups of 2C, and context device c holds chunks c and 2C - 1 - c of every group.
+A chunk's causal work grows with its place, so each device gets one cheap and one dear chunk
+of a group and all run the same number of (query block, key block) pairs (contiguous chunks
+would leave the last device (2C - 1) / C of the mean); small chunks also spread each packed
+document over all devices, which one head and one tail chunk of the whole row would not.
+The model permutes its tokens into this order as they enter (`to_placement`) and back
+before the head (`from_placement`); positions and segment ids travel with the tokens, so
+the split is invisible outside the model.
 
-Attention: all-gather of the latent, not a ring. MLA's keys and values come from a
-per-token latent of kv_lora_rank + qk_rope_head_dim values (576 for K2) through kv_b; the
-per-head keys and values are H (nope + rope + v) = 20,480 values per token at K2. Each
-device all-gathers the latent (and segment ids) over `context`, up-projects the whole
-sequence's keys and values itself, and runs its own query blocks against them with the
-model's attention kernel (k2jax.kernels.flash.attention_blocks: the chunked flash loop, our
-Pallas GPU / TPU kernels or tokamax's, causal by each token's place in the sequence).
-Measured in XLA:TPU's compiled HLO at K2's widths (experiments/bench_context.py): a device
-receives 3,456 (C - 1) bytes per token of its own per layer, forward and backward
-(the latent's all-gather, and an all-reduce of its cotangent that XLA:TPU makes of the
-transpose), against 81,920 (C - 1) to gather the keys and values and reduce-scatter their
-cotangents: 1/24. What it costs is the up-projection of the whole sequence on every context
-device, kv_lora x H x (nope + v) x 2 FLOPs per token, about 819 C / T of the attention's own
-FLOPs at K2 (20% at 32k on 8 devices), and the whole sequence's keys and values held during
-one layer's attention (1.3 GB of bf16 at K2's 32k; XLA:TPU's check for the 32k preset on
-v5p 8x16x16 is 56 GB of 96). A ring over key blocks would hold two blocks instead and
-overlap each step's transfer with compute, but it receives the same latent bytes and must
-merge partial softmaxes (and their max logits) across C steps, forward and backward; the
-whole sequence's latent is 38 MB of bf16 at 32k, one collective per layer. At 128k the held
-keys and values grow to 5.4 GB a layer: the place a ring would pay.
+Attention all-gathers MLA's per-token latent (kv_lora_rank + qk_rope_head_dim values, 576
+at K2) over `context`, and each device up-projects the whole sequence's keys and values
+itself and runs its own query blocks against them (k2jax.kernels.flash.attention_blocks).
+The per-head keys and values are H (nope + rope + v) values per token (20,480 at K2), so
+this moves far fewer bytes than gathering those. The price: the up-projection of the whole
+sequence on every context device, 2 kv_lora H (nope + v) FLOPs per token, and the whole
+sequence's keys and values held during one layer's attention. A ring over key blocks would
+hold two blocks instead, but receives the same latent bytes and must merge partial
+softmaxes across C steps; it pays only where the held keys and values grow too large (128k).
+Balance, bytes and FLOPs: experiments/bench_context.py, docs/results/parallelism.md.
 
 QK-Clip: each device's per-head max over its own query rows, then a max over the context
-devices (and the batch's): the max over the whole sequence, exactly one device's figure.
+devices (and the batch's): the max over the whole sequence.
 """
 
 import math

@@ -145,10 +145,10 @@ def on_local_matrices(inner: optax.GradientTransformation, cfg) -> optax.Gradien
   orthogonalize_via_newton_schulz merges the batch dimensions [L, E] into one before its
   vmap. A merged dimension keeps the split of its minor part (E over expert) only when the
   major part (L) is not held several to a device, as it is on a pipeline stage or without a
-  pipeline; XLA's partitioner then replicated the whole stack on every device ("Involuntary
-  full rematerialization"; K2's widths, 2 MoE layers, expert = 8: a Newton-Schulz batch of
-  768 matrices of 2048 x 2048 per device instead of 96, 316 GB of temporaries). Inside
-  shard_map the merge is of the local block, and optax's math runs unchanged.
+  pipeline; otherwise XLA's partitioner replicates the whole stack on every device
+  ("Involuntary full rematerialization": a Newton-Schulz batch of every layer's and expert's
+  matrices on each device). Inside shard_map the merge is of the local block, and optax's
+  math runs unchanged.
 
   Without a mesh, or on one whose axes all have size 1, `inner` runs as it is: the
   single-device update, bit for bit.

