@@ -519,90 +519,71 @@ class _Metrics:
     return generate_latest(self.registry)
 
 
-def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
-             api_key: str | None = None, max_queue: int | None = None):
-  """The Starlette application serving `engine` under the name `model`.
+class OpenAIServer:
+  """The OpenAI-compatible routes over one engine: the state every handler reads (the
+  engine, the served name, the key, the queue bound, the metrics) and one method per route,
+  as vLLM's serving classes are. `make_app` wraps it in a Starlette application.
 
   api_key: when set, /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise).
   max_queue: rows that may wait for a slot; a request past it gets 429 (OpenAI's
   rate-limit error, which clients retry) instead of an unbounded wait."""
-  import hmac
 
-  from starlette.applications import Starlette
-  from starlette.exceptions import HTTPException
-  from starlette.responses import JSONResponse, Response, StreamingResponse
-  from starlette.routing import Route
+  def __init__(self, engine: Engine, model: str, *, default_max_tokens: int = 512,
+               api_key: str | None = None, max_queue: int | None = None):
+    self.engine, self.model = engine, model
+    self.default_max_tokens, self.api_key, self.max_queue = default_max_tokens, api_key, max_queue
+    self.created = int(time.time())
+    self.metrics = _Metrics(engine)
 
-  created = int(time.time())
-  metrics = _Metrics(engine)
+  def app(self):
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+    return Starlette(
+        routes=[Route("/v1/models", self.models), Route("/health", self.health),
+                Route("/metrics", self.prometheus),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.text_completions, methods=["POST"])],
+        exception_handlers={RequestError: self.refused, HTTPException: self.http_error,
+                            Exception: self.failed})
 
-  def authorize(request):
-    if api_key is None:
+  # -- requests in, jobs out ---------------------------------------------------------------
+
+  def authorize(self, request):
+    import hmac
+    if self.api_key is None:
       return
     given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+    if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
       raise RequestError("missing or wrong API key: send Authorization: Bearer <the server's "
                          "--api-key>", status=401, code="invalid_api_key")
 
-  async def models(request):
-    authorize(request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": model, "object": "model", "created": created, "owned_by": "k2jax"}]})
-
-  async def health(request):
-    return JSONResponse({"status": "ok", **engine.stats})
-
-  # vLLM's tokenizer endpoints: lm-evaluation-harness (tokenizer_backend=remote) tokenizes
-  # through them, so scoring with token ids needs no tokenizer of its own.
-  async def tokenize(request):
-    body = await read(request)
-    text = body.get("prompt") if isinstance(body, dict) else None
-    if not isinstance(text, str):
-      raise RequestError("prompt must be a string", param="prompt")
-    ids = [int(i) for i in engine.tok.encode(text)]
-    if body.get("add_special_tokens", True):
-      ids = [engine.tok.bos_id] + ids
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_len})
-
-  async def detokenize(request):
-    body = await read(request)
-    ids = body.get("tokens") if isinstance(body, dict) else None
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-      raise RequestError("tokens must be a list of token ids", param="tokens")
-    return JSONResponse({"prompt": engine.tok.decode(ids)})
-
-  async def tokenizer_info(request):
-    authorize(request)
-    # No special token as text: the byte tokenizer would encode its name as bytes.
-    return JSONResponse({"eos_token": None, "bos_token": None, "pad_token": None,
-                         "model_max_length": engine.max_len,
-                         "vocab_size": engine.cfg.vocab_size})
-
-  async def prometheus(request):
-    return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-  async def read(request) -> dict:
-    authorize(request)
+  async def read(self, request) -> dict:
+    self.authorize(request)
     try:
       return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise RequestError(f"the request body is not JSON ({e.msg if hasattr(e, 'msg') else e})")
 
-  def start(jobs) -> asyncio.Queue:
+  def start(self, jobs) -> asyncio.Queue:
     """Submit jobs (after the queue bound); their events arrive tagged (job index, Event)."""
-    rows = sum(j.n for j in jobs)
-    if max_queue is not None and engine.waiting_rows() + rows > max_queue:
+    engine, rows = self.engine, sum(j.n for j in jobs)
+    if self.max_queue is not None and engine.waiting_rows() + rows > self.max_queue:
       raise RequestError(f"the server is busy: {engine.waiting_rows()} rows wait for a slot "
-                         f"(--max_queue {max_queue}); retry later", status=429,
+                         f"(--max_queue {self.max_queue}); retry later", status=429,
                          kind="requests", code="rate_limit_exceeded", retry_after=1)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     for k, job in enumerate(jobs):
-      job.emit = metrics.watch(job, lambda e, k=k: loop.call_soon_threadsafe(
+      job.emit = self.metrics.watch(job, lambda e, k=k: loop.call_soon_threadsafe(
           events.put_nowait, (k, e)))
       engine.submit(job)
     return events
 
+  @staticmethod
   async def finished(jobs, events, request) -> dict | None:
     """Every row's "done" Event, by (job index, row); None when the client went away (its
     jobs cancelled: checked twice a second, since a non-streaming client that leaves is not
@@ -618,37 +599,85 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
         if time.monotonic() - checked > 0.5:     # (deltas may arrive every few ms)
           checked = time.monotonic()
           if await request.is_disconnected():
-            for job in jobs:
-              job.cancelled = True
+            _cancel(jobs)
             return None
         if e is None:
           continue
         if e.kind == "error":     # the request's other rows stop with it
-          for job in jobs:
-            job.cancelled = True
+          _cancel(jobs)
           raise _engine_error(e.error)
         if e.kind == "done":
           done[k, e.index] = e
     except asyncio.CancelledError:
-      for job in jobs:
-        job.cancelled = True
+      _cancel(jobs)
       raise
     return done
 
-  async def chat_completions(request):
-    body = await read(request)
+  # -- small routes --------------------------------------------------------------------------
+
+  async def models(self, request):
+    from starlette.responses import JSONResponse
+    self.authorize(request)
+    return JSONResponse({"object": "list", "data": [
+        {"id": self.model, "object": "model", "created": self.created, "owned_by": "k2jax"}]})
+
+  async def health(self, request):
+    from starlette.responses import JSONResponse
+    return JSONResponse({"status": "ok", **self.engine.stats})
+
+  # vLLM's tokenizer endpoints: lm-evaluation-harness (tokenizer_backend=remote) tokenizes
+  # through them, so scoring with token ids needs no tokenizer of its own.
+  async def tokenize(self, request):
+    from starlette.responses import JSONResponse
+    body = await self.read(request)
+    text = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+      raise RequestError("prompt must be a string", param="prompt")
+    tok = self.engine.tok
+    ids = [int(i) for i in tok.encode(text)]
+    if body.get("add_special_tokens", True):
+      ids = [tok.bos_id] + ids
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_len})
+
+  async def detokenize(self, request):
+    from starlette.responses import JSONResponse
+    body = await self.read(request)
+    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+      raise RequestError("tokens must be a list of token ids", param="tokens")
+    return JSONResponse({"prompt": self.engine.tok.decode(ids)})
+
+  async def tokenizer_info(self, request):
+    from starlette.responses import JSONResponse
+    self.authorize(request)
+    # No special token as text: the byte tokenizer would encode its name as bytes.
+    return JSONResponse({"eos_token": None, "bos_token": None, "pad_token": None,
+                         "model_max_length": self.engine.max_len,
+                         "vocab_size": self.engine.cfg.vocab_size})
+
+  async def prometheus(self, request):
+    from starlette.responses import Response
+    return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+  # -- /v1/chat/completions ------------------------------------------------------------------
+
+  async def chat_completions(self, request):
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    body = await self.read(request)
+    engine = self.engine
     # in a worker thread: a tool or response_format grammar compiles in the parse (tens of
     # ms for a large schema), which on the event loop would stall every other stream
     job, info = await asyncio.to_thread(
-        parse, body, model=model, cfg=engine.cfg, tokenizer=engine.tok,
-        default_max_tokens=default_max_tokens, max_len=engine.max_len, max_n=engine.max_batch)
-    events = start([job])
+        parse, body, model=self.model, cfg=engine.cfg, tokenizer=engine.tok,
+        default_max_tokens=self.default_max_tokens, max_len=engine.max_len,
+        max_n=engine.max_batch)
+    events = self.start([job])
     rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    head = {"id": rid, "created": now, "model": model, "system_fingerprint": "k2jax"}
+    head = {"id": rid, "created": now, "model": self.model, "system_fingerprint": "k2jax"}
     if info["stream"]:
-      return StreamingResponse(_chat_stream(job, events, head, info),
+      return StreamingResponse(self.chat_stream(job, events, head, info),
                                media_type="text/event-stream")
-    done = await finished([job], events, request)
+    done = await self.finished([job], events, request)
     if done is None:
       return Response(status_code=499)       # nobody to answer (nginx's "client closed")
     choices = []
@@ -661,60 +690,28 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": _usage(len(job.prompt), used)})
 
-  async def _chat_stream(job, events, head, info):
-    def chunk(delta, index=0, finish=None, logprobs=None):
-      return _sse({**head, "object": "chat.completion.chunk", "choices": [
-          {"index": index, "delta": delta, "finish_reason": finish,
-           "logprobs": _chat_logprobs(engine.tok, logprobs)}]})
-    finished, used, sent, shown, split = 0, 0, {}, {}, {}
-
-    def calls(index, so_far):
-      """Chunks for what `so_far` ([{name, arguments}]) adds to the calls shown of choice
-      `index`: a call's id and name first, then its arguments as they grow (OpenAI's
-      streamed tool_calls; they assemble to the non-streamed call)."""
-      seen = shown.setdefault(index, [])
-      for k, c in enumerate(so_far):
-        if k == len(seen):
-          seen.append("")
-          yield chunk({"tool_calls": [{"index": k, "id": f"functions.{c['name']}:{k}",
-                                       "type": "function", "function": {
-                                           "name": c["name"], "arguments": ""}}]}, index)
-        if c["arguments"].startswith(seen[k]) and len(c["arguments"]) > len(seen[k]):
-          piece, seen[k] = c["arguments"][len(seen[k]):], c["arguments"]
-          yield chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]}, index)
+  async def chat_stream(self, job, events, head, info):
+    """Server-sent chunks of one chat request's choices as their events come."""
+    out = _ChatChunks(self.engine.tok, head)
+    finished, used = 0, 0
     try:
       for i in range(job.n):
-        yield chunk({"role": "assistant", "content": ""}, i)
+        yield out.chunk({"role": "assistant", "content": ""}, i)
       while finished < job.n:
         _, e = await events.get()
         if e.kind == "error":
           yield _failed(e)
           break
         if e.kind == "delta":
-          sent[e.index] = sent.get(e.index, 0) + len(e.logprobs or ())
-          # a <think> block streams as reasoning_content (the engine holds back a marker's
-          # partial text, so both parts only grow)
-          had = split.get(e.index, ("", "", ""))
-          text = had[0] + e.text
-          reasoning, content = chat.split_reasoning(text)
-          reasoning = reasoning or ""
-          delta = {k: v for k, v in (("reasoning_content", reasoning[len(had[1]):]),
-                                     ("content", content[len(had[2]):])) if v}
-          split[e.index] = (text, reasoning, content)
-          yield chunk(delta or {"content": ""}, e.index, logprobs=e.logprobs)
+          yield out.delta(e)
           continue
         if e.kind == "section":
-          for c in calls(e.index, chat.streamed_calls(e.text)):
+          for c in out.calls(e.index, chat.streamed_calls(e.text)):
             yield c
           continue
         finished, used = finished + 1, used + e.tokens
-        msg, finish = _message(e.text, e.finish_reason, info["tools"])
-        for c in calls(e.index, [{"name": c["function"]["name"],
-                                  "arguments": c["function"]["arguments"]}
-                                 for c in msg.get("tool_calls", ())]):
+        for c in out.done(e, info["tools"]):
           yield c
-        rest = None if e.logprobs is None else e.logprobs[sent.get(e.index, 0):]
-        yield chunk({}, e.index, finish, rest)
       if info["include_usage"]:
         yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
                     "usage": _usage(len(job.prompt), used)})
@@ -722,34 +719,38 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
     finally:       # the client went away (or we are done): its rows stop decoding
       job.cancelled = True
 
-  def _echoed(job, implicit: bool, e: Event) -> tuple[str, list | None]:
+  # -- /v1/completions -----------------------------------------------------------------------
+
+  def echoed(self, job, implicit: bool, e: Event) -> tuple[str, list | None]:
     """The echoed prompt's text and logprob entries (without the BOS a string prompt got)."""
     ids = job.prompt[1:] if implicit else job.prompt
     entries = None
     if e.prompt_logprobs is not None:
       entries = [(job.prompt[0], None, [])] + e.prompt_logprobs[1:]
       entries = entries[1:] if implicit else entries
-    return engine.tok.decode(ids), entries
+    return self.engine.tok.decode(ids), entries
 
-  async def text_completions(request):
-    body = await read(request)
-    jobs, info = parse_completion(body, model=model, cfg=engine.cfg, tokenizer=engine.tok,
+  async def text_completions(self, request):
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    body = await self.read(request)
+    engine = self.engine
+    jobs, info = parse_completion(body, model=self.model, cfg=engine.cfg, tokenizer=engine.tok,
                                   max_len=engine.max_len, max_n=engine.max_batch)
-    events = start(jobs)
+    events = self.start(jobs)
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
-            "created": int(time.time()), "model": model, "system_fingerprint": "k2jax"}
+            "created": int(time.time()), "model": self.model, "system_fingerprint": "k2jax"}
     prompt_tokens = sum(len(j.prompt) for j in jobs)
     if info["stream"]:
-      return StreamingResponse(_completion_stream(jobs, events, head, info, prompt_tokens),
+      return StreamingResponse(self.completion_stream(jobs, events, head, info, prompt_tokens),
                                media_type="text/event-stream")
-    done = await finished(jobs, events, request)
+    done = await self.finished(jobs, events, request)
     if done is None:
       return Response(status_code=499)
     choices = []
     for (k, i), e in sorted(done.items()):
       text, entries = e.text, e.logprobs
       if info["echo"]:
-        prompt, echoed = _echoed(jobs[k], info["implicit"][k], e)
+        prompt, echoed = self.echoed(jobs[k], info["implicit"][k], e)
         text = prompt + text
         entries = None if entries is None else (echoed or []) + entries
       choices.append({"index": k * info["n"] + i, "text": text, "finish_reason": e.finish_reason,
@@ -758,11 +759,14 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
     used = sum(e.tokens for e in done.values())
     return JSONResponse({**head, "choices": choices, "usage": _usage(prompt_tokens, used)})
 
-  async def _completion_stream(jobs, events, head, info, prompt_tokens):
+  async def completion_stream(self, jobs, events, head, info, prompt_tokens):
+    """Server-sent chunks of one completions request's choices as their events come."""
+    tok = self.engine.tok
+
     def chunk(index, text, finish=None, entries=None, offset=0):
       return _sse({**head, "choices": [{"index": index, "text": text, "finish_reason": finish,
                                         "logprobs": None if entries is None else
-                                        _completion_logprobs(engine.tok, entries, offset)}]})
+                                        _completion_logprobs(tok, entries, offset)}]})
     rows = sum(j.n for j in jobs)
     finished, used, sent, offset = 0, 0, {}, {}
     try:
@@ -773,7 +777,7 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
           break
         key, index = (k, e.index), k * info["n"] + e.index
         if info["echo"] and key not in offset:    # the prompt first (its row's first event)
-          text, entries = _echoed(jobs[k], info["implicit"][k], e)
+          text, entries = self.echoed(jobs[k], info["implicit"][k], e)
           yield chunk(index, text, entries=entries)
           offset[key] = len(text)
         offset.setdefault(key, 0)
@@ -789,35 +793,95 @@ def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
         yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, used)})
       yield "data: [DONE]\n\n"
     finally:
-      for job in jobs:
-        job.cancelled = True
+      _cancel(jobs)
 
-  async def refused(request, e: RequestError):
-    metrics.refused.labels(str(e.status)).inc()
+  # -- errors ----------------------------------------------------------------------------
+
+  async def refused(self, request, e: RequestError):
+    from starlette.responses import JSONResponse
+    self.metrics.refused.labels(str(e.status)).inc()
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-  async def http_error(request, e: HTTPException):
+  async def http_error(self, request, e):
+    from starlette.responses import JSONResponse
     msg = str(e.detail)
     if e.status_code in (404, 405):
       msg = (f"no route {request.method} {request.url.path}; this server has GET /v1/models, "
              "POST /v1/chat/completions, POST /v1/completions, GET /health and GET /metrics")
     return JSONResponse(RequestError(msg, status=e.status_code).body(), status_code=e.status_code)
 
-  async def failed(request, e: Exception):
+  async def failed(self, request, e: Exception):
+    from starlette.responses import JSONResponse
     log.exception("request failed")
     err = _engine_error(e)
     return JSONResponse(err.body(), status_code=err.status)
 
-  return Starlette(routes=[Route("/v1/models", models), Route("/health", health),
-                           Route("/metrics", prometheus),
-                           Route("/tokenize", tokenize, methods=["POST"]),
-                           Route("/detokenize", detokenize, methods=["POST"]),
-                           Route("/tokenizer_info", tokenizer_info),
-                           Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-                           Route("/v1/completions", text_completions, methods=["POST"])],
-                   exception_handlers={RequestError: refused, HTTPException: http_error,
-                                       Exception: failed})
+
+def _cancel(jobs):
+  for job in jobs:
+    job.cancelled = True
+
+
+class _ChatChunks:
+  """The chunks of a streamed chat reply: text split into reasoning_content and content as it
+  grows, tool calls sent as they are parsed (an id and name first, then the arguments piece
+  by piece: OpenAI's streamed tool_calls, which assemble to the non-streamed call), and each
+  choice's last chunk with the log-probabilities not yet sent."""
+
+  def __init__(self, tok, head: dict):
+    self.tok, self.head = tok, head
+    self.sent, self.shown, self.split = {}, {}, {}
+
+  def chunk(self, delta, index=0, finish=None, logprobs=None):
+    return _sse({**self.head, "object": "chat.completion.chunk", "choices": [
+        {"index": index, "delta": delta, "finish_reason": finish,
+         "logprobs": _chat_logprobs(self.tok, logprobs)}]})
+
+  def delta(self, e: Event):
+    self.sent[e.index] = self.sent.get(e.index, 0) + len(e.logprobs or ())
+    # a <think> block streams as reasoning_content (the engine holds back a marker's partial
+    # text, so both parts only grow)
+    had = self.split.get(e.index, ("", "", ""))
+    text = had[0] + e.text
+    reasoning, content = chat.split_reasoning(text)
+    reasoning = reasoning or ""
+    delta = {k: v for k, v in (("reasoning_content", reasoning[len(had[1]):]),
+                               ("content", content[len(had[2]):])) if v}
+    self.split[e.index] = (text, reasoning, content)
+    return self.chunk(delta or {"content": ""}, e.index, logprobs=e.logprobs)
+
+  def calls(self, index, so_far):
+    """Chunks for what `so_far` ([{name, arguments}]) adds to the calls shown of choice
+    `index`."""
+    seen = self.shown.setdefault(index, [])
+    for k, c in enumerate(so_far):
+      if k == len(seen):
+        seen.append("")
+        yield self.chunk({"tool_calls": [{"index": k, "id": f"functions.{c['name']}:{k}",
+                                          "type": "function", "function": {
+                                              "name": c["name"], "arguments": ""}}]}, index)
+      if c["arguments"].startswith(seen[k]) and len(c["arguments"]) > len(seen[k]):
+        piece, seen[k] = c["arguments"][len(seen[k]):], c["arguments"]
+        yield self.chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]},
+                         index)
+
+  def done(self, e: Event, tools):
+    """The finished choice's remaining calls and its last chunk."""
+    msg, finish = _message(e.text, e.finish_reason, tools)
+    yield from self.calls(e.index, [{"name": c["function"]["name"],
+                                     "arguments": c["function"]["arguments"]}
+                                    for c in msg.get("tool_calls", ())])
+    rest = None if e.logprobs is None else e.logprobs[self.sent.get(e.index, 0):]
+    yield self.chunk({}, e.index, finish, rest)
+
+
+def make_app(engine: Engine, model: str, *, default_max_tokens: int = 512,
+             api_key: str | None = None, max_queue: int | None = None):
+  """The Starlette application serving `engine` under the name `model` (`OpenAIServer`'s
+  routes; api_key and max_queue as there)."""
+  return OpenAIServer(engine, model, default_max_tokens=default_max_tokens, api_key=api_key,
+                      max_queue=max_queue).app()
 
 
 class Background:
