@@ -176,7 +176,8 @@ def _back(plan, route, c, a, start=0):
   rest = a.shape[1:]
   if plan.transport != "ragged":
     back = jax.lax.all_to_all(a.reshape((ep, c) + rest), plan.axis, 0, 0, tiled=True)
-    return back[route.dest, route.rank]
+    # an invalid token's assignments (destination ep: sent nowhere) get zeros
+    return back.at[route.dest, route.rank].get(mode="fill", fill_value=0)
   me = jax.lax.axis_index(plan.axis)
   first, n, at = _window(route.counts, start, c)
   out = varying_like(jnp.zeros((route.token.shape[0],) + rest, a.dtype), a)
@@ -429,9 +430,31 @@ def _exchange_bwd(plan, saved, dy):
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
+def sort_assignments(idx, valid, ep: int, e_loc: int):
+  """This device's assignments idx [N, k] sorted by expert, hence by destination shard ->
+  (order [A]: the flat assignment at each sorted place, dest [A], rank [A]: row within the
+  destination's slice, local [A]: expert id on the destination shard, count [ep]: rows for
+  each shard). valid [N] bool (None: every token): an invalid token's assignments (padding)
+  take destination ep, sorted after every real one and sent nowhere (like
+  embedding._routes' sentinel): padding rows share one embedding, hence one top-k, and would
+  otherwise all land on the few shards holding it."""
+  N, k = idx.shape
+  A = N * k
+  flat = idx.reshape(-1)
+  if valid is not None:
+    flat = jnp.where(jnp.repeat(valid.reshape(-1), k), flat, ep * e_loc)
+  order = jnp.argsort(flat, stable=True)                 # grouped by expert, hence by shard
+  expert = flat[order]
+  dest = expert // e_loc
+  count = jnp.bincount(dest, length=ep).astype(jnp.int32)   # (ep itself not counted)
+  start = _exclusive_cumsum(count).at[dest].get(mode="fill", fill_value=0)
+  rank = jnp.arange(A) - start                             # row within the destination slot
+  return order, dest, rank, (expert % e_loc).astype(jnp.int32), count
+
+
 def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport: str = "auto",
                        fp8_storage: bool = False, keep: bool = True, ragged_all_to_all=None,
-                       round_load: float = 2.0, round_rows: int | None = None):
+                       round_load: float = 2.0, round_rows: int | None = None, valid=None):
   """Routed-expert output for local tokens x [N, d] with global expert ids idx [N, k].
 
   Args:
@@ -451,8 +474,10 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
     round_load: ragged: the most rows one round receives, in multiples of the balanced load
       A (model.ep_round_load); a larger capacity runs in rounds of that many.
     round_rows: the same in rows, overriding round_load (tests shrink it).
+    valid: [N] bool, the tokens that count (None: all). The others (padding) are not sent:
+      they take no buffer rows, and their output and gradients are zero.
   Returns:
-    [N, d]: sum_k w[n, k] * expert_{idx[n, k]}(x[n]).
+    [N, d]: sum_k w[n, k] * expert_{idx[n, k]}(x[n]) for valid tokens, 0 for the others.
   """
   transport = auto_transport() if transport == "auto" else transport
   if transport not in TRANSPORTS:
@@ -461,12 +486,7 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
   ep = jax.lax.axis_size(axis)
   e_loc = p_local["gate"].shape[0]
   A = N * k
-  flat = idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)                 # grouped by expert, hence by shard
-  expert = flat[order]
-  dest = expert // e_loc
-  count = jnp.bincount(dest, length=ep).astype(jnp.int32)
-  rank = jnp.arange(A) - _exclusive_cumsum(count)[dest]  # row within the destination slot
+  order, dest, rank, local, count = sort_assignments(idx, valid, ep, e_loc)
   counts = jax.lax.all_gather(count, axis)               # [ep_src, ep_dst], ep^2 integers
   agree = lambda v: jax.lax.pmax(v, (axis, *sync_axes))
   if transport == "padded":
@@ -485,8 +505,7 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
   # what a balanced router needs); the larger ones recompute.
   plan = plan._replace(saved=plan.received(caps[0], ep) if keep else 0)
   need = agree(need)
-  route = _Route(order // k, dest, rank, (expert % e_loc).astype(jnp.int32), counts,
-                 choose(need, caps), need)
+  route = _Route(order // k, dest, rank, local, counts, choose(need, caps), need)
   y_sorted = _exchange(plan, p_local, x, w.reshape(-1)[order], route)
   # back to token order; the k weighted expert outputs of a token summed in float32
   y = y_sorted[jnp.argsort(order)].reshape(N, k, -1)

@@ -108,7 +108,7 @@ def _routed(cfg, batch_axes: tuple, ep_axis, sync_axes: tuple, p, x, valid,
     y = experts_all_to_all(p["experts"], x2d, idx, w, ep_axis, sync_axes=sync_axes,
                            transport=cfg.ep_transport,
                            fp8_storage=cfg.activation_storage == "fp8",
-                           round_load=cfg.get("ep_round_load", 2.0))
+                           round_load=cfg.get("ep_round_load", 2.0), valid=valid.reshape(-1))
   else:
     e = p["experts"]
     y = routed_experts(x2d, idx, w, e["gate"], e["up"], e["down"], impl=cfg.moe_impl,
