@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from k2jax.kernels import platform
+from k2jax.kernels.flash_common import PAD_SEGMENT, finish  # noqa: F401 (flash.finish: its name first)
 
 IMPLS = ("xla", "chunked", "pallas_gpu", "pallas_tpu", "tokamax")
-PAD_SEGMENT = -1          # internal padding to a block multiple: matches no real segment
 
 
 def attention(q, k, v, *, scale: float, segment_ids=None, causal: bool = True,
@@ -280,13 +280,6 @@ def _flash_bwd(scale, causal, block, res, cts):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def finish(out, row_max, seg, T):
-  """Back to [B, T, H, Dv] and the per-head max over counted rows (real segment, real row)."""
-  counted = (seg > 0)[:, None, :]                                       # [B, 1, Tp]
-  max_logits = jnp.max(jnp.where(counted, row_max, -jnp.inf), axis=(0, 2))
-  return jnp.swapaxes(out, 1, 2)[:, :T], jax.lax.stop_gradient(max_logits)
 
 
 def attention_chunked(q, k, v, scale, segment_ids=None, causal=True, block=None):

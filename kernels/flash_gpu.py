@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from k2jax.kernels import flash
+from k2jax.kernels import flash_common
 from k2jax.kernels.pallas_utils import pallas_call
 
 NEG_INF = float("-inf")
@@ -331,7 +331,7 @@ def _run(q, k, v, seg_q, seg_k, q_pos, *, scale, causal, interpret, block, tunin
   Dp = -(-D // 16) * 16                 # Triton tiles need widths of 16+; zeros leave q.k alone
   Dvp = _pow2(max(Dv, 16))
   pad_ids = lambda s, n: jnp.pad(s, ((0, 0), (0, n - s.shape[1])),
-                                 constant_values=flash.PAD_SEGMENT)
+                                 constant_values=flash_common.PAD_SEGMENT)
   seg_q, seg_k = pad_ids(seg_q, Tqp), pad_ids(seg_k, Tkp)
   # padded query rows come after every key, in order (the bands need ascending places)
   q_pos = jnp.concatenate([q_pos.astype(jnp.int32), Tk + jnp.arange(Tqp - Tq, dtype=jnp.int32)])
@@ -339,7 +339,7 @@ def _run(q, k, v, seg_q, seg_k, q_pos, *, scale, causal, interpret, block, tunin
   out, m = _attn(pad(q, Tqp, Dp), pad(k, Tkp, Dp), pad(v, Tkp, Dvp), seg_q, seg_k, q_pos,
                  float(scale), bool(causal), tuning, bool(interpret),
                  bool(segmented or (not causal and Tkp != Tk)))
-  out, max_logits = flash.finish(jnp.swapaxes(out, 1, 2), m, seg_q, Tq)
+  out, max_logits = flash_common.finish(jnp.swapaxes(out, 1, 2), m, seg_q, Tq)
   return out[..., :Dv], max_logits
 
 

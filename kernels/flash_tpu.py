@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from k2jax.kernels import flash
+from k2jax.kernels import flash_common
 from k2jax.kernels.pallas_utils import pallas_call
 
 NEG_INF = float("-inf")
@@ -85,7 +85,7 @@ def _run_pair(q0, kj, bq, bk, ranges, causal):
 
 def _key(seg):
   """Segment ids as the keys whose [min, max] ranges `_run_pair` compares: ids > 0 as they
-  are, padding (0) and block padding (flash.PAD_SEGMENT) above every document.
+  are, padding (0) and block padding (flash_common.PAD_SEGMENT) above every document.
 
   Any key is sound (blocks that share an id share its key, so their ranges overlap); a row
   whose keys never decrease makes the test exact (two blocks' ranges then overlap only at a
@@ -395,11 +395,11 @@ def attention(q, k, v, *, scale, segment_ids=None, causal=True, interpret=False,
   bq = bk = _block(T, block)
   Tp = -(-T // bq) * bq
   seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-  seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash.PAD_SEGMENT)
+  seg = jnp.pad(seg, ((0, 0), (0, Tp - T)), constant_values=flash_common.PAD_SEGMENT)
   hm = lambda a: jnp.swapaxes(jnp.pad(a, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), 1, 2)
   out, m = _attn(hm(q), hm(k), hm(v), seg, seg, jnp.arange(Tp // bq, dtype=jnp.int32) * bq,
                  float(scale), bool(causal), bq, bk, bool(interpret))
-  return flash.finish(out, m[:, :, 0, :], seg, T)
+  return flash_common.finish(out, m[:, :, 0, :], seg, T)
 
 
 def attention_blocks(q, k, v, *, scale, q_block_ids, block, q_segment_ids, k_segment_ids,
@@ -425,4 +425,4 @@ def attention_blocks(q, k, v, *, scale, q_block_ids, block, q_segment_ids, k_seg
   seg_q = q_segment_ids.astype(jnp.int32)
   out, m = _attn(hm(q), hm(k), hm(v), seg_q, k_segment_ids.astype(jnp.int32), q_first,
                  float(scale), bool(causal), bq, bq, bool(interpret))
-  return flash.finish(out, m[:, :, 0, :], seg_q, Tq)
+  return flash_common.finish(out, m[:, :, 0, :], seg_q, Tq)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from k2jax.kernels import platform
 from k2jax.kernels.pallas_utils import cotangent_for, varying_like
+from k2jax.kernels.rows import take_rows
 
 # TPU: XLA's ragged_dot, not megablox. The expert-parallel path runs the grouped matmul inside
 # shard_map, where a pallas_call must declare how its outputs vary over the manual axes;
@@ -339,7 +340,6 @@ def gather_grouped_matmul(x, w, group_sizes, row_ids, *, impl: str = "auto",
   if impl == "pallas_gpu":
     from k2jax.kernels import moe_gpu
     return moe_gpu.gather_grouped_matmul(x, w, group_sizes, row_ids, interpret)
-  from k2jax.kernels.moe import take_rows
   return grouped_matmul(take_rows(x, row_ids, x.shape[0]), w, group_sizes, impl=impl,
                         interpret=interpret)
 
@@ -354,7 +354,6 @@ def grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, *, impl: str = 
   if impl == "pallas_gpu":
     from k2jax.kernels import moe_gpu
     return moe_gpu.grouped_matmul_combine(h, w, group_sizes, slot_ids, weights, interpret)
-  from k2jax.kernels.moe import take_rows
   y = grouped_matmul(h, w, group_sizes, impl=impl, interpret=interpret)
   y = y * weights.astype(y.dtype)[:, None]
   inverse = jnp.zeros_like(slot_ids).at[slot_ids].set(jnp.arange(slot_ids.shape[0],

@@ -38,7 +38,6 @@ x [N, d]; expert_ids, combine [N, k]; gate, up [E, d, f]; down [E, f, d]. Implem
   dense     every expert on every token: the reference.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from k2jax.kernels import platform
 from k2jax.kernels.fp8 import fp8_saved
+# (re-exported: moe.take_rows and moe.sort_assignments were their names first)
+from k2jax.kernels.rows import swiglu, sort_assignments, take_rows  # noqa: F401
 from k2jax.kernels.gmm import (_count_at_or_below, block_matmul, blocked_block_size,
                               grouped_matmul)
 
@@ -59,51 +60,12 @@ def auto_impl(backend: str | None = None) -> str:
   return {"gpu": "pallas_gpu", "cpu": "blocked"}.get(backend, "ragged")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def take_rows(x, idx, n: int):
-  """y[p] = x[idx[p]], 0 where idx[p] < 0. Its transpose is a segment sum, which XLA:CPU runs
-  much faster than the scatter-add a gather's default transpose lowers to."""
-  return jnp.where((idx >= 0)[:, None], x[jnp.maximum(idx, 0)], jnp.zeros((), x.dtype))
-
-
-def _take_rows_fwd(x, idx, n):
-  return take_rows(x, idx, n), idx
-
-
-def _take_rows_bwd(n, idx, dy):
-  dy = jnp.where((idx >= 0)[:, None], dy, jnp.zeros((), dy.dtype))
-  return jax.ops.segment_sum(dy, jnp.maximum(idx, 0), n), None
-
-
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
-
-
-def _swiglu(g, u):
-  # The same checkpoint names as k2jax.model.layers.swiglu, so remat / FP8 storage policies
-  # see these activations too (kernels sit below the model and cannot import it).
-  h = jax.nn.silu(checkpoint_name(g, "swiglu_input")) * checkpoint_name(u, "swiglu_input")
-  return checkpoint_name(h, "swiglu")
-
-
 def _up_and_swiglu(fp8: bool, mm):
   """(up-projection, swiglu) for rows of tokens; with fp8 their saved inputs are FP8-E4M3
   (report 2.4.3, kernels/fp8.py). mm(a, w) is the implementation's (grouped) matmul."""
   if not fp8:
-    return mm, _swiglu
-  return fp8_saved(mm, 1), fp8_saved(_swiglu, 2)
-
-
-def sort_assignments(expert_ids, num_experts: int):
-  """-> (order [A] assignment ids sorted by expert, group_sizes [E], rank [A] of each
-  assignment within its expert), A = N k, assignments in token-major order."""
-  flat = expert_ids.reshape(-1)
-  A = flat.shape[0]
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  start = jnp.cumsum(sizes) - sizes
-  rank = jnp.zeros((A,), jnp.int32).at[order].set(
-      jnp.arange(A, dtype=jnp.int32) - start[flat[order]])
-  return order, sizes, rank
+    return mm, swiglu
+  return fp8_saved(mm, 1), fp8_saved(swiglu, 2)
 
 
 def _ragged(x, expert_ids, combine, gate, up, down, gmm_impl="auto", interpret=False,
@@ -206,14 +168,14 @@ def _gather(x, expert_ids, combine, gate, up, down):
   ids = expert_ids.reshape(-1)
   xs = jnp.repeat(x, expert_ids.shape[1], axis=0)                      # [N k, d]
   mm = lambda a, w: jnp.einsum("ad,adf->af", a, w[ids].astype(dt))
-  y = mm(_swiglu(mm(xs, gate), mm(xs, up)), down).reshape(expert_ids.shape + (-1,))
+  y = mm(swiglu(mm(xs, gate), mm(xs, up)), down).reshape(expert_ids.shape + (-1,))
   return jnp.einsum("nkd,nk->nd", y, combine.astype(y.dtype))
 
 
 def _dense(x, expert_ids, combine, gate, up, down):
   dt = x.dtype
   mm = lambda a, w, eq: jnp.einsum(eq, a, w.astype(dt))
-  h = _swiglu(mm(x, gate, "nd,edf->nef"), mm(x, up, "nd,edf->nef"))   # [N, E, f]
+  h = swiglu(mm(x, gate, "nd,edf->nef"), mm(x, up, "nd,edf->nef"))   # [N, E, f]
   y = mm(h, down, "nef,efd->ned")                                      # [N, E, d]
   weights = jnp.zeros(y.shape[:2], jnp.float32).at[
       jnp.arange(x.shape[0])[:, None], expert_ids].add(combine.astype(jnp.float32))

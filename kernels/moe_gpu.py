@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from k2jax.kernels import platform
 from k2jax.kernels.pallas_utils import cotangent_for, foreign_kernel, pallas_call
+from k2jax.kernels.rows import swiglu, sort_assignments
 
 
 def _tile_size(n: int, want: int) -> int:
@@ -442,12 +443,11 @@ def grouped_matmul(x, w, group_sizes, *, interpret=False):
 
 def routed_experts(x, expert_ids, combine, gate, up, down, *, interpret=False):
   """k2jax.kernels.routed_experts(impl="pallas_gpu"): fused dispatch and combine."""
-  from k2jax.kernels.moe import _swiglu, sort_assignments
   N, k = expert_ids.shape
   order, sizes, _ = sort_assignments(expert_ids, gate.shape[0])
   dt = x.dtype
   rows = order // k
   g, u = gather_grouped_matmul(x, (gate.astype(dt), up.astype(dt)), sizes, rows, interpret)
-  y = grouped_matmul_combine(_swiglu(g, u), down.astype(dt), sizes, order,
+  y = grouped_matmul_combine(swiglu(g, u), down.astype(dt), sizes, order,
                              combine.reshape(-1)[order].astype(jnp.float32), interpret)
   return y.reshape(N, k, -1).sum(1)
