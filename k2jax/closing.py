@@ -340,7 +340,8 @@ def _feed(stack, c, root) -> bool:
 
 
 def _close(stack, root) -> str | None:
-  """The suffix that closes every open frame, innermost first."""
+  """The suffix that closes every open frame, innermost first (None: a frame no text can
+  close, such as a string under a pattern)."""
   out = []
   while stack:
     top = stack[-1]
@@ -351,80 +352,93 @@ def _close(stack, root) -> str | None:
           return None
         out.append(v)
       return "".join(out)
-    if top.kind == "str":
-      if top.role == "key":
-        parent = stack[-2]
-        name = None if top.escape else _key_name(parent, json.loads('"' + top.text + '"'))
-        rest = None if name is None else _dump(name)[1:]      # the escaped name and its quote
-        if rest is None or not rest.startswith(top.text):
-          return None
-        out.append(rest[len(top.text):])
-        stack.pop()
-        parent.key, parent.state = name, "colon"
-        continue
-      s = top.schema if isinstance(top.schema, dict) else {}
-      if "enum" in s or "const" in s:        # the shortest member the text so far starts
-        tails = [_dump(v)[1:] for v in s.get("enum", [s.get("const")]) if isinstance(v, str)]
-        tails = [t for t in tails if t.startswith(top.text) and not top.escape]
-        if not tails:
-          return None
-        out.append(min(tails, key=len)[len(top.text):])
-        stack.pop()
-        _advance(stack)
-        continue
-      if "pattern" in s or "format" in s:
-        return None
-      written = len(json.loads('"' + top.text + '"'))
-      if top.escape:          # finish the escape: \\ (a backslash) or \uXXXX padded with 0s
-        out.append("0" * (6 - len(top.escape)) if top.escape.startswith("\\u") else "\\")
-        written += 1
-      out.append("a" * max(0, int(s.get("minLength", 0)) - written) + '"')
-    elif top.kind == "num":
-      tail = _number_tail(top.text, top.schema if isinstance(top.schema, dict) else {})
-      if tail is None:
-        return None
-      out.append(tail)
-    elif top.kind == "lit":
-      out.append(next(w for w in ("true", "false", "null") if w.startswith(top.text))
-                 [len(top.text):])
-    elif top.kind == "obj":
-      s = top.schema
-      rest = [k for k in _required(s) if k not in top.seen and k != top.key]
-      if top.state in ("colon", "value"):
-        v = minimal(_value_schema(s, top.key), root)
-        if v is None:
-          return None
-        out.append((":" if top.state == "colon" else "") + v)
-        top.seen.append(top.key)
-        top.state = "comma_or_end"
-      if top.state == "key" and not rest:       # after a comma a key must follow
-        k = _key_name(top, "")
-        v = None if k is None else minimal(_value_schema(s, k), root)
-        if v is None:
-          return None
-        out.append(f"{_dump(k)}:{v}")
-        top.state = "comma_or_end"
-      for i, k in enumerate(rest):
-        v = minimal(_value_schema(s, k), root)
-        if v is None:
-          return None
-        sep = "" if (i == 0 and top.state in ("key", "key_or_end")) else ","
-        out.append(f'{sep}{_dump(k)}:{v}')
-      out.append("}")
-    elif top.kind == "arr":
-      s = top.schema
-      need = max(s.get("minItems", 0) - top.count, 0)
-      if top.state == "value":
-        need = max(need, 1)
-      items = _items(s, root, top.count, top.count + need)
-      if items is None:
-        return None
-      if items:
-        out.append(("" if top.state in ("value", "value_or_end") else ",") + ",".join(items))
-      out.append("]")
+    piece = _CLOSERS[top.kind](top, stack, root)
+    if piece is None:
+      return None
+    out.append(piece)
     stack.pop()
-    _advance(stack)
+    if not (top.kind == "str" and top.role == "key"):   # a key's parent expects its colon
+      _advance(stack)
   return "".join(out)
+
+
+def _close_str(top, stack, root) -> str | None:
+  """The end of an open string: a key's (the parent object then expects its colon), an
+  enum's or const's shortest member the text so far starts, or a closing quote after
+  what minLength still asks."""
+  if top.role == "key":
+    parent = stack[-2]
+    name = None if top.escape else _key_name(parent, json.loads('"' + top.text + '"'))
+    rest = None if name is None else _dump(name)[1:]      # the escaped name and its quote
+    if rest is None or not rest.startswith(top.text):
+      return None
+    parent.key, parent.state = name, "colon"
+    return rest[len(top.text):]
+  s = top.schema if isinstance(top.schema, dict) else {}
+  if "enum" in s or "const" in s:
+    tails = [_dump(v)[1:] for v in s.get("enum", [s.get("const")]) if isinstance(v, str)]
+    tails = [t for t in tails if t.startswith(top.text) and not top.escape]
+    return min(tails, key=len)[len(top.text):] if tails else None
+  if "pattern" in s or "format" in s:
+    return None
+  written = len(json.loads('"' + top.text + '"'))
+  out = ""
+  if top.escape:          # finish the escape: \\ (a backslash) or \uXXXX padded with 0s
+    out = "0" * (6 - len(top.escape)) if top.escape.startswith("\\u") else "\\"
+    written += 1
+  return out + "a" * max(0, int(s.get("minLength", 0)) - written) + '"'
+
+
+def _close_num(top, stack, root) -> str | None:
+  return _number_tail(top.text, top.schema if isinstance(top.schema, dict) else {})
+
+
+def _close_lit(top, stack, root) -> str:
+  return next(w for w in ("true", "false", "null") if w.startswith(top.text))[len(top.text):]
+
+
+def _close_obj(top, stack, root) -> str | None:
+  """The open value, then every required property not yet written, then the brace."""
+  s, out = top.schema, []
+  rest = [k for k in _required(s) if k not in top.seen and k != top.key]
+  if top.state in ("colon", "value"):
+    v = minimal(_value_schema(s, top.key), root)
+    if v is None:
+      return None
+    out.append((":" if top.state == "colon" else "") + v)
+    top.seen.append(top.key)
+    top.state = "comma_or_end"
+  if top.state == "key" and not rest:       # after a comma a key must follow
+    k = _key_name(top, "")
+    v = None if k is None else minimal(_value_schema(s, k), root)
+    if v is None:
+      return None
+    out.append(f"{_dump(k)}:{v}")
+    top.state = "comma_or_end"
+  for i, k in enumerate(rest):
+    v = minimal(_value_schema(s, k), root)
+    if v is None:
+      return None
+    sep = "" if (i == 0 and top.state in ("key", "key_or_end")) else ","
+    out.append(f"{sep}{_dump(k)}:{v}")
+  return "".join(out) + "}"
+
+
+def _close_arr(top, stack, root) -> str | None:
+  """The items minItems still asks (one where a value must follow a comma), then ']'."""
+  s = top.schema
+  need = max(s.get("minItems", 0) - top.count, 0)
+  if top.state == "value":
+    need = max(need, 1)
+  items = _items(s, root, top.count, top.count + need)
+  if items is None:
+    return None
+  sep = "" if top.state in ("value", "value_or_end") else ","
+  return (sep + ",".join(items) if items else "") + "]"
+
+
+_CLOSERS = {"str": _close_str, "num": _close_num, "lit": _close_lit, "obj": _close_obj,
+            "arr": _close_arr}
 
 
 def _advance(stack) -> None:

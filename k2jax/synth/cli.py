@@ -271,36 +271,91 @@ def main(argv=None, *, client=None):
     os._exit(e.exit_code)
 
 
+def _checked(args):
+  """(shard, evolve counts or None, tools, documents) of the command line, or UserError /
+  ValueError with one line naming the flag."""
+  shard = parse_shard(args.shard)
+  for flag in ("concurrency", "retries", "timeout") + (
+      ("chunk_chars", "max_tokens") if args.pipeline != "agentic" else
+      ("items", "max_turns", "max_tokens")):
+    if getattr(args, flag) < (0 if flag == "retries" else 1):
+      raise UserError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+  if args.pipeline == "rephrase":
+    styles = args.styles.split(",")
+    unknown = sorted(set(styles) - set(rephrase.STYLES))
+    if unknown or args.k < 1:
+      raise UserError(f"--styles {unknown} unknown (have {sorted(rephrase.STYLES)})" if unknown
+                      else f"-k {args.k}: must be >= 1")
+  evolve, tools, documents = None, [], []
+  if args.pipeline == "agentic":
+    if not args.tools and not args.evolve:
+      raise UserError("give --tools (JSON specs) and / or --evolve C,D,T")
+    evolve = [int(x) for x in args.evolve.split(",")] if args.evolve else None
+    if evolve is not None and (len(evolve) != 3 or min(evolve) < 1):
+      raise UserError(f"--evolve {args.evolve}: must be three counts >= 1, e.g. 2,2,3")
+    try:
+      tools = agentic.load_tools(args.tools) if args.tools else []
+    except (OSError, ValueError) as e:
+      raise UserError(f"--tools {args.tools}: {str(e).splitlines()[0]}") from None
+    if args.tools and not tools:
+      raise UserError(f"--tools {args.tools}: matches no tool spec")
+  else:
+    documents = read_documents(args.input, args.text_field, args.id_field)
+  if os.path.isdir(args.output):
+    raise UserError(f"--output {args.output} is a directory; name a .jsonl file")
+  return shard, evolve, tools, documents
+
+
+def _evolved_tools(args, client, evolve, given: list) -> list:
+  """--evolve's tools (beside the `given` --tools): evolved once into OUTPUT.tools.json,
+  then reused by every rerun and shard; never an empty cache (a rerun with a better --model
+  evolves again)."""
+  cache = args.output + ".tools.json"
+  if os.path.exists(cache):
+    with open(cache) as f:
+      cached = json.load(f)
+    if not cached:    # written by an older k2jax: it would stop every rerun
+      _fail(f"{cache} holds no tools (an earlier --evolve {args.evolve} evolved none): "
+            "delete it to evolve again, or give --tools")
+    return cached
+  new = agentic.evolve_tools(client, categories=evolve[0], domains=evolve[1],
+                             tools=evolve[2], seed=args.seed, log=log.info)
+  if new:
+    with open(cache + ".tmp", "w") as f:
+      json.dump(new, f, indent=1)
+    os.replace(cache + ".tmp", cache)
+  elif given:
+    log.warning("--evolve %s: the model evolved no usable tool; going on with the %d "
+                "of --tools (nothing cached in %s)", args.evolve, len(given), cache)
+  else:
+    _fail(f"--evolve {args.evolve}: the model evolved no usable tool, so nothing was "
+          f"cached in {cache} and a rerun evolves again: use a more capable --model, "
+          "or give --tools")
+  return new
+
+
+def _work(args, client, tools, documents):
+  """(items [(id, payload)], work(payload) -> records) of the pipeline."""
+  if args.pipeline == "agentic":
+    items = [(f"trajectory-{i}", i) for i in range(args.items)]
+    return items, lambda i: [agentic.trajectory(client, tools, i, seed=args.seed,
+                                                max_tools=args.max_tools,
+                                                max_turns=args.max_turns,
+                                                max_tokens=args.max_tokens)]
+  settings = Settings(chunk_chars=args.chunk_chars, max_tokens=args.max_tokens,
+                      min_score=args.min_score, judge=not args.no_judge)
+  if args.pipeline == "rephrase":
+    styles = {s: rephrase.STYLES[s] for s in args.styles.split(",")}
+    items = [(f"{d['id']}#{k}", (d, k)) for d in documents for k in range(args.k)]
+    return items, lambda p: [rephrase.rephrase(client, p[0], p[1], seed=args.seed,
+                                               settings=settings, styles=styles)]
+  return [(d["id"], d) for d in documents], lambda d: [
+      mathnotes.learning_note(client, d, seed=args.seed, settings=settings)]
+
+
 def _main(args, client, done):
   try:
-    shard = parse_shard(args.shard)
-    for flag in ("concurrency", "retries", "timeout") + (
-        ("chunk_chars", "max_tokens") if args.pipeline != "agentic" else
-        ("items", "max_turns", "max_tokens")):
-      if getattr(args, flag) < (0 if flag == "retries" else 1):
-        raise UserError(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    if args.pipeline == "rephrase":
-      styles = args.styles.split(",")
-      unknown = sorted(set(styles) - set(rephrase.STYLES))
-      if unknown or args.k < 1:
-        raise UserError(f"--styles {unknown} unknown (have {sorted(rephrase.STYLES)})" if unknown
-                        else f"-k {args.k}: must be >= 1")
-    if args.pipeline == "agentic":
-      if not args.tools and not args.evolve:
-        raise UserError("give --tools (JSON specs) and / or --evolve C,D,T")
-      evolve = [int(x) for x in args.evolve.split(",")] if args.evolve else None
-      if evolve is not None and (len(evolve) != 3 or min(evolve) < 1):
-        raise UserError(f"--evolve {args.evolve}: must be three counts >= 1, e.g. 2,2,3")
-      try:
-        tools = agentic.load_tools(args.tools) if args.tools else []
-      except (OSError, ValueError) as e:
-        raise UserError(f"--tools {args.tools}: {str(e).splitlines()[0]}") from None
-      if args.tools and not tools:
-        raise UserError(f"--tools {args.tools}: matches no tool spec")
-    else:
-      documents = read_documents(args.input, args.text_field, args.id_field)
-    if os.path.isdir(args.output):
-      raise UserError(f"--output {args.output} is a directory; name a .jsonl file")
+    shard, evolve, tools, documents = _checked(args)
     if client is None:
       if not (args.endpoint or args.workdir or args.hf or args.dry_run):
         raise UserError("give the model: --endpoint URL, --workdir RUN, --hf DIR or --dry_run")
@@ -326,49 +381,11 @@ def _main(args, client, done):
   out = Output(args.output)
   done.append(out)
   try:
-    if args.pipeline == "agentic":
-      if evolve:
-        cache = args.output + ".tools.json"    # evolved once, then reused by every rerun / shard
-        if os.path.exists(cache):
-          with open(cache) as f:
-            cached = json.load(f)
-          if not cached:    # written by an older k2jax: it would stop every rerun
-            _fail(f"{cache} holds no tools (an earlier --evolve {args.evolve} evolved none): "
-                  "delete it to evolve again, or give --tools")
-          tools += cached
-        else:
-          new = agentic.evolve_tools(client, categories=evolve[0], domains=evolve[1],
-                                     tools=evolve[2], seed=args.seed, log=log.info)
-          if new:           # never an empty cache: a rerun (a better --model) evolves again
-            with open(cache + ".tmp", "w") as f:
-              json.dump(new, f, indent=1)
-            os.replace(cache + ".tmp", cache)
-          elif tools:
-            log.warning("--evolve %s: the model evolved no usable tool; going on with the %d "
-                        "of --tools (nothing cached in %s)", args.evolve, len(tools), cache)
-          else:
-            _fail(f"--evolve {args.evolve}: the model evolved no usable tool, so nothing was "
-                  f"cached in {cache} and a rerun evolves again: use a more capable --model, "
-                  "or give --tools")
-          tools += new
-      items = [(f"trajectory-{i}", i) for i in range(args.items)]
-      work = lambda i: [agentic.trajectory(client, tools, i, seed=args.seed,  # noqa: E731
-                                           max_tools=args.max_tools, max_turns=args.max_turns,
-                                           max_tokens=args.max_tokens)]
-    else:
-      settings = Settings(chunk_chars=args.chunk_chars, max_tokens=args.max_tokens,
-                          min_score=args.min_score, judge=not args.no_judge)
-      if args.pipeline == "rephrase":
-        styles = {s: rephrase.STYLES[s] for s in args.styles.split(",")}
-        items = [(f"{d['id']}#{k}", (d, k)) for d in documents for k in range(args.k)]
-        work = lambda p: [rephrase.rephrase(client, p[0], p[1], seed=args.seed,  # noqa: E731
-                                            settings=settings, styles=styles)]
-      else:
-        items = [(d["id"], d) for d in documents]
-        work = lambda d: [mathnotes.learning_note(client, d, seed=args.seed,  # noqa: E731
-                                                  settings=settings)]
-    items = [(i, p) for i, p in items if in_shard(i, shard)]
-    run_items(items, work, out, args.concurrency, args.pipeline)
+    if evolve:
+      tools = tools + _evolved_tools(args, client, evolve, tools)
+    items, work = _work(args, client, tools, documents)
+    run_items([(i, p) for i, p in items if in_shard(i, shard)], work, out, args.concurrency,
+              args.pipeline)
   finally:
     out.close()
     if isinstance(client, LocalClient):
