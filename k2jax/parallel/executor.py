@@ -122,6 +122,18 @@ class Slots(NamedTuple):
     return [one(b, a) for b, a in zip(buf, avals)]
 
 
+class TickCarry(NamedTuple):
+  """What the tick loop carries from one tick to the next on one device."""
+  act_in: object     # the stage output the previous device sent this tick
+  grad_in: object    # the input cotangent the next device sent this tick
+  act_buf: object    # slots of arrived activations waiting for their F
+  grad_buf: object   # slots of arrived cotangents waiting for their B
+  res_buf: object    # slots of what F saved for its B (host memory with offload)
+  cut_buf: object    # slots of what B hands W (split schedules)
+  stats: dict        # loss sums, max logits, expert load, the head's gradient sums
+  sums: dict         # float32 weight-gradient sums: {"pre", "stage"}
+
+
 class Executor:
   """One pipeline device's program over the schedule table, inside the pipeline's shard_map
   (pipeline and `reps` manual: `pipeline.replica_axes`), as named phases that `tick` runs
@@ -140,7 +152,8 @@ class Executor:
   no schedule of its own.
 
   Args (the shard_map's operands, this device's shares): stage_params, this device's
-  [V L, ...] stored rows; on [V L] bool (real layers); pre_params {"embed", dense stacks};
+  [V L, ...] stored rows; real_layers [V L] bool (rows that are layers, not padding);
+  pre_params {"embed", dense stacks};
   head {"final_norm", "lm_head": this device's [D, vocab / P] columns}; mb, microbatches
   [M, mb, T]; aux_weight, every microbatch's aux loss weight (the batch's loss tokens / M,
   as in k2jax.step's accumulation). offload: residual slots in host memory (`Slots`).
@@ -149,11 +162,11 @@ class Executor:
   """
 
   def __init__(self, cfg, sp: Split, tab: schedules.Table, grads: bool, skip: str,
-               offload: bool, reps: tuple, stage_params, on, pre_params, head, mb,
+               offload: bool, reps: tuple, stage_params, real_layers, pre_params, head, mb,
                aux_weight):
     self.cfg, self.sp, self.tab, self.grads, self.reps = cfg, sp, tab, grads, reps
     self.pre_params, self.head, self.mb = pre_params, head, mb
-    Pn, V, L = self.Pn, self.V, self.L = sp.stages, sp.virtual, sp.per_stage
+    P, V, L = self.P, self.V, self.L = sp.stages, sp.virtual, sp.per_stage
     self.p = jax.lax.axis_index(AXIS)
     self.aux_weight = aux_weight / math.prod(jax.lax.axis_size(a) for a in reps)
     self.H, self.E = cfg.num_attention_heads, cfg.n_routed_experts
@@ -162,13 +175,13 @@ class Executor:
     self.per_device = skip == "device"
     self.stats = (self.H, self.E if self.moe else 0)
     self.params = jax.tree.map(lambda a: a.reshape((V, L) + a.shape[1:]), stage_params)
-    self.on = on.reshape(V, L)
-    self.fwd_ring = [(j, (j + 1) % Pn) for j in range(Pn)]
-    self.bwd_ring = [(j, (j - 1) % Pn) for j in range(Pn)]
+    self.real = real_layers.reshape(V, L)
+    self.fwd_ring = [(j, (j + 1) % P) for j in range(P)]
+    self.bwd_ring = [(j, (j - 1) % P) for j in range(P)]
     self.act_shape = mb["inputs"].shape[1:] + (cfg.hidden_size,)
     self.n_pre = sum(s.size for s in transformer.stacks(cfg) if s != sp.stack)
     # the device running the last stage (the head's input and its cotangent live there)
-    self.last = placed(Pn * V - 1, Pn)[1]
+    self.last = placed(P * V - 1, P)[1]
     self.last_device = self.p == self.last
     self._layer_functions()
     # Shapes of one F phase's outputs, for the buffers and the idle branch.
@@ -246,16 +259,16 @@ class Executor:
   def stage_forward(self, x, v, m):
     """-> ((y, aux), (max logits, load), stored residual leaves [L, ...])."""
     mb = self.mb
-    return stage.forward(self.layer, self.saved, self.layer_res, self.params, v, self.on, x,
+    return stage.forward(self.layer, self.saved, self.layer_res, self.params, v, self.real, x,
                           mb["positions"][m], mb["segment_ids"][m], self.aux_weight,
                           self.per_device, self.stats)
 
-  def stage_input_grad(self, res, dy, v, valid, g, active):
-    """zbh1's B -> (dx, cut [L, ...], g with the early weight gradients added)."""
+  def stage_input_grad(self, res, dy, v, valid, sums, active):
+    """zbh1's B -> (dx, cut [L, ...], sums with the early weight gradients added)."""
     cut_fn, early, w_avals, dt = self.cut_fn, self.early, self.w_avals, self.dt
 
     def body(carry, xs):
-      dy, g = carry
+      dy, sums = carry
       l, r = xs
       pl = stage.layer_at(self.params, v, l)
 
@@ -265,15 +278,15 @@ class Executor:
 
       def pad(dy):
         return dy, stage.zeros([w_avals[i] for i in early]), stage.zeros(cut_fn.cut_avals)
-      dx, e, cut = stage.if_real(self.on[v, l], real, pad, self.per_device, dy, active=active)
-      return (dx, stage.add_at(g, v, l, e, valid, early)), cut
-    leaves, tree = jax.tree.flatten(g)
+      dx, e, cut = stage.if_real(self.real[v, l], real, pad, self.per_device, dy, active=active)
+      return (dx, stage.add_at(sums, v, l, e, valid, early)), cut
+    leaves, tree = jax.tree.flatten(sums)
     (dx, leaves), cut = jax.lax.scan(body, (dy, leaves), (jnp.arange(self.L), res),
                                      reverse=True)
     return dx, cut, jax.tree.unflatten(tree, leaves)
 
-  def stage_weight_grad(self, res, cut, v, valid, g, active):
-    """zbh1's W: g with the late weight gradients (cut_fn.late) of stage v added."""
+  def stage_weight_grad(self, res, cut, v, valid, sums, active):
+    """zbh1's W: sums with the late weight gradients (cut_fn.late) of stage v added."""
     cut_fn, w_avals = self.cut_fn, self.w_avals
 
     def body(leaves, xs):
@@ -286,35 +299,35 @@ class Executor:
 
       def pad():
         return stage.zeros([w_avals[i] for i in cut_fn.late])
-      return stage.add_at(leaves, v, l, stage.if_real(self.on[v, l], real, pad, self.per_device,
+      return stage.add_at(leaves, v, l, stage.if_real(self.real[v, l], real, pad, self.per_device,
                                             active=active), valid, cut_fn.late), None
-    leaves, tree = jax.tree.flatten(g)
+    leaves, tree = jax.tree.flatten(sums)
     leaves = jax.lax.scan(body, leaves, (jnp.arange(self.L), res, cut))[0]
     return jax.tree.unflatten(tree, leaves)
 
   # ------------------------------------------------------------------------------ the phases
-  # F and the head run under a cond (skipped where idle) on the statistics `st` and the
-  # head's sums; B and W skip each layer's work in a cond of its own and add to the float32
-  # sums `g` outside every cond (`stage.backward`).
+  # F and the head run under a cond (skipped where idle) on the statistics `stats` (the
+  # head's gradient sums among them); B and W skip each layer's work in a cond of its own
+  # and add to the float32 weight-gradient `sums` outside every cond (`stage.backward`).
 
   def branch(self, pred, tick_pred, yes, no, *operands):
     """lax.cond on this device's own predicate ("device") or on the tick's ("tick")."""
     return jax.lax.cond(pred if self.per_device else tick_pred, yes, no, *operands)
 
   def forward_phase(self, args):
-    v, m, valid, embeds, act, st = args
+    v, m, valid, embeds, act, stats = args
     H = self.H
-    first = stage_of(v, self.p, self.Pn) == 0
+    first = stage_of(v, self.p, self.P) == 0
     no_pre = lambda: (act, jnp.full((self.n_pre, H), -jnp.inf, jnp.float32))
     x, pre_max = self.branch(first, embeds, lambda: self.embed(self.pre_params, m), no_pre)
     x = jnp.where(first, x, act)
     pre_max = jnp.where(first & valid, pre_max, -jnp.inf)
     (y, aux), (ml, load), res = self.stage_forward(x, v, m)
-    new = dict(aux=st["aux"] + aux, mx=st["mx"].at[v].max(ml),
-               pre_max=jnp.maximum(st["pre_max"], pre_max), load=st["load"].at[v].add(load))
+    new = dict(aux=stats["aux"] + aux, mx=stats["mx"].at[v].max(ml),
+               pre_max=jnp.maximum(stats["pre_max"], pre_max), load=stats["load"].at[v].add(load))
     if not self.per_device:   # this device may be idle in a tick others work in: keep its sums
-      new = stage.where(valid, new, {k: st[k] for k in new})
-    return y, res, dict(st, **new)
+      new = stage.where(valid, new, {k: stats[k] for k in new})
+    return y, res, dict(stats, **new)
 
   def forward_idle(self, args):
     return self.x0, stage.zeros(self.res_shapes), args[-1]
@@ -324,91 +337,91 @@ class Executor:
     over the vocabulary slices (`stage.head`) and the cotangent of the stage's output, which
     the last device keeps for its B. A tick predicate: every device agrees, so the psums
     inside meet their peers."""
-    y, m, st = args
+    y, m, stats = args
     last = self.last_device
     y = jax.lax.psum(jnp.where(last, y, jnp.zeros_like(y)), AXIS)
     out = stage.head(self.cfg, self.head, y, self.mb["targets"][m], self.mb["loss_mask"][m],
                 self.grads)
     ce, dy, g = (out, jnp.zeros_like(y), None) if not self.grads else out
-    st = dict(st, ce=st["ce"] + jnp.where(last, ce, 0.0))
+    stats = dict(stats, ce=stats["ce"] + jnp.where(last, ce, 0.0))
     if self.grads:    # each device its columns' and its tokens' share of the norm's
       # (or, where dh was all-reduced, the norm's once: the last device's)
       g_norm = g["final_norm"]
       if not stage.scatters_dh(y.shape[0] * y.shape[1], jax.lax.axis_size(AXIS)):
         g_norm = jnp.where(last, g_norm, 0.0)
-      st["g_norm"] = st["g_norm"] + g_norm
-      st["g_lm"] = st["g_lm"] + g["lm_head"]
-    return dy.astype(self.dt), st
+      stats["g_norm"] = stats["g_norm"] + g_norm
+      stats["g_lm"] = stats["g_lm"] + g["lm_head"]
+    return dy.astype(self.dt), stats
 
   def head_idle(self, args):
     return jnp.zeros_like(args[0]), args[-1]
 
-  def input_grad_phase(self, v, m, valid, embeds, dy, res, g, active):
-    """B -> (dx, cut or None, g): the stage's backward, and stage 0's through the embedding
+  def input_grad_phase(self, v, m, valid, embeds, dy, res, sums, active):
+    """B -> (dx, cut or None, sums): the stage's backward, and stage 0's through the embedding
     and dense layers (recomputed from its input: `embed`)."""
     cut = None
     if self.tab.split:
-      dx, cut, g_stage = self.stage_input_grad(res, dy, v, valid, g["stage"], active)
+      dx, cut, g_stage = self.stage_input_grad(res, dy, v, valid, sums["stage"], active)
     else:
-      dx, g_stage = stage.backward(self.saved, self.params, v, self.on, res, dy, g["stage"],
+      dx, g_stage = stage.backward(self.saved, self.params, v, self.real, res, dy, sums["stage"],
                                     valid, self.per_device, active)
-    first = (stage_of(v, self.p, self.Pn) == 0) & valid
+    first = (stage_of(v, self.p, self.P) == 0) & valid
     pre_params = self.pre_params
 
     # Added to the float32 sums inside the branch: returned from it, the embedding's gradient
     # (a whole vocabulary slice, in the params' dtype) and the sums plus it were two more
     # vocabulary-sized buffers beside the sums (-4.25 GB at the 8-chip K2 step's peak, PP2:
     # k2jax.compile --explain). The mask: in the tick's mode the branch runs on every device.
-    def pre_grads(sums):
+    def pre_grads(pre):
       _, vjp = jax.vjp(lambda pp: self.embed(pp, m)[0], pre_params)
-      return jax.tree.map(lambda a, b: a + jnp.where(first, b.astype(a.dtype), 0.0), sums,
+      return jax.tree.map(lambda a, b: a + jnp.where(first, b.astype(a.dtype), 0.0), pre,
                           vjp(dx.astype(self.dt))[0])
-    g_pre = self.branch(first, embeds, pre_grads, lambda sums: sums, g["pre"])
+    g_pre = self.branch(first, embeds, pre_grads, lambda pre: pre, sums["pre"])
     return dx.astype(self.dt), cut, dict(stage=g_stage, pre=g_pre)
 
-  def weight_grad_phase(self, t, res_buf, cut_buf, g):
+  def weight_grad_phase(self, t, res_buf, cut_buf, sums):
     """W (zbh1): the weight gradients of the stage the table put in tick t."""
     sl = {k: a[t, self.p] for k, a in self.slot.items()}
     wv = self.task["W"][t, self.p, 0]
     res = self.store.get(res_buf, sl["res_wread"], self.res_shapes)
     cut = self.store.get(cut_buf, sl["cut_read"], self.cut_shapes)
     active = wv >= 0 if self.per_device else self.busy["W"][t]
-    return dict(g, stage=self.stage_weight_grad(res, cut, jnp.maximum(wv, 0), wv >= 0,
-                                                g["stage"], active))
+    return dict(sums, stage=self.stage_weight_grad(res, cut, jnp.maximum(wv, 0), wv >= 0,
+                                                   sums["stage"], active))
 
   def transfer(self, y, dx):
     """The stage's output to the next device, its input cotangent to the previous one."""
-    st_f = jax.lax.ppermute(y, AXIS, self.fwd_ring)
-    st_f, dx = self.order((st_f, dx))
-    return st_f, jax.lax.ppermute(dx, AXIS, self.bwd_ring)
+    sent = jax.lax.ppermute(y, AXIS, self.fwd_ring)
+    sent, dx = self.order((sent, dx))
+    return sent, jax.lax.ppermute(dx, AXIS, self.bwd_ring)
 
   # -------------------------------------------------------------------------------- the loop
 
   def tick(self, carry, t):
     """One tick: F, head, B, W and the two ring transfers, reading and writing the table's
     slots. Every collective of a tick runs in one order on every device (`order`)."""
-    st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, st, g = carry
+    act_buf, grad_buf, res_buf, cut_buf, stats, sums = carry[2:]
     p, task, order, store = self.p, self.task, self.order, self.store
     sl = {k: a[t, p] for k, a in self.slot.items()}
-    act_buf = _put(act_buf, sl["act_in"], st_f)
+    act_buf = _put(act_buf, sl["act_in"], carry.act_in)
     fv, fm = task["F"][t, p, 0], task["F"][t, p, 1]
     act = act_buf[jnp.maximum(sl["act_read"], 0)]
-    y, res, st = self.branch(
+    y, res, stats = self.branch(
         fv >= 0, self.busy["F"][t], self.forward_phase, self.forward_idle,
-        (jnp.maximum(fv, 0), jnp.maximum(fm, 0), fv >= 0, self.embeds["F"][t], act, st))
-    y, st = order((y, st))
-    dh, st = jax.lax.cond(self.head_tick[t], self.head_phase, self.head_idle,
-                          (y, jnp.maximum(task["F"][t, self.last, 1], 0), st))
+        (jnp.maximum(fv, 0), jnp.maximum(fm, 0), fv >= 0, self.embeds["F"][t], act, stats))
+    y, stats = order((y, stats))
+    dh, stats = jax.lax.cond(self.head_tick[t], self.head_phase, self.head_idle,
+                          (y, jnp.maximum(task["F"][t, self.last, 1], 0), stats))
     if not self.grads:
-      return (jax.lax.ppermute(y, AXIS, self.fwd_ring), st_b, act_buf, grad_buf, res_buf,
-              cut_buf, st, g), None
+      return carry._replace(act_in=jax.lax.ppermute(y, AXIS, self.fwd_ring), act_buf=act_buf,
+                            stats=stats), None
     res_buf = store.put(res_buf, sl["res_write"], res)
-    grad_buf = _put(grad_buf, sl["grad_in"], st_b)
+    grad_buf = _put(grad_buf, sl["grad_in"], carry.grad_in)
     grad_buf = _put(grad_buf, sl["head_write"], dh)
     if store.host:   # host buffers stay out of the barrier: it orders collectives, not copies
-      y, grad_buf, st, g = order((y, grad_buf, st, g))
+      y, grad_buf, stats, sums = order((y, grad_buf, stats, sums))
     else:
-      y, grad_buf, res_buf, st, g = order((y, grad_buf, res_buf, st, g))
+      y, grad_buf, res_buf, stats, sums = order((y, grad_buf, res_buf, stats, sums))
     bv, bm = task["B"][t, p, 0], task["B"][t, p, 1]
     dy = grad_buf[jnp.maximum(sl["grad_read"], 0)]
     # Read after this tick's put. Read before F instead (so that its host -> device copy
@@ -416,19 +429,19 @@ class Executor:
     # the offloaded step took 6.6x the device-slot step on an H200, against 1.72x here
     # (experiments/results/pipeline/gpu_offload_read_before_f.csv).
     res = store.get(res_buf, sl["res_read"], self.res_shapes)
-    dx, cut, g = self.input_grad_phase(
-        jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0, self.embeds["B"][t], dy, res, g,
+    dx, cut, sums = self.input_grad_phase(
+        jnp.maximum(bv, 0), jnp.maximum(bm, 0), bv >= 0, self.embeds["B"][t], dy, res, sums,
         bv >= 0 if self.per_device else self.busy["B"][t])
     if self.tab.split:
       cut_buf = store.put(cut_buf, sl["cut_write"], cut)
       if store.host:
-        y, dx, g = order((y, dx, g))
+        y, dx, sums = order((y, dx, sums))
       else:
-        y, dx, cut_buf, g = order((y, dx, cut_buf, g))
-      g = self.weight_grad_phase(t, res_buf, cut_buf, g)
-    y, dx, g = order((y, dx, g))
-    st_f, st_b = self.transfer(y, dx)
-    return (st_f, st_b, act_buf, grad_buf, res_buf, cut_buf, st, g), None
+        y, dx, cut_buf, sums = order((y, dx, cut_buf, sums))
+      sums = self.weight_grad_phase(t, res_buf, cut_buf, sums)
+    y, dx, sums = order((y, dx, sums))
+    act_in, grad_in = self.transfer(y, dx)
+    return TickCarry(act_in, grad_in, act_buf, grad_buf, res_buf, cut_buf, stats, sums), None
 
   def run(self):
     """The tick loop over the table, then the statistics reduced over the replicas and the
@@ -436,14 +449,14 @@ class Executor:
     V, L, H, dt, grads, tab = self.V, self.L, self.H, self.dt, self.grads, self.tab
     zeros32 = lambda a: jnp.zeros(a.shape, jnp.float32)
     # statistics and the head's sums (through the F / head conds: small) ...
-    st = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
+    stats = dict(ce=jnp.zeros((), jnp.float32), aux=jnp.zeros((), jnp.float32),
               mx=jnp.full((V, L, H), -jnp.inf, jnp.float32),
               pre_max=jnp.full((self.n_pre, H), -jnp.inf, jnp.float32),
               load=jnp.zeros((V, L, self.E if self.moe else 0), jnp.float32),
               g_norm=zeros32(self.head["final_norm"]) if grads else {},
               g_lm=zeros32(self.head["lm_head"]) if grads else {})
     # ... and the float32 weight-gradient sums, outside every cond
-    g = (dict(pre=jax.tree.map(zeros32, self.pre_params),
+    sums = (dict(pre=jax.tree.map(zeros32, self.pre_params),
               stage=jax.tree.map(zeros32, self.params)) if grads else {})
     bufs = lambda n: jnp.zeros((n,) + self.act_shape, dt)
     slots = tab.sizes
@@ -451,23 +464,24 @@ class Executor:
     ticks = tab.ticks if grads else int(max(i for i in range(tab.ticks)
                                             if (tab.task["F"][i, :, 0] >= 0).any())) + 1
     cut_buf = self.store.zeros(slots["cut"], self.cut_shapes) if grads and tab.split else []
-    init = (self.x0, self.x0, bufs(slots["act"]), bufs(slots["grad"]), res_buf, cut_buf, st, g)
-    (_, _, _, _, _, _, st, g), _ = jax.lax.scan(self.tick, init, jnp.arange(ticks))
-    return self.results(st, g)
+    init = TickCarry(self.x0, self.x0, bufs(slots["act"]), bufs(slots["grad"]), res_buf,
+                     cut_buf, stats, sums)
+    last, _ = jax.lax.scan(self.tick, init, jnp.arange(ticks))
+    return self.results(last.stats, last.sums)
 
-  def results(self, st, g):
+  def results(self, stats, sums):
     reps = self.reps
     head_grads, g_pre, g_stage = {}, {}, {}
     if self.grads:
-      g_pre, g_stage = g["pre"], g["stage"]
-      head_grads = {"final_norm": st["g_norm"], "lm_head": st["g_lm"]}
+      g_pre, g_stage = sums["pre"], sums["stage"]
+      head_grads = {"final_norm": stats["g_norm"], "lm_head": stats["g_lm"]}
     psum = lambda a: jax.lax.psum(a, (AXIS, *reps))
     flat = lambda a: a.reshape((self.V * self.L,) + a.shape[2:])
     # the statistics over the replicas here; the gradients leave with a leading axis each
     # and are summed outside, once (`pipeline._pipelined`)
     over = lambda f, a: f(a, reps) if reps else a
     one = lambda a: a[None]
-    return (psum(st["ce"]), psum(st["aux"]), flat(over(jax.lax.pmax, st["mx"])),
-            flat(over(jax.lax.psum, st["load"])), jax.lax.pmax(st["pre_max"], (AXIS, *reps)),
+    return (psum(stats["ce"]), psum(stats["aux"]), flat(over(jax.lax.pmax, stats["mx"])),
+            flat(over(jax.lax.psum, stats["load"])), jax.lax.pmax(stats["pre_max"], (AXIS, *reps)),
             jax.tree.map(one, head_grads), jax.tree.map(one, g_pre),
             jax.tree.map(lambda a: flat(a)[None], g_stage))
