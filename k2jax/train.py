@@ -36,7 +36,7 @@ from k2jax import resume, runlock
 from k2jax.console import quiet_libraries
 from k2jax.checkpoint import CheckpointError, Checkpointer
 from k2jax.metrics import MetricsWriter
-from k2jax.parallel import layout, pipeline
+from k2jax.parallel import layout, pipeline, schedules
 from k2jax import step as step_lib
 from k2jax.step import TrainState, eval_step, fresh_state, init_state
 
@@ -235,6 +235,7 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
     configs.validate(config)
     optim.validate(config)
     layout.validate(config)
+    schedules.validate(config)
   except ValueError as e:
     raise UserError(str(e)) from None
   workdir = _writable_workdir(workdir)
@@ -622,6 +623,7 @@ def load_config(argv):
     configs.validate(config)
     optim.validate(config)
     layout.validate(config)
+    schedules.validate(config)
   except ValueError as e:
     raise UserError(str(e)) from None
   return config

@@ -41,6 +41,39 @@ def test_host_slots_give_back_what_was_put_narrow_leaves_as_rows_of_128():
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def _batch(cfg, rng, B=4, T=32):
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
+  return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+              positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
+              segment_ids=jnp.ones((B, T), jnp.int32), loss_mask=jnp.ones((B, T), bool))
+
+
+def _assert_grads_are_the_models(cfg, params, batch, M, sp, tab, skip, seed, caplog=None):
+  """pipeline.loss_and_grads on one pipeline device under table `tab` against jax.grad of
+  the unpipelined model's summed loss over the same M microbatches: every leaf, rel 1e-5."""
+  plain = cfg.copy_and_resolve_references()
+  plain.offload = False
+
+  def reference(p):
+    def one(mb):
+      ce, n, aux = lm_loss(plain, p, mb)
+      return ce + aux.aux_loss * n
+    return sum(one(jax.tree.map(lambda a: a[i], microbatches(batch, M))) for i in range(M))
+  want = jax.grad(reference)(params)
+  stored = layout.convert_params(sp, params, layout.to_stored)
+  mesh = jax.make_mesh((1, 1, 1), ("pipeline", "data", "expert"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  with jax.set_mesh(mesh):
+    _, _, _, _, g = jax.jit(lambda p: pipeline.loss_and_grads(
+        cfg, p, microbatches(batch, M), tab, skip=skip))(stored)
+  got = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(
+      layout.convert_params(sp, g, layout.to_logical)))
+  for path, a in jax.tree_util.tree_leaves_with_path(want):
+    scale = float(jnp.max(jnp.abs(a))) or 1.0
+    np.testing.assert_allclose(got[jax.tree_util.keystr(path)], a, rtol=0, atol=1e-5 * scale,
+                               err_msg=f"{jax.tree_util.keystr(path)} ({replay(seed)})")
+
+
 @pytest.mark.parametrize("skip,offload", [("device", False), ("tick", False), ("device", True)])
 def test_a_stage_of_padding_only_and_every_gradient_is_the_models(caplog, skip, offload):
   """1 dense + 8 MoE layers in 5 stages of 2 on one pipeline device: stage 0 holds padding
@@ -57,36 +90,44 @@ def test_a_stage_of_padding_only_and_every_gradient_is_the_models(caplog, skip, 
   assert tuple(sp.layers_per_stage()) == (0, 2, 2, 2, 2)
   seed, rng = seed_and_rng()
   params = model.init(cfg, jax.random.key(int(rng.integers(2 ** 31))))
-  B, T, M = 4, 32, 2
-  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1)), jnp.int32)
-  batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
-               positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
-               segment_ids=jnp.ones((B, T), jnp.int32), loss_mask=jnp.ones((B, T), bool))
-
-  plain = cfg.copy_and_resolve_references()
-  plain.offload = False
-
-  def reference(p):
-    def one(mb):
-      ce, n, aux = lm_loss(plain, p, mb)
-      return ce + aux.aux_loss * n
-    return sum(one(jax.tree.map(lambda a: a[i], microbatches(batch, M))) for i in range(M))
-  want = jax.grad(reference)(params)
-
-  tab = schedules.build("1f1b", 1, 5, M)
-  stored = layout.convert_params(sp, params, layout.to_stored)
-  mesh = jax.make_mesh((1, 1, 1), ("pipeline", "data", "expert"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  with caplog.at_level(logging.INFO, "k2jax.parallel"), jax.set_mesh(mesh):
-    _, _, _, _, g = jax.jit(lambda p: pipeline.loss_and_grads(
-        cfg, p, microbatches(batch, M), tab, skip=skip))(stored)
+  T, M = 32, 2
+  batch = _batch(cfg, rng, T=T)
+  with caplog.at_level(logging.INFO, "k2jax.parallel"):
+    _assert_grads_are_the_models(cfg, params, batch, M, sp, schedules.build("1f1b", 1, 5, M),
+                                 skip, seed)
   assert ("slots per device in host memory" in caplog.text) == offload
-  got = layout.convert_params(sp, g, layout.to_logical)
-  for path, a in jax.tree_util.tree_leaves_with_path(want):
-    b = jax.tree_util.tree_leaves_with_path(got)
-    b = dict((jax.tree_util.keystr(k), v) for k, v in b)[jax.tree_util.keystr(path)]
-    scale = float(jnp.max(jnp.abs(a))) or 1.0
-    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * scale,
-                               err_msg=f"{jax.tree_util.keystr(path)} ({replay(seed)})")
   costs = schedules.stage_costs(cfg, sp, T)
   assert costs["B"][0] == pytest.approx(3 * costs["F"][0])
+
+
+def test_a_schedule_added_as_one_registry_entry_trains_as_the_model():
+  """A new pipeline schedule is one schedules.register entry and nothing else: a depth-first
+  order (each microbatch forward through every virtual stage, then back), built by the same
+  simulator and run by the same loop, gives every gradient of the unpipelined model, and
+  the trainer's config check takes its name."""
+  def depth_first(P, V, M):
+    return {"F": [(v, m) for m in range(M) for v in range(V)],
+            "B": [(V - 1 - v, m) for m in range(M) for v in range(V)]}
+  name = "depth_first_test"
+  schedules.register(name, schedules.Schedule(depth_first, lambda P, V, M, p: V))
+  try:
+    cfg = configs.get_config("tiny").model
+    cfg.num_hidden_layers = 4
+    sp = layout.split(cfg, 1, 3)
+    M = 2
+    tab = schedules.build(name, 1, 3, M)
+    assert tab.in_flight == 3 < schedules.build("gpipe", 1, 3, M).in_flight
+    first_f = [(int(v), int(m)) for v, m in tab.task["F"][:, 0] if v >= 0]
+    assert first_f == [(v, m) for m in range(M) for v in range(3)]   # its order, not 1f1b's
+    seed, rng = seed_and_rng()
+    params = model.init(cfg, jax.random.key(int(rng.integers(2 ** 31))))
+    _assert_grads_are_the_models(cfg, params, _batch(cfg, rng), M, sp, tab, "device", seed)
+    full = configs.get_config("tiny")
+    full.mesh.pipeline_schedule, full.train.grad_accum = name, M
+    schedules.validate(full)
+    full.mesh.pipeline_schedule = "no_such_schedule"
+    with pytest.raises(ValueError, match="must be one of 1f1b, gpipe, zbh1, depth_first_test"):
+      schedules.validate(full)
+  finally:
+    del schedules.SCHEDULES[name]
+    schedules.build.cache_clear()

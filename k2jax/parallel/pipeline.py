@@ -13,9 +13,10 @@ after it. So no collective inside the loop is shaped like a weight
 and statistics cross devices there.
 
 What each device does at each tick is read from a static table
-(k2jax.parallel.schedules.build: mesh.pipeline_schedule = 1f1b | gpipe | zbh1): per tick an F
-phase (forward of one stage on one microbatch) and a B phase (its backward), and the buffer
-slots everything is kept in. The loop computes only what the table says:
+(k2jax.parallel.schedules.build: mesh.pipeline_schedule, 1f1b | gpipe | zbh1 or one
+registered): per tick an F phase (forward of one stage on one microbatch) and a B phase
+(its backward), and the buffer slots everything is kept in. The loop computes only what
+the table says:
 
   - a phase the table leaves idle is skipped (`lax.cond` on the device's own table entry,
     which every data / expert shard of that pipeline device agrees on, so the MoE's
@@ -69,14 +70,14 @@ weight-gradient and transfer phases, and the `Slots` they keep residuals in);
 k2jax.parallel.stage is one stage's work, a layer at a time; k2jax.parallel.schedules
 builds the table and k2jax.parallel.layout places stages (`layout.stage_of`).
 
-What a new schedule provides: a task order per device for k2jax.parallel.schedules (its
-`_orders`: the (v, m) of each F, B and, if it splits the backward, W task, in order);
-`schedules.build` simulates it into a `Table` (every device's task per tick and phase, and
-the buffer slots each tick writes and reads, sized by what is alive), and this loop runs any
-table unchanged: per tick the F phase, the head phase where the table's F runs the last
-stage, the B phase, the W phase where the table splits, then the two ring transfers. A
-schedule that needs a phase of another kind (e.g. DualPipe's two directions at once) is the
-one that needs a change here.
+What a new schedule provides: one `schedules.Schedule` entry, `schedules.register(name,
+...)` (its task order per device, how far forwards may run ahead, whether it flushes or
+splits the backward); `schedules.build` simulates it into a `Table` (every device's task
+per tick and phase, and the buffer slots each tick writes and reads, sized by what is
+alive), and this loop runs any table unchanged: per tick the F phase, the head phase where
+the table's F runs the last stage, the B phase, the W phase where the table splits, then
+the two ring transfers. A schedule that needs a phase of another kind (e.g. DualPipe's two
+directions at once) is the one that needs a change here.
 """
 
 import concurrent.futures
@@ -184,7 +185,7 @@ def schedule_costs(mcfg, P: int, V: int, schedule: str, data: int = 1, expert: i
   W's share from the split of one layer's backward on the data x expert mesh (`w_share`)
   when the schedule splits, else none."""
   w = None
-  if schedule == "zbh1":
+  if schedules.SCHEDULES[schedule].split:
     w = w_share(mcfg, data, expert, seq_len, platform)
   sp = split(mcfg, P, V)
   return schedules.stage_costs(mcfg, sp, seq_len, w)
@@ -223,7 +224,7 @@ def schedule_table(mcfg, P: int, V: int, M: int, schedule: str, data: int = 1,
   """The table the trainer runs (what `table` gives for a full config; plan asks here).
   per_device: whether idle phases are skipped per device (None: as on `platform`, default
   gpu: every backend but CPU)."""
-  if schedule != "zbh1":
+  if not schedules.SCHEDULES[schedule].split:
     return schedules.build(schedule, P, V, M)
   if per_device is None:
     per_device = skip_mode(platform or "gpu") == "device"

@@ -12,8 +12,9 @@ device at the end of the tick). Between F and B, the ticks whose F runs the last
 a head phase on every device (`head_ticks`: the loss and its gradient, the vocabulary split
 over the pipeline devices), so the last stage's B may follow its F in the same tick. The
 jitted loop (k2jax.parallel.pipeline) reads its task and buffer slots from the table; the
-idle fraction, the buffers' sizes and `plan` read the same table. A new schedule is a new
-task order, not new index arithmetic.
+idle fraction, the buffers' sizes and `plan` read the same table. A new schedule is one
+`Schedule` entry (`register`): a task order and how far forwards may run ahead, not new
+index arithmetic, and nothing in the loop changes (tests/test_schedules.py adds one).
 
 The idle fraction counts time, not slots: a phase no device of a tick works in costs nothing
 (the loop skips it with a condition every device of a stage agrees on), so a tick costs the
@@ -46,7 +47,6 @@ import numpy as np
 
 from k2jax.parallel.layout import placed, stage_of
 
-SCHEDULES = ("1f1b", "gpipe", "zbh1")
 # Work per task in forward units: a backward does twice a forward's matmuls; split, its
 # input and weight halves one each (what `build` plans with; real stages: `stage_costs`).
 COST = {"F": 1.0, "B": 2.0}
@@ -190,39 +190,92 @@ def frozen(costs: dict):
                for k, v in sorted(costs.items()))
 
 
-def _orders(name, P, V, M):
-  """Per-device task lists {kind: [(v, m), ...]} (the same on every device)."""
-  if name == "gpipe":       # all forwards (virtual stage by virtual stage), then all backwards
-    f = [(v, m) for v in range(V) for m in range(M)]
-    return {"F": f, "B": [(v, m) for v in reversed(range(V)) for m in range(M)]}
-  # Megatron's interleaved order: microbatches in groups of P, each group through virtual
-  # stage 0, then 1, ...; backwards in the same groups, virtual stages last to first.
+def _interleaved(P, V, M):
+  """Megatron's interleaved order: microbatches in groups of P, each group through virtual
+  stage 0, then 1, ...; backwards in the same groups, virtual stages last to first."""
   f = [(v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
   b = [(V - 1 - v, g * P + r) for g in range(M // P) for v in range(V) for r in range(P)]
   return {"F": f, "B": b}
 
 
-def _warmup(name, P, V, M, p):
+def _interleaved_warmup(P, V, M, p):
   """Forwards device p may run ahead of its backwards: the 1F1B memory bound (Megatron's
-  interleaved warm-up, plus one so a tick's F can pair with the B it enables). gpipe: all."""
-  if name == "gpipe":
-    return M * V
+  interleaved warm-up, plus one so a tick's F can pair with the B it enables)."""
   return min(M * V, (P - p - 1) * 2 + (V - 1) * P + 1)
+
+
+def _gpipe(P, V, M):
+  """All forwards (virtual stage by virtual stage), then all backwards."""
+  return {"F": [(v, m) for v in range(V) for m in range(M)],
+          "B": [(v, m) for v in reversed(range(V)) for m in range(M)]}
+
+
+class Schedule(NamedTuple):
+  """A pipeline schedule as data. `build` simulates any of these into the `Table` the jitted
+  loop (k2jax.parallel.executor), `plan` and the tests read, so adding a schedule is adding
+  one entry with `register`: nothing in the loop, the layout or the config changes.
+
+  order: (P, V, M) -> {"F": [(v, m), ...], "B": [(v, m), ...]}: every device's task order
+    (the same list on each; device p runs virtual stage v's stage v P + p).
+  warmup: (P, V, M, p) -> how many forwards device p may run ahead of its backwards (what
+    bounds the stage activations it keeps in flight).
+  flush: a device starts its backwards only once all its forwards are done (GPipe).
+  any_microbatches: M need not be a multiple of P.
+  split: the backward's weight gradients run as W tasks of their own (ZB-H1;
+    k2jax.parallel.bwsplit cuts the backward), placed by `build`.
+  """
+  order: object
+  warmup: object
+  flush: bool = False
+  any_microbatches: bool = False
+  split: bool = False
+
+
+# name -> Schedule: mesh.pipeline_schedule picks one
+SCHEDULES = {
+    "1f1b": Schedule(_interleaved, _interleaved_warmup),
+    "gpipe": Schedule(_gpipe, lambda P, V, M, p: M * V, flush=True, any_microbatches=True),
+    "zbh1": Schedule(_interleaved, _interleaved_warmup, split=True),
+}
+
+
+def register(name: str, schedule: Schedule) -> None:
+  """Make `schedule` available as mesh.pipeline_schedule = name (a new name only: `build`
+  caches tables by name)."""
+  if name in SCHEDULES:
+    raise ValueError(f"pipeline schedule {name!r} exists already")
+  SCHEDULES[name] = schedule
+
+
+def validate(config) -> None:
+  """ValueError (one line) for a mesh.pipeline_schedule that is not registered, or
+  microbatches (train.grad_accum) its order cannot take on this pipeline."""
+  m, M = config.mesh, config.train.grad_accum
+  name = m.get("pipeline_schedule", "1f1b")
+  if name not in SCHEDULES:
+    raise ValueError(f"mesh.pipeline_schedule = {name!r}: must be one of "
+                     f"{', '.join(SCHEDULES)}")
+  if m.pipeline > 1 and not SCHEDULES[name].any_microbatches and M % m.pipeline:
+    raise ValueError(f"train.grad_accum = {M!r}: must be a multiple of mesh.pipeline "
+                     f"({m.pipeline}) for the {name} schedule (microbatches go through the "
+                     "stages in groups of the pipeline size)")
 
 
 @functools.lru_cache(maxsize=64)
 def build(name: str, P: int, V: int, M: int, costs=None, per_device: bool = True) -> Table:
   """The table of schedule `name` (SCHEDULES) on P devices x V virtual stages x M microbatches
-  (M a multiple of P except for gpipe). costs: the stages' task costs (`stage_costs`, as
-  a hashable `frozen(...)`), which zbh1 places its W tasks by; None: SPLIT_COST.
-  per_device: how the loop skips idle phases (Table.time), which zbh1 picks its table by."""
+  (M a multiple of P unless the schedule takes any). costs: the stages' task costs
+  (`stage_costs`, as a hashable `frozen(...)`), which a split schedule places its W tasks
+  by; None: SPLIT_COST. per_device: how the loop skips idle phases (Table.time), which a
+  split schedule picks its table by."""
   if name not in SCHEDULES:
     raise ValueError(f"mesh.pipeline_schedule = {name!r}: must be one of {', '.join(SCHEDULES)}")
-  if name != "gpipe" and M % P:
+  sched = SCHEDULES[name]
+  if not sched.any_microbatches and M % P:
     raise ValueError(f"{M} microbatches for {P} pipeline devices: the {name} schedule needs a "
                      "multiple of the pipeline size")
   S = P * V
-  orders = _orders(name, P, V, M)
+  orders = sched.order(P, V, M)
   kinds = list(orders)
   done = {k: {} for k in kinds}      # kind -> {(s, m): tick}
   nxt = {k: [0] * P for k in kinds}
@@ -243,12 +296,12 @@ def build(name: str, P: int, V: int, M: int, costs=None, per_device: bool = True
         s = stage_of(v, p, P)
         if k == "F":
           ok = s == 0 or done["F"].get((s - 1, m), t) < t
-          ok = ok and i - nxt["B"][p] < _warmup(name, P, V, M, p)   # in flight
+          ok = ok and i - nxt["B"][p] < sched.warmup(P, V, M, p)   # in flight
         else:    # the last stage's B may follow its F in the same tick (the head between)
           ok = (done["F"].get((s, m), t + 1) <= t if s == S - 1
                 else done["B"].get((s + 1, m), t) < t)
-          # GPipe flushes: a device starts its backwards once all its forwards are done
-          ok = ok and (name != "gpipe" or nxt["F"][p] >= total)
+          # a flush (GPipe): a device starts its backwards once all its forwards are done
+          ok = ok and (not sched.flush or nxt["F"][p] >= total)
         if ok:
           row[k][p] = (v, m)
           done[k][(s, m)] = t
@@ -257,7 +310,8 @@ def build(name: str, P: int, V: int, M: int, costs=None, per_device: bool = True
       rows[k].append(row[k])
     t += 1
   task = {k: np.asarray(rows[k], np.int32) for k in kinds}
-  if name == "zbh1":
+  on_grid = False
+  if sched.split:
     # Two constructions of the same task lists; the one faster under the stages' costs
     # (and how the loop skips idle phases) runs. 1F1B's ticks with the W's placed into
     # them (`_place_w`) keep every F / B where 1F1B has it; the grid (`_grid`) runs one
@@ -265,14 +319,14 @@ def build(name: str, P: int, V: int, M: int, costs=None, per_device: bool = True
     # W's fill both ends: ZB-H1's own bubble, (P - 1) (F + B - W), where tasks cost alike.
     c = costs and dict(costs)
     task["W"] = _place_w(task, P, V, c)
-    grid = _grid(P, V, M, c, in_flight=max(_warmup(name, P, V, M, p) for p in range(P)),
-                 cuts=P)
+    grid = _grid(P, V, M, c, in_flight=max(sched.warmup(P, V, M, p) for p in range(P)),
+                 cuts=P, orders=orders)
     on_grid = (_lockstep(_phase_costs(grid, P, V, c), per_device)
                < _lockstep(_phase_costs(task, P, V, c), per_device) - 1e-9)
     if on_grid:
       task = grid
   slots, sizes = _slots(task, P, V)
-  return Table(name, P, V, M, task, slots, sizes, name == "zbh1" and on_grid)
+  return Table(name, P, V, M, task, slots, sizes, on_grid)
 
 
 def _place_w(task, P, V, costs=None):
@@ -334,17 +388,18 @@ def _place_w(task, P, V, costs=None):
   return w
 
 
-def _grid(P, V, M, costs=None, in_flight: int = 1, cuts: int = 1):
-  """zbh1's task lists on a grid: per tick, every device takes its most urgent ready task
-  (B first: its chain back to stage 0 is the critical path; then F; then W) and, where the
-  tick's longest first task leaves it time, ready tasks of the other kinds that fit in it
-  (one per kind: the loop has one F, B and W phase a tick). A device starts an F only
-  while fewer than `in_flight` of its stages wait for their W (they keep their residuals
-  until then: with 1F1B's peak here, 1F1B's memory bound) and a B only while fewer than
-  `cuts` of them wait with a cut (what B hands W). A stage's output, or cotangent, is
-  ready on the next device a tick after the task that made it. -> {kind: [ticks, P, 2]}."""
+def _grid(P, V, M, costs=None, in_flight: int = 1, cuts: int = 1, orders=None):
+  """A split schedule's task lists (`orders`; None: the interleaved order zbh1 takes) on
+  a grid: per tick, every device takes its most urgent ready task (B first: its chain
+  back to stage 0 is the critical path; then F; then W) and, where the tick's longest
+  first task leaves it time, ready tasks of the other kinds that fit in it (one per kind:
+  the loop has one F, B and W phase a tick). A device starts an F only while fewer than
+  `in_flight` of its stages wait for their W (they keep their residuals until then: with
+  1F1B's peak here, 1F1B's memory bound) and a B only while fewer than `cuts` of them
+  wait with a cut (what B hands W). A stage's output, or cotangent, is ready on the next
+  device a tick after the task that made it. -> {kind: [ticks, P, 2]}."""
   S, total = P * V, M * V
-  orders = _orders("zbh1", P, V, M)
+  orders = orders or _interleaved(P, V, M)
 
   def cost(k, v, p):
     return SPLIT_COST[k] if costs is None else float(np.asarray(costs[k])[stage_of(v, p, P)])
