@@ -306,71 +306,104 @@ def _locked(config, workdir, changes, build_data, init_params):
 
 
 def _run(config, workdir, mesh, data, init_params=None):
+  """Train `config` in `workdir` on `mesh` from its newest checkpoint, `init_params` or a
+  fresh initialization, to train.steps; -> the summary (`_summary`)."""
   t, m = config.train, config.model
   main_process = jax.process_index() == 0
   # before any trace: a kernel library imported inside the step's first trace would make
   # its second call compile again (kernels.prepare)
   kernels.prepare(m.attention_impl, m.moe_impl)
-  # Two views of the state (k2jax.parallel.layout): the trainer's, with the pipelined stack
-  # stored in the order the schedule runs it (padded, sharded over `pipeline`), and the
-  # logical one checkpoints hold, so they restore on any pipeline size. Without a pipeline
-  # they are the same.
-  sp = layout.of(config)
   prog = step_lib.program(config, mesh)
+  ckpt = Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
+  try:
+    state, train_iter, meta, to_logical = _initial_state(config, mesh, prog, ckpt, data,
+                                                         init_params)
+  except BaseException:
+    ckpt.close()
+    raise
+  start = int(state.step)
+  counts = model.count_params(m)
+  log.info("model: %.3fM params (%.3fM activated); optimizer %s; mesh %s; %d devices; "
+           "starting at step %d of %d", counts["total"] / 1e6, counts["activated"] / 1e6,
+           config.optimizer.name, dict(mesh.shape), jax.device_count(), start, t.steps)
+  if main_process:
+    log.info("%s", files_line(workdir))
+  step_fn, evaluate, batches = _programs(config, prog, state, data, train_iter, start)
+  step, eval_loss, stop_signal = _loop(
+      config, workdir, state, step_fn, evaluate, batches,
+      save=lambda step, state, eval_loss: ckpt.save(
+          step, to_logical(state), train_iter,
+          {"step": step, "eval_loss": eval_loss, "seed": int(t.seed)}),
+      eval_loss=meta.get("eval_loss", float("nan")), close=ckpt)
+  stopped = stop_signal if step < t.steps else None
+  summary = _summary(workdir, step, t.steps, eval_loss, data.unigram_baseline, stopped)
+  log.info("%s", summary["line"])
+  if main_process:
+    log.info("%s", files_line(workdir))
+  if stopped is not None:
+    raise SystemExit(128 + stopped)
+  return summary
+
+
+def _initial_state(config, mesh, prog, ckpt, data, init_params):
+  """(state in the trainer's layout, the data iterator, the checkpoint's metadata, a
+  function giving a state's checkpoint layout): restored from the newest checkpoint, else
+  `init_params` with a fresh optimizer state, else a fresh initialization.
+
+  Two views of the state (k2jax.parallel.layout): the trainer's, with the pipelined stack
+  stored in the order the schedule runs it (padded, sharded over `pipeline`), and the logical
+  one checkpoints hold, so they restore on any pipeline size. Without a pipeline they are the
+  same."""
+  t, m = config.train, config.model
+  sp = layout.of(config)
   tx, abstract, shardings = prog.tx, prog.abstract, prog.shardings
   rng = jax.random.key(t.seed)
-  host = config.optimizer.host_state
   if sp is None:
     tx_logical, abstract_logical, ckpt_shardings = tx, abstract, shardings
   else:
     tx_logical = optim.optimizer(config)
     abstract_logical = jax.eval_shape(functools.partial(init_state, config, tx_logical), rng)
     ckpt_shardings = parallel.state_shardings(model.param_specs(m), mesh, abstract_logical,
-                                              tx_logical, spread_layers=True, host_state=host)
-  batch_sharding = prog.batch_sharding
+                                              tx_logical, spread_layers=True,
+                                              host_state=config.optimizer.host_state)
   to_stored = jax.jit(lambda s: layout.convert_state(sp, tx_logical, s, layout.to_stored),
                       out_shardings=shardings, donate_argnums=0)
   to_logical = jax.jit(lambda s: layout.convert_state(sp, tx, s, layout.to_logical),
                        out_shardings=ckpt_shardings)
-
-  ckpt = Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
   try:
     restored = ckpt.restore_latest(
         jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                      abstract_logical, ckpt_shardings), data.train_iter)
   except CheckpointError as e:
-    ckpt.close()
     raise UserError(str(e)) from None
+  logical = (lambda s: s) if sp is None else to_logical
   if restored:
     state, train_iter, meta = restored
     state = TrainState(*state) if not isinstance(state, TrainState) else state
-    state = to_stored(state) if sp is not None else state
-  elif init_params is not None:
+    return (to_stored(state) if sp is not None else state), train_iter, meta, logical
+  if init_params is not None:
     # fine-tuning: the given weights, loaded shard by shard into the stored layout's
     # shardings, and a fresh optimizer state; no random state is built
     state = jax.jit(functools.partial(fresh_state, tx), out_shardings=shardings,
                     donate_argnums=0)(init_params(m, shardings.params, sp))
-    train_iter, meta = data.train_iter(), {}
-  else:
-    # Initialized in the logical layout and then laid out: the same weights on every mesh.
-    state = jax.jit(lambda r: layout.convert_state(
-        sp, tx_logical, init_state(config, tx_logical, r), layout.to_stored),
-        out_shardings=shardings)(rng)
-    train_iter, meta = data.train_iter(), {}
-  start = int(state.step)
-  counts = model.count_params(m)
-  log.info("model: %.3fM params (%.3fM activated); optimizer %s; mesh %s; %d devices; "
-           "starting at step %d of %d", counts["total"] / 1e6, counts["activated"] / 1e6,
-           config.optimizer.name, dict(mesh.shape), jax.device_count(), start, t.steps)
+    return state, data.train_iter(), {}, logical
+  # Initialized in the logical layout and then laid out: the same weights on every mesh.
+  state = jax.jit(lambda r: layout.convert_state(
+      sp, tx_logical, init_state(config, tx_logical, r), layout.to_stored),
+      out_shardings=shardings)(rng)
+  return state, data.train_iter(), {}, logical
 
-  if main_process:
-    log.info("%s", files_line(workdir))
+
+def _programs(config, prog, state, data, train_iter, start):
+  """(step, evaluate(params) -> eval loss, the device batches): the compiled step, the eval
+  loss over train.eval_batches held-out batches, and the training batches read lazily (the
+  iterator's saved position stays the steps taken)."""
+  t = config.train
+  batch_sharding = prog.batch_sharding
   step_fn = prog.step
   eval_fn = jax.jit(functools.partial(eval_step, config),
-                    in_shardings=(shardings.params, batch_sharding))
+                    in_shardings=(prog.shardings.params, batch_sharding))
   eval_batches = [_device_batch(b, batch_sharding) for b in data.eval_batches(t.eval_batches)]
-
-  # read lazily: train_iter's saved position stays the steps taken
   batches = (_device_batch(b, batch_sharding) for b in train_iter)
   if jax.process_count() > 1 and start < t.steps:
     first = next(batches)
@@ -385,17 +418,26 @@ def _run(config, workdir, mesh, data, init_params=None):
     sums = [eval_fn(params, b) for b in eval_batches]
     ce, n = (float(sum(x)) for x in zip(*jax.device_get(sums)))
     return ce / max(n, 1.0)
+  return step_fn, evaluate, batches
 
+
+def _loop(config, workdir, state, step_fn, evaluate, batches, *, save, eval_loss, close):
+  """Steps to train.steps, logging, evaluating and checkpointing on the config's cadence;
+  SIGTERM / SIGINT save a checkpoint at the step all processes agree on and stop there.
+  -> (last step, last eval loss, the signal that stopped it or None). `close` (the
+  checkpointer) is waited for and closed on the way out, whatever happens."""
+  t = config.train
+  main_process = jax.process_index() == 0
+  start = step = int(state.step)
   writer = MetricsWriter(workdir, start, enabled=main_process)
   stop = _StopFlag()
   old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
   tokens_per_step = t.batch_size * t.seq_len
-  flops_per_token = model.flops_per_token(m, t.seq_len)
+  flops_per_token = model.flops_per_token(config.model, t.seq_len)
   last = {"time": time.perf_counter(), "step": start}
-  row, eval_loss = {}, meta.get("eval_loss", float("nan"))
   bar = tqdm(total=t.steps, initial=start, disable=not main_process, dynamic_ncols=True,
              desc="train")
-  step, stop_signal, shown = start, None, {}
+  row, stop_signal, shown = {}, None, {}
   try:
     previous = None  # the last step's (number, nan streak), read once the next step is queued
     while step < t.steps:
@@ -410,24 +452,21 @@ def _run(config, workdir, mesh, data, init_params=None):
       if log_step:
         row = {k: v.item() if np.ndim(v) == 0 else v for k, v in jax.device_get(metrics).items()}
         _check_divergence(step, row.pop("nan_streak"), t.max_nan_steps)
-        skipped = int(jax.device_get(state.skipped))
         now = time.perf_counter()
         tps = tokens_per_step * (step - last["step"]) / (now - last["time"])
         last.update(time=now, step=step)
-        row.update(skipped_steps=skipped, tokens_per_s=tps,
+        row.update(skipped_steps=int(jax.device_get(state.skipped)), tokens_per_s=tps,
                    model_tflops_per_s=tps * flops_per_token / 1e12)
         row.pop("finite")
       if step % t.eval_every == 0 or step == t.steps:
-        eval_loss = evaluate(state.params)
-        row["eval_loss"] = eval_loss
+        eval_loss = row["eval_loss"] = evaluate(state.params)
       if row:
         writer.write(step, row)
         bar.set_postfix(postfix(shown, row))
         row = {}
       if t.checkpoint_every and (step % t.checkpoint_every == 0 or step == t.steps
                                  or stop_signal is not None):
-        ckpt.save(step, to_logical(state) if sp is not None else state, train_iter,
-                  {"step": step, "eval_loss": eval_loss, "seed": int(t.seed)})
+        save(step, state, eval_loss)
       if stop_signal is not None:
         log.warning("received signal %d: saved checkpoint at step %d; exiting", stop_signal, step)
         break
@@ -435,20 +474,12 @@ def _run(config, workdir, mesh, data, init_params=None):
       _check_divergence(*previous, t.max_nan_steps)
   finally:
     bar.close()
-    ckpt.wait()
-    ckpt.close()
+    close.wait()
+    close.close()
     writer.close()
     for s, h in old_handlers.items():
       signal.signal(s, h)
-
-  stopped = stop_signal if step < t.steps else None
-  summary = _summary(workdir, step, t.steps, eval_loss, data.unigram_baseline, stopped)
-  log.info("%s", summary["line"])
-  if main_process:
-    log.info("%s", files_line(workdir))
-  if stopped is not None:
-    raise SystemExit(128 + stopped)
-  return summary
+  return step, eval_loss, stop_signal
 
 
 _POSTFIX = {"loss": ".3f", "eval_loss": ".3f", "max_logit": ".1f"}
