@@ -205,6 +205,59 @@ def _scores(logits, tokens, top: int) -> dict:
   return out
 
 
+# The engine programs' pieces: sampling with per-row keys, and moving rows between the
+# engine's cache and a step's own (module level so `_programs` reads as its three programs).
+
+def _draw(logits, seeds, t, temperature, top_k, top_p, allowed, filtered, pen=None, ps=None):
+  """Each row's token t, sampled with its own key fold_in(key(seed), t)."""
+  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, t)
+  if pen is not None:       # the request's penalties, bias and min_tokens (generate.penalize)
+    logits = penalize(logits, pen, t=t, **ps)
+  return sample_rows(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p,
+                     allowed=allowed, filtered=filtered)
+
+
+def _first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top, pen=None,
+           ps=None):
+  """A new row's first token (its key's index 0) and its scores."""
+  tok = _draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
+              allowed, filtered, pen, ps)
+  return tok, ({"first": _scores(logits, tok, top)} if top >= 0 else {})
+
+
+def _take(pen, slots):
+  """The penalty rows of `slots`."""
+  return jax.tree.map(lambda a: jnp.take(a, slots, axis=0, mode="clip"), pen)
+
+
+def _give(pen, sub, slots):
+  """`sub` written back into the penalty rows of `slots` (padding slots dropped)."""
+  return jax.tree.map(lambda a, b: a.at[slots].set(b, mode="drop"), pen, sub)
+
+
+def _gather(cache, slots, span, lengths, every=False):
+  """Rows `slots` of the cache over its first `span` positions, at `lengths` (a padding
+  index past the cache reads a clipped row and is dropped by `_put`); every: slots are all
+  of them in order, the cache's own rows where they are."""
+  pick = (lambda a: a[:, :, :span]) if every else (
+      lambda a: jnp.take(a[:, :, :span], slots, axis=1, mode="clip"))
+  return decode.Cache({name: decode.Latents(*map(pick, lat))
+                       for name, lat in cache.layers.items()}, lengths)
+
+
+def _put(cache, sub, slots, every=False):
+  """`sub` (rows `slots`, its own positions from 0) written back into the cache, which
+  stays where generate.cache_specs places it."""
+  def write(big, small):
+    if every:
+      return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=2)
+    return big.at[:, slots, :small.shape[2]].set(small.astype(big.dtype), mode="drop")
+  layers = {name: decode.Latents(*map(write, cache.layers[name], sub.layers[name]))
+            for name in cache.layers}
+  return place_cache(decode.Cache(layers,
+                                  cache.lengths.at[slots].set(sub.lengths, mode="drop")))
+
+
 def _programs(cfg, rows: int, S: int):
   """(admit, steps): the engine's two jitted programs over a cache of `rows` x `S` tokens.
 
@@ -220,47 +273,6 @@ def _programs(cfg, rows: int, S: int):
   filtered: some row uses top_k / top_p. top: -1, or the sampled tokens' `_scores` with that
   many alternatives (admit: "first"; with echo also "prompt", of tokens[:, 1:]).
   """
-  def draw(logits, seeds, t, temperature, top_k, top_p, allowed, filtered, pen=None, ps=None):
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, t)
-    if pen is not None:       # the request's penalties, bias and min_tokens (generate.penalize)
-      logits = penalize(logits, pen, t=t, **ps)
-    return sample_rows(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p,
-                       allowed=allowed, filtered=filtered)
-
-  def first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top, pen=None,
-            ps=None):
-    """A new row's first token (its key's index 0) and its scores."""
-    tok = draw(logits, seeds, jnp.zeros_like(seeds, jnp.int32), temperature, top_k, top_p,
-               allowed, filtered, pen, ps)
-    return tok, ({"first": _scores(logits, tok, top)} if top >= 0 else {})
-
-  def take(pen, slots):
-    return jax.tree.map(lambda a: jnp.take(a, slots, axis=0, mode="clip"), pen)
-
-  def give(pen, sub, slots):
-    return jax.tree.map(lambda a, b: a.at[slots].set(b, mode="drop"), pen, sub)
-
-  def gather(cache, slots, span, lengths, every=False):
-    """Rows `slots` of the cache over its first `span` positions, at `lengths` (a padding
-    index past the cache reads a clipped row and is dropped by `put`); every: slots are all
-    of them in order, the cache's own rows where they are."""
-    pick = (lambda a: a[:, :, :span]) if every else (
-        lambda a: jnp.take(a[:, :, :span], slots, axis=1, mode="clip"))
-    return decode.Cache({name: decode.Latents(*map(pick, lat))
-                         for name, lat in cache.layers.items()}, lengths)
-
-  def put(cache, sub, slots, every=False):
-    """`sub` (rows `slots`, its own positions from 0) written back into the cache, which
-    stays where generate.cache_specs places it."""
-    def write(big, small):
-      if every:
-        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), 0, axis=2)
-      return big.at[:, slots, :small.shape[2]].set(small.astype(big.dtype), mode="drop")
-    layers = {name: decode.Latents(*map(write, cache.layers[name], sub.layers[name]))
-              for name in cache.layers}
-    return place_cache(decode.Cache(layers,
-                                    cache.lengths.at[slots].set(sub.lengths, mode="drop")))
-
   def admit(params, cache, tokens, lengths, slots, seeds, temperature, top_k, top_p, allowed,
             filtered, top, echo, pen=None, ps=None, bias_ids=None, bias_values=None):
     b, T = tokens.shape
@@ -270,46 +282,46 @@ def _programs(cfg, rows: int, S: int):
     if pen is not None:       # the new rows' penalty rows start afresh
       prompts = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], tokens, -1)
       sub = Penalties.fresh(prompts, bias_ids, bias_values, cfg.vocab_size)
-    tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top, sub,
+    tok, scores = _first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top, sub,
                         ps)
     if echo:
       scores["prompt"] = _scores(every[0][:, :-1], tokens[:, 1:], top)
     if pen is not None:
-      pen = give(pen, sub.seen(tok), slots)
-    return tok, scores, put(cache, new, slots), pen
+      pen = _give(pen, sub.seen(tok), slots)
+    return tok, scores, _put(cache, new, slots), pen
 
   def steps(params, cache, slots, tokens, seeds, t, temperature, top_k, top_p, active, allowed,
             n, span, filtered, top, every=False, pen=None, ps=None):
     # The occupied slots' rows over the first `span` positions: the work of a step follows
     # the rows and lengths in use, not the cache's size or where the rows sit in it (but
     # for `every`, whose slots are split over the mesh's devices).
-    sub = gather(cache, slots, span,
+    sub = _gather(cache, slots, span,
                  jnp.where(active, jnp.take(cache.lengths, slots, mode="clip"), span), every)
-    got = None if pen is None else take(pen, slots)
+    got = None if pen is None else _take(pen, slots)
 
     def body(carry, i):
       sub, tok, rows = carry
       logits, sub = decode.decode_step(cfg, params, sub, tok)
       # a padding row sits past the sub-cache's end: its writes are dropped
       sub = sub._replace(lengths=jnp.where(active, sub.lengths, span))
-      nxt = draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered, rows, ps)
+      nxt = _draw(logits, seeds, t + i, temperature, top_k, top_p, allowed, filtered, rows, ps)
       rows = None if rows is None else rows.seen(nxt)
       return (sub, nxt, rows), (nxt, _scores(logits, nxt, top) if top >= 0 else {})
     (sub, _, got), (toks, scores) = jax.lax.scan(body, (sub, tokens, got), jnp.arange(n))
     # (a padding row's length is the span: its slot keeps the length it had)
     sub = sub._replace(lengths=jnp.where(active, sub.lengths,
                                          jnp.take(cache.lengths, slots, mode="clip")))
-    return (toks, scores, put(cache, sub, slots, every),
-            None if pen is None else give(pen, got, slots))
+    return (toks, scores, _put(cache, sub, slots, every),
+            None if pen is None else _give(pen, got, slots))
 
   def reuse(params, cache, tokens, counts, starts, slots, seeds, temperature, top_k, top_p,
             allowed, filtered, top, span):
     # Rows whose slot holds their prompt's first starts[b] tokens: only the rest is run
     # (decode.extend) over the slot's first `span` positions.
-    logits, sub = decode.extend(cfg, params, gather(cache, slots, span, starts), tokens,
+    logits, sub = decode.extend(cfg, params, _gather(cache, slots, span, starts), tokens,
                                 counts)
-    tok, scores = first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top)
-    return tok, scores, put(cache, sub, slots)     # (rows with penalties are never reused)
+    tok, scores = _first(logits, seeds, temperature, top_k, top_p, allowed, filtered, top)
+    return tok, scores, _put(cache, sub, slots)     # (rows with penalties are never reused)
 
   return (jax.jit(admit, static_argnames=("filtered", "top", "echo"),
                   donate_argnames=("cache", "pen")),
