@@ -8,6 +8,8 @@ by the code that does the thing.
   page states the table's date, machine and commit once, above it.
 - `guides/img/schedule_*.png`: tick diagrams of the pipeline schedules, drawn from
   `k2jax.parallel.schedules.build`, the table the jitted loop runs.
+- `guides/img/memory_kimi_k2.png`: memory per device of the K2 preset on its 2,048 chips,
+  from `k2jax.plan.estimate`, the count `python -m k2jax.plan` prints.
 
 Python-Markdown, mkdocs-material and mkdocstrings do the rest; these are the two things no
 plugin knows about our repository.
@@ -25,9 +27,11 @@ from mkdocs.structure.files import File
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 PUBLISHED = (".csv", ".png", ".md", ".json", ".log", ".txt", ".svg")
-TABLE = re.compile(r"<!--\s*table:\s*(\S+)((?:\s+\w+=\S+)*)\s*-->")
+# a directive is a line of its own (quoted in code, as in docs/development.md, it is text)
+TABLE = re.compile(r"^<!--\s*table:\s*(\S+)((?:\s+\w+=\S+)*)\s*-->$", re.M)
 # (schedule, pipeline devices P, virtual stages V, microbatches M) drawn for the guide
 SCHEDULE_FIGURES = (("1f1b", 4, 2, 8), ("gpipe", 4, 2, 8), ("zbh1", 4, 2, 8))
+MEMORY_MESH = {"pipeline": 16, "data": 8, "context": 1, "expert": 16}   # the report's layout
 
 
 def on_files(files, config):
@@ -40,6 +44,8 @@ def on_files(files, config):
   for name, P, V, M in SCHEDULE_FIGURES:
     files.append(File.generated(config, f"guides/img/schedule_{name}.png",
                                 content=schedule_png(name, P, V, M)))
+  files.append(File.generated(config, "guides/img/memory_kimi_k2.png",
+                              content=memory_png("kimi_k2", MEMORY_MESH)))
   return files
 
 
@@ -125,6 +131,46 @@ def schedule_png(name: str, P: int, V: int, M: int) -> bytes:
   ax.set_title(f"{name}: {P} devices x {V} virtual stages, {M} microbatches", fontsize=10)
   handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in kinds]
   ax.legend(handles, kinds, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+  buf = io.BytesIO()
+  fig.tight_layout()
+  fig.savefig(buf, format="png", dpi=110)
+  plt.close(fig)
+  return buf.getvalue()
+
+
+def memory_png(preset: str, mesh: dict) -> bytes:
+  """Stacked bars of what one device holds (plan.estimate): on the device while the
+  gradients are computed and during the update, and in host memory."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from k2jax import plan
+
+  est = plan.estimate(preset, mesh)
+  st, GB = est.states, 1e9
+  device = [("params", st["params"]), ("gradient sums", st["loop_sums"]),
+            ("weights gathered in the loop", st["loop_copy"] + st["cast_copy"]),
+            ("activations", est.acts.device)]
+  bars = {"device: gradients": device,
+          "device: update": [("the update (params, gradient slices, states, Muon's gathers)",
+                              est.update)],
+          "host": [("optimizer states", st["optimizer_host"]),
+                   ("stage residuals (offload)", est.acts.host)]}
+  fig, ax = plt.subplots(figsize=(8.0, 2.8))
+  colours = iter(plt.cm.tab10.colors)
+  for y, (label, parts) in enumerate(bars.items()):
+    left = 0.0
+    for name, b in parts:
+      ax.barh(y, b / GB, left=left, color=next(colours), label=f"{name} {b / GB:.1f}")
+      left += b / GB
+  ax.set_yticks(range(len(bars)), list(bars))
+  ax.invert_yaxis()
+  ax.set_xlabel("GB per device (bytes held, as plan counts them)")
+  ax.set_title(f"{preset} on {' x '.join(f'{k} {v}' for k, v in mesh.items() if v > 1)}",
+               fontsize=10)
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
   buf = io.BytesIO()
   fig.tight_layout()
   fig.savefig(buf, format="png", dpi=110)
