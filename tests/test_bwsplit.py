@@ -117,3 +117,42 @@ def test_a_shard_map_is_cut_so_its_weight_gradients_are_w():
     np.testing.assert_allclose(dx[0], g_x, rtol=1e-12, atol=1e-12)
     for got, want in zip(late, jax.tree.leaves(g_w)):
       np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("in_shard_map", [False, True])
+def test_a_weight_gradient_from_both_halves_is_taken_in_two_parts(in_shard_map):
+  """A weight used inside a lax.cond that dx needs and by a matmul outside it (the expert
+  exchange's pattern: a capacity that recomputes makes its expert gradients in the input-
+  gradient switch, the kept ones in the weight-gradient switch): its gradient is a sum of a
+  B part and a W part, each half adds its own, and B hands W nothing weight-sized; also
+  inside a shard_map that bwsplit cuts in two (float64, odd sizes)."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def body(m, o, x):
+    h = jax.lax.cond(True, lambda a: jnp.tanh(a @ m), lambda a: a @ m, x)
+    return h @ o + jnp.sin(x @ m)
+
+  def fn(w, x):
+    if not in_shard_map:
+      return body(w["m"], w["o"], x)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                         out_specs=P("data"))(w["m"], w["o"], x)
+
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.key(7), 4)
+    n, d, f = 5, 7, 11
+    w = {"m": jax.random.normal(k[0], (d, f), jnp.float64),
+         "o": jax.random.normal(k[1], (f, f), jnp.float64)}
+    x = jax.random.normal(k[2], (n, d), jnp.float64)
+    y, vjp, wl, res, sp = _split_of(fn, w, x)
+    assert sp.early == (0,) and sp.late == (0, 1)      # "m" in both halves, "o" in W
+    dy = jax.random.normal(k[3], y.shape, jnp.float64)
+    dx, early, cut = sp.b(*wl, *res, dy)
+    late = sp.w(list(wl) + res, cut)
+    g_w, g_x = vjp(dy)
+    np.testing.assert_allclose(dx[0], g_x, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(early[0] + late[0], g_w["m"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(late[1], g_w["o"], rtol=1e-12, atol=1e-12)
+    assert early[1] is None
+    assert all(c.shape[-2:] != (d, f) for c in sp.cut_avals), sp.cut_avals
