@@ -58,7 +58,7 @@ def test_k2_runs_one_sequence_per_device_per_microbatch_on_any_data_size():
     ("q_lora_rank", -1, "model.q_lora_rank = -1: must be positive"),
     ("dtype", "float16", "model.dtype = 'float16': must be one of float32, bfloat16"),
     ("scoring_func", "softmax", "model.scoring_func = 'softmax'"),
-    ("ep_round_load", 0.5, "model.ep_round_load = 0.5: must be >= 1 (x the balanced load)"),
+    ("ep_round_load", 1.1, "model.ep_round_load = 1.1: must be >= 1.25 (x the balanced load)"),
 ])
 def test_invalid_model_values_name_key_value_and_rule(key, value, fragment):
   cfg = configs.get_config("tiny")

@@ -104,8 +104,13 @@ def validate_model(m: config_dict.ConfigDict, group: str = "model") -> None:
           "tied embeddings are not implemented")
   if m.get("context_chunk", 128) < 1:
     _fail(f"{group}.context_chunk", m.context_chunk, "must be >= 1")
-  if m.get("ep_round_load", 2.0) < 1:
-    _fail(f"{group}.ep_round_load", m.ep_round_load, "must be >= 1 (x the balanced load)")
+  # A round smaller than the smallest capacity (kernels/buckets.py: 1.25x the balanced load,
+  # the one whose residuals are kept) puts every capacity in rounds, which keep nothing: every
+  # backward pass would recompute its exchange (k2jax.model.expert_parallel).
+  if m.get("ep_round_load", 2.0) < 1.25:
+    _fail(f"{group}.ep_round_load", m.ep_round_load,
+          "must be >= 1.25 (x the balanced load): smaller rounds keep no residuals, so every "
+          "backward pass recomputes the expert exchange")
   for key, allowed in (("dtype", ("float32", "bfloat16")), ("param_dtype", ("float32", "bfloat16")),
                        ("moe_impl", ("auto", "blocked", "ragged", "capacity", "pallas_gpu", "tokamax", "gather", "dense")), ("remat", ("none", "selective", "full")),
                        ("activation_storage", ("model", "fp8")),
