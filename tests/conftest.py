@@ -4,6 +4,7 @@ Many tests compile the same small programs (in-process and in subprocesses, whic
 the environment); the cache turns repeated compiles into lookups."""
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -23,8 +24,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.realpath(REPO)]
 os.environ["PYTHONSAFEPATH"] = "1"
 
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), f"k2jax-test-xla-cache-{os.getuid()}"))
+# A cache of this run only: a fixed directory kept programs from earlier runs (an earlier
+# checkout's included), so a run's time and what it compiled depended on what ran before it.
+# Made where the session starts (pytest-xdist's workers start after, and inherit it; so do
+# the tests' subprocesses) and removed when it ends; JAX_COMPILATION_CACHE_DIR set by the
+# caller is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+      prefix="k2jax-test-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # The test extra installs libtpu so XLA:TPU can compile for TPU topologies (compile only,
 # tests/test_tpu_*.py); with it installed JAX would also try to start a TPU backend here and
@@ -33,6 +40,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu lets one process per machine load it unless told otherwise; pytest-xdist's workers
 # and the tests' subprocesses each compile for TPU
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def pytest_unconfigure(config):
+  if "_OWN_CACHE" in globals() and not hasattr(config, "workerinput"):
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
