@@ -9,6 +9,7 @@ tests/test_pipeline_meshes.py).
 import functools
 import json
 import os
+import re
 import sys
 
 import jax
@@ -30,8 +31,17 @@ def meshes(out, *rest):
   from k2jax import metrics, train
   from k2jax import step as step_lib
   from k2jax.parallel import pipeline, schedules
+  from orbax.checkpoint._src.serialization import replica_slices
   sep = rest.index("--")
   specs, cli = rest[:sep], list(rest[sep + 1:])
+  # Each replicated array orbax saves is cut into one slice per replica, each slice an eager
+  # jit XLA:CPU compiles (~320 programs a pipelined mesh, about a fifth of its run); one
+  # replica writing each shard whole saves the same bytes. (test_parallel's other
+  # checkpoint tests save as a run does.)
+  sliced = replica_slices.get_replica_slices
+  unsliced = mock.patch.object(replica_slices, "get_replica_slices",
+                               lambda arr, replica_id, _, *a, **k: sliced(arr, replica_id, False,
+                                                                         *a, **k))
   base, _ = train.parse(["k2jax.train", *cli, f"--workdir={out}"])
   result = {}
   for s in specs:
@@ -64,7 +74,7 @@ def meshes(out, *rest):
     # one checkpoint, of the final state: what _save_state reads back
     config.train.checkpoint_every = config.train.steps
     workdir = f"{out}/{s.replace('/', '_')}"
-    with patch:
+    with patch, unsliced:
       train.train(config, workdir)
     result[s] = {r["step"]: [r["loss"], r["max_logit"]] for r in metrics.read(workdir)}
     _save_state(workdir)
@@ -330,16 +340,51 @@ def ep_transports(part="0/1"):
   print("RESULT " + json.dumps(out))
 
 
+def param_forms(params):
+  """[(shape, path)]: every parameter of a params tree as a device can see it: its global
+  shape, its shard on the mesh (as stored), and with the leading dimensions of either
+  dropped (one layer of a stack, one expert, one row): the weight-shaped operands a
+  collective inside the pipeline's loop must not have."""
+  forms = []
+  for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = jax.tree_util.keystr(path)
+    for shape in {tuple(a.shape), tuple(a.sharding.shard_shape(a.shape))}:
+      forms += [(shape[k:], name) for k in range(len(shape)) if shape[k:]]
+  return forms
+
+
 def tick_collectives():
   """Every collective inside the tick loop of the pipelined step on pipeline 2 x data 2 x
   expert 2 with phases skipped per device (compiled, not run), as
-  experiments/tick_collectives.py reads them: op, bytes, weight-shaped, mesh axes spanned."""
-  import os
+  experiments/tick_collectives.py reads them: op, bytes, the parameters it is shaped like,
+  mesh axes spanned, operand shapes; and the same for the collectives after the loop (the
+  gradient reductions, which are weight-shaped). Weight shapes come from every parameter of
+  the state the step takes (`param_forms`; each split by 2, 4, 8 as the mesh could split
+  it, tick_collectives.weight_shapes)."""
+  from unittest import mock
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+  import pipeline_hlo
   import tick_collectives
-  rec, rows = tick_collectives.measure("test")
-  print("RESULT " + json.dumps({"rows": [[op, b, w, list(axes)]
-                                         for op, b, w, _, _, axes in rows]}))
+  mesh = (2, 2, 2)
+  compiled, _, state, _, _, _ = pipeline_hlo.build(mesh, seq=tick_collectives.SEQ,
+                                                   skip="device")
+  names = {}   # {weight shape: the parameters it is a form of}
+  for f, name in param_forms(state.params):
+    for shape in tick_collectives.weight_shapes([f]):
+      names.setdefault(shape, set()).add(name)
+  weights = dict.fromkeys(names, 0)
+  hlo = compiled.as_text()
+  comps, inside = pipeline_hlo.tick_loop(hlo)
+
+  def rows(where):
+    with mock.patch.object(pipeline_hlo, "tick_loop", lambda _: (comps, where)):
+      found = tick_collectives.loop_collectives(hlo, weights, mesh=mesh)
+    return [[op, b, sorted({n for s in re.findall(r"\[([\d, ]*)\]", shapes)
+                            for n in names.get(tuple(int(x) for x in s.split(",")
+                                                     if x.strip() not in ("", "1")), ())}),
+             list(axes), shapes] for op, b, _, shapes, _, axes in found]
+  print("RESULT " + json.dumps({"rows": rows(inside), "after": rows(set(comps) - inside),
+                                "params": sorted({n for v in names.values() for n in v})}))
 
 
 def pipeline_collectives():

@@ -121,13 +121,15 @@ def test_the_state_comparison_sees_a_gradient_fault_the_losses_do_not(pipeline_r
 
 def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_runs):
   """Checkpoints hold the logical layer order: 8 MoE layers stored as 2 x 3 stages of 2 (4
-  padding rows, stages round-robin) resume on one device and back."""
+  padding rows, stages round-robin) resume on one device and back. The session's
+  compilation cache (tests/conftest.py), as the other CLI runs: without it the trainer
+  fell back to its own in the home directory (`--compilation_cache`), kept between runs."""
   src = tmp_path / "p2"
   pipe = ["--config.mesh.pipeline=2", "--config.mesh.data=4", "--config.train.grad_accum=4",
           "--config.mesh.virtual_stages=3"]
   run = lambda devices, wd, *extra: subprocess.Popen(
       [sys.executable, "-m", "k2jax.train", *PIPE_CLI, f"--workdir={wd}",
-       "--config.train.checkpoint_every=1", *extra], cwd=REPO, env=env(devices, cache=False),
+       "--config.train.checkpoint_every=1", *extra], cwd=REPO, env=env(devices),
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   err = finish(run(8, src, *pipe))
   assert "pipeline: 8 moe_layers over 2 devices x 3 virtual" in err
@@ -147,18 +149,32 @@ def test_pipeline_checkpoint_moves_to_one_device_and_back(tmp_path, pipeline_run
 
 def test_no_weight_shaped_collective_inside_the_tick_loop():
   """Pipeline 2 x data 2 x expert 2, phases skipped per device as on GPU / TPU: no
-  collective inside the tick loop has an operand shaped like a layer's parameter (whole or
-  split). Each device sums its own tokens' weight gradients through the loop, reduced over
-  data x expert once, after it, and holds the weights stored split only for memory whole,
-  gathered once as the pipeline's shard_map opens (pipeline.replica_axes, inner_specs).
-  At 176a819 the experts' gradients were all-reduced over `data` in every backward phase;
-  at 181fb95 the weights split over `expert` were still gathered, and their gradients
-  reduced, in every phase (24 weight-shaped ops here). What is left: the ring transfers
-  over `pipeline`, the MoE's exchange over `expert`, the head's sums, statistics."""
-  rows = worker(8, "tick_collectives")["rows"]
-  assert not [r for r in rows if r[2]], [r for r in rows if r[2]]
-  assert any(r[0] == "collective-permute" and r[3] == ["pipeline"] for r in rows), rows
-  assert any(r[0] == "all-to-all" and r[3] == ["expert"] for r in rows), rows
+  collective inside the tick loop has an operand shaped like a parameter: any leaf of the
+  whole parameter tree (embedding, dense layers, MoE stack, final norm, head), whole, as
+  stored on a device, one layer or row of it, or split as the mesh could split it
+  (parallel_worker.param_forms). Each device sums its own tokens' weight gradients through
+  the loop, reduced over data x expert once, after it, and holds the weights stored split
+  only for memory whole, gathered once as the pipeline's shard_map opens
+  (pipeline.replica_axes, inner_specs). At 176a819 the experts' gradients were all-reduced
+  over `data` in every backward phase; at 181fb95 the weights split over `expert` were still
+  gathered, and their gradients reduced, in every phase (24 weight-shaped ops here). What is
+  left: the ring transfers over `pipeline`, the MoE's exchange over `expert`, the head's
+  sums, statistics. The same reading sees the reductions after the loop as weight-shaped,
+  the embedding gradient's over `data` among them. Checked by a fault: that psum made
+  inside the pipeline's shard_map as well (embedding._scatter summing over the token axes
+  it does not own when `plan.manual`), this test failed on its all-reduce of f32[132, 128]
+  over data in the loop, which a reading of the MoE stack's shapes alone did not flag."""
+  r = worker(8, "tick_collectives")
+  rows, after = r["rows"], r["after"]
+  assert {p.split("]")[0] + "]" for p in r["params"]} == {
+      "['embed']", "['dense_layers']", "['moe_layers']", "['final_norm']", "['lm_head']"}, r
+  assert not [x for x in rows if x[2]], [x for x in rows if x[2]]
+  assert any(x[0] == "collective-permute" and x[3] == ["pipeline"] for x in rows), rows
+  assert any(x[0] == "all-to-all" and x[3] == ["expert"] for x in rows), rows
+  # the shapes do match weight collectives: the gradient reductions after the loop
+  reduced = [x for x in after if x[0] in ("all-reduce", "reduce-scatter") and x[2]]
+  assert any("data" in x[3] and "['embed']" in x[2] for x in reduced), after
+  assert any(any(n.startswith("['moe_layers']") for n in x[2]) for x in reduced), after
 
 
 def test_no_weight_moves_between_pipeline_devices():
