@@ -221,58 +221,6 @@ def test_rounds_equal_the_single_shot_exchange_forward_and_gradients(cases):
       assert max(err.values()) < TOL, (case, err)
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("round_rows", [None, 8])
-def test_a_capacity_that_keeps_nothing_is_recomputed_once(round_rows, split):
-  """The gradient of the ragged exchange (traced on an abstract expert 4 mesh, 5 tokens of
-  top-3 a device: capacities 24 32 48 60) holds three scans per capacity that runs in
-  rounds: its forward, and one recompute (a forward and its transpose) in the backward
-  that gives every cotangent; it was five, the input and the weight gradients each
-  recomputing the branch. With the default bound (2x the balanced load, 30 rows) the two
-  largest capacities run in rounds; with 8-row rounds all four. Also in the two-switch
-  form a backward traced for k2jax.parallel.bwsplit takes (`split`)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.extend import core as jcore
-  from jax.sharding import PartitionSpec as P
-  from k2jax.model import expert_parallel
-  from k2jax.parallel import bwsplit
-
-  def count(jaxpr, name, branches=None):
-    return sum((e.primitive.name == name
-                and (branches is None or len(e.params["branches"]) == branches))
-               + sum(count(j, name, branches) for j in jcore.jaxprs_in_params(e.params))
-               for e in jaxpr.eqns)
-
-  ep, n, k, d, f = 4, 5, 3, 6, 10
-  mesh = jax.sharding.AbstractMesh((ep,), ("expert",))
-  run = jax.shard_map(lambda p, x, i, w: expert_parallel.experts_all_to_all(
-      p, x, i, w, "expert", transport="ragged", round_rows=round_rows),
-      mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert"))
-  z = lambda *shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)
-  p = {"gate": z(2 * ep, d, f), "up": z(2 * ep, d, f), "down": z(2 * ep, f, d)}
-  grad = jax.grad(lambda p, x, w, i: jnp.sum(run(p, x, i, w)), argnums=(0, 1, 2))
-  token = bwsplit._SPLITTING.set(split)        # what bwsplit.split sets while it traces
-  try:
-    jaxpr = jax.make_jaxpr(grad)(p, z(ep * n, d), z(ep * n, k), z(ep * n, k, dt=jnp.int32))
-  finally:
-    bwsplit._SPLITTING.reset(token)
-  in_rounds = 2 if round_rows is None else 4
-  assert count(jaxpr.jaxpr, "scan") == 3 * in_rounds
-  # switches over the 4 capacities: the forward's, and the backward's one or, split, two
-  # (one where no capacity keeps)
-  switches = 1 + (1 if not split else 2 if round_rows is None else 1)
-  assert count(jaxpr.jaxpr, "cond", 4) == switches
-  if round_rows is None and not split:
-    # rounds smaller than the smallest capacity (1.25x) would keep nothing: refused (at 64
-    # tokens a device: at 5 the two sizes round up to the same 8-row multiple)
-    small = jax.shard_map(lambda p, x, i, w: expert_parallel.experts_all_to_all(
-        p, x, i, w, "expert", transport="ragged", round_load=1.1),
-        mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert"))
-    with pytest.raises(ValueError, match=r"round_load = 1.1: must be >= 1.25"):
-      jax.make_jaxpr(small)(p, z(ep * 64, d), z(ep * 64, k, dt=jnp.int32), z(ep * 64, k))
-
-
 if __name__ == "__main__":
   {"cases": _cases}[sys.argv[1]](*sys.argv[2:])
 

@@ -65,13 +65,7 @@ the combine weight of row a,
     dW_d = (w h)^T dy,   then SwiGLU's and the up-projections' gradients as usual.
 
 A step whose routing needs a larger buffer than the saved size recomputes its exchange in
-the backward pass, once (one vjp gives every cotangent; correct, slower; rare once the
-router bias balances the load).
-
-Invalid tokens (`valid` False: padding, segment id 0) are not sent: their assignments take
-destination ep, sorted after every real one, so no transport moves them and the counts that
-pick the capacity leave them out (`sort_assignments`). Padding rows share one embedding and
-so one top-k: sent, they all landed on the few shards holding it (experiments/ep_padding.py).
+the backward pass (correct, slower; rare once the router bias balances the load).
 """
 
 import functools
@@ -344,118 +338,92 @@ def _exchange_fwd(plan, p, x, w, route):
   return y, (p, x, w, route, res)
 
 
-def _loaded(plan, res, c, ep, dt):
-  """Capacity c's kept residuals, unpadded -> (rows n, xs, g, u, ws, by_expert, sizes)."""
-  n = plan.received(c, ep)
-  xs, g, u = (a[:n] for a in _load(plan, res, dt))
-  return n, xs, g, u, res["ws"][:n], res["by_expert"][:n], res["sizes"]
-
-
-def _mm_vjp(a, wt, ct, sizes):
-  """(d a, d wt) of grouped_matmul(a, wt) for its output's cotangent ct."""
-  return jax.vjp(lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(a.dtype))[1](ct)
-
-
-def _typed_zeros(tree):
-  """Zeros of the type of each of `tree`'s leaves (varying where it is)."""
-  return jax.tree.map(lambda a: varying_like(jnp.zeros(a.shape, a.dtype), a), tree)
-
-
-def _recompute(plan, c, p, x, w, route, dy):
-  """Capacity c's exchange again under autodiff (its buffers were too large to keep): one
-  vjp, every cotangent -> (dp, dx, dw)."""
-  _, f_vjp = jax.vjp(lambda p, x, w: _branch(plan, c, p, x, w, route, False)[0], p, x, w)
-  return _cotangents(f_vjp(dy), (p, x, w))
-
-
-def _input_grads(plan, c, early: bool, p, x, w, route, res, dy):
-  """B's half of capacity c's backward -> (dx, dw, the rows W reads: the cotangents of the
-  down-projection's output and input [plan.saved, d], [plan.saved, f], then with `early`
-  the expert gradients, made here where c recomputes (zeros where it keeps))."""
-  ep, dt = route.counts.shape[0], x.dtype
-  S, d, f = plan.saved, x.shape[-1], p["gate"].shape[-1]
-  as_x = lambda t: jax.tree.map(lambda a: varying_like(a, x), t)
-  if not plan.keeps(c, ep):
-    dp, dx, dw = _recompute(plan, c, p, x, w, route, dy)
-    rows = as_x((jnp.zeros((S, d), dt), jnp.zeros((S, f), dt)))
-    return (dx, dw, rows) + ((dp,) if early else ())
-  n, xs, g, u, ws, by_expert, sizes = _loaded(plan, res, c, ep, dt)
-  # _send and _back move rows along the same routes in opposite directions, so each is
-  # the other's transpose (padding rows carry nothing either way).
-  d_o = _permute(_send(plan, route, c, dy, 0), by_expert)
-  h = _swiglu(g, u)
-  dh_u = _mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o, sizes)[0]
-  d_ws = jnp.sum(dh_u.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
-  dh = (ws[:, None] * dh_u.astype(jnp.float32)).astype(dt)
-  dg, du = jax.vjp(_swiglu, g, u)[1](dh)
-  dxs = _mm_vjp(xs, p["gate"], dg, sizes)[0] + _mm_vjp(xs, p["up"], du, sizes)[0]
-  unsort = functools.partial(_unpermute, perm=by_expert)
-  d_x = _back(plan, route, c, unsort(dxs))
-  d_w = _back(plan, route, c, unsort(d_ws))
-  d_x = jnp.zeros_like(x).at[route.token].add(d_x)
-  pad = lambda a: jnp.pad(a, [(0, S - n), (0, 0)])
-  out = (*_cotangents((d_x, d_w), (x, w)), as_x((pad(d_o), pad(dh_u))))
-  return out + ((_typed_zeros(p),) if early else ())
-
-
-def _weight_grads(plan, c, p, route, res, rows, dt):
-  """W's half of capacity c's backward: the expert gradients from the rows B hands over
-  (zeros where c recomputes: B made them)."""
-  ep = route.counts.shape[0]
-  if not plan.keeps(c, ep):
-    return _typed_zeros(p)
-  n, xs, g, u, ws, by_expert, sizes = _loaded(plan, res, c, ep, dt)
-  d_o, dh_u = (a[:n] for a in rows)
-  h = _swiglu(g, u)
-  # each switch takes one half of a grouped matmul's vjp; XLA drops the other half
-  d_down = _mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
-                   sizes)[1]
-  dg, du = jax.vjp(_swiglu, g, u)[1]((ws[:, None] * dh_u.astype(jnp.float32)).astype(dt))
-  d_gate = _mm_vjp(xs, p["gate"], dg, sizes)[1]
-  d_up = _mm_vjp(xs, p["up"], du, sizes)[1]
-  return _cotangents({"gate": d_gate, "up": d_up, "down": d_down}, p)
-
-
-def _grads(plan, c, p, x, w, route, res, dy):
-  """Capacity c's whole backward -> (dp, dx, dw): from its residuals, or one recompute."""
-  if not plan.keeps(c, route.counts.shape[0]):
-    return _recompute(plan, c, p, x, w, route, dy)
-  dx, dw, rows = _input_grads(plan, c, False, p, x, w, route, res, dy)
-  return _weight_grads(plan, c, p, route, res, rows, x.dtype), dx, dw
-
-
 def _exchange_bwd(plan, saved, dy):
-  """The exchange's backward: one switch over the capacities (`_grads`), where a capacity
-  too large to keep its residuals is recomputed once, by one vjp that gives every
-  cotangent. Traced for a pipeline schedule that splits a backward into its input- and
-  weight-gradient halves (k2jax.parallel.bwsplit, report 2.4.2), it is two switches on the
-  same branch instead: the input gradients (what the layers below wait for,
-  `_input_grads`), then the experts' weight gradients (`_weight_grads`), which the schedule
-  can run later; the first hands the second the per-row cotangents of the down-projection's
-  output and input, [plan.saved, d + f]. A capacity that recomputes does so in the first,
-  which then makes its expert gradients too; they are added to the second's (zeros for
-  it), a sum bwsplit takes in two parts. Not the form where nothing is split: the first
-  switch's expert gradients (zeros where its capacity keeps) would be one more
-  weight-sized buffer."""
-  from k2jax.parallel import bwsplit      # (here: k2jax.parallel imports the model)
+  """The exchange's backward as two switches on the same branch: the input gradients (what
+  the layers below wait for), then the experts' weight gradients. Two switches, not one, so
+  a pipeline schedule that splits a backward into its input- and weight-gradient halves
+  (k2jax.parallel.bwsplit, report 2.4.2) can run the second later: the first hands it the
+  per-row cotangents of the down-projection's output and input, [plan.saved, d + f]."""
   p, x, w, route, res = saved
   route = jax.tree.map(lambda a: a.astype(jnp.int32), route)
-  if not bwsplit.splitting():
-    dp, dx, dw = jax.lax.switch(route.branch, [functools.partial(_grads, plan, c)
-                                               for c in plan.caps], p, x, w, route, res, dy)
-    return dp, dx, dw, None
   ep = route.counts.shape[0]
+  dt = x.dtype
   kept = [plan.keeps(c, ep) for c in plan.caps]
-  early = not all(kept)           # some capacity recomputes: the first switch makes dp too
-  b = jax.lax.switch(route.branch, [functools.partial(_input_grads, plan, c, early)
-                                    for c in plan.caps], p, x, w, route, res, dy)
-  dx, dw, rows = b[:3]
-  if not any(kept):
-    return b[3], dx, dw, None
-  dp = jax.lax.switch(route.branch, [functools.partial(_weight_grads, plan, c, dt=x.dtype)
-                                     for c in plan.caps], p, route, res, rows)
-  if early:
-    dp = jax.tree.map(jnp.add, b[3], dp)
+  S, d, f = plan.saved, x.shape[-1], p["gate"].shape[-1]
+  mm_vjp = lambda a, wt, ct, sizes: jax.vjp(
+      lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(dt))[1](ct)
+
+  def loaded(c):
+    n = plan.received(c, ep)
+    xs, g, u = (a[:n] for a in _load(plan, res, dt))
+    return n, xs, g, u, res["ws"][:n], res["by_expert"][:n], res["sizes"]
+
+  def recompute(c, wrt):   # the branch again under autodiff: buffers too large to keep
+    primals = dict(p=p, x=x, w=w)
+
+    def bwd(dy):
+      def branch(*args):
+        a = dict(primals, **dict(zip(wrt, args)))
+        return _branch(plan, c, a["p"], a["x"], a["w"], route, False)[0]
+      _, f_vjp = jax.vjp(branch, *(primals[k] for k in wrt))
+      return _cotangents(f_vjp(dy), tuple(primals[k] for k in wrt))
+    return bwd
+
+  # Where W recomputes, it needs dy [A, d]: it travels in the rows' first buffer when that
+  # is large enough (keeping the smallest capacity's residuals, 1.25 A rows), else as itself.
+  A = dy.shape[0]
+  in_rows = S >= A
+
+  def inputs(c):        # -> (dx, dw, rows W reads)
+    if not kept[plan.caps.index(c)]:
+      def redo(dy):
+        d_x, d_w = recompute(c, ("x", "w"))(dy)
+        first = jnp.pad(dy, [(0, S - A), (0, 0)]) if in_rows else jnp.zeros((S, d), dt)
+        rows = (first, jnp.zeros((S, f), dt))
+        return d_x, d_w, jax.tree.map(lambda a: varying_like(a, x), rows)
+      return redo
+
+    def bwd(dy):
+      n, xs, g, u, ws, by_expert, sizes = loaded(c)
+      # _send and _back move rows along the same routes in opposite directions, so each is
+      # the other's transpose (padding rows carry nothing either way).
+      d_o = _permute(_send(plan, route, c, dy, 0), by_expert)
+      h = _swiglu(g, u)
+      dh_u = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
+                    sizes)[0]
+      d_ws = jnp.sum(dh_u.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
+      dh = (ws[:, None] * dh_u.astype(jnp.float32)).astype(dt)
+      dg, du = jax.vjp(_swiglu, g, u)[1](dh)
+      dxs = mm_vjp(xs, p["gate"], dg, sizes)[0] + mm_vjp(xs, p["up"], du, sizes)[0]
+      unsort = functools.partial(_unpermute, perm=by_expert)
+      d_x = _back(plan, route, c, unsort(dxs))
+      d_w = _back(plan, route, c, unsort(d_ws))
+      d_x = jnp.zeros_like(x).at[route.token].add(d_x)
+      pad = lambda a: jnp.pad(a, [(0, S - n), (0, 0)])
+      return (*_cotangents((d_x, d_w), (x, w)),
+              jax.tree.map(lambda a: varying_like(a, x), (pad(d_o), pad(dh_u))))
+    return bwd
+
+  def weights(c):       # -> the experts' weight gradients
+    if not kept[plan.caps.index(c)]:
+      return lambda rows, *dy: recompute(c, ("p",))(rows[0][:A] if in_rows else dy[0])[0]
+
+    def bwd(rows, *_):
+      n, xs, g, u, ws, by_expert, sizes = loaded(c)
+      d_o, dh_u = (a[:n] for a in rows)
+      h = _swiglu(g, u)
+      # each switch takes one half of a grouped matmul's vjp; XLA drops the other half
+      d_down = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
+                      sizes)[1]
+      dg, du = jax.vjp(_swiglu, g, u)[1]((ws[:, None] * dh_u.astype(jnp.float32)).astype(dt))
+      d_gate = mm_vjp(xs, p["gate"], dg, sizes)[1]
+      d_up = mm_vjp(xs, p["up"], du, sizes)[1]
+      return _cotangents({"gate": d_gate, "up": d_up, "down": d_down}, p)
+    return bwd
+
+  dx, dw, rows = jax.lax.switch(route.branch, [inputs(c) for c in plan.caps], dy)
+  dp = jax.lax.switch(route.branch, [weights(c) for c in plan.caps], rows,
+                      *(() if in_rows else (dy,)))
   return dp, dx, dw, None
 
 
@@ -504,8 +472,7 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
       backward pass recomputes its exchange (the least memory, the most work).
     ragged_all_to_all: override for lax.ragged_all_to_all (a CPU emulation in tests).
     round_load: ragged: the most rows one round receives, in multiples of the balanced load
-      A (model.ep_round_load, >= 1.25: the smallest capacity, which keeps its residuals,
-      runs in one shot); a larger capacity runs in rounds of that many.
+      A (model.ep_round_load); a larger capacity runs in rounds of that many.
     round_rows: the same in rows, overriding round_load (tests shrink it).
     valid: [N] bool, the tokens that count (None: all). The others (padding) are not sent:
       they take no buffer rows, and their output and gradients are zero.
@@ -532,10 +499,6 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
     bound = caps[-1]            # no rounds: CPU reference paths (the module docstring)
   else:
     bound = round_rows or capacities(ep * A, ep, (round_load,))[0]
-    if keep and not round_rows and bound < caps[0]:
-      raise ValueError(f"round_load = {round_load}: must be >= 1.25 (x the balanced load): "
-                       "smaller rounds keep no residuals, so every backward pass recomputes "
-                       "the exchange")
   plan = _Plan(transport, axis, caps, 0, fp8_storage, ragged_all_to_all
                or jax.lax.ragged_all_to_all, bound)
   # The smallest capacity keeps its residuals (kernels/buckets.py: 1.25x the balanced load,

@@ -14,9 +14,7 @@ JAX has no such split, so this one works on the backward's jaxpr, like a compile
   3. W = every op a weight gradient depends on that B does not already run; a weight
      gradient B computes anyway (one produced inside an op the chain needs, e.g. a
      lax.switch or a kernel) is taken in B ("early"), so W never waits on a weight-sized
-     value; a weight gradient that is the sum of a value B makes and one W makes is taken
-     in two parts, each half adding its own (the expert exchange's, where a capacity too
-     large to keep recomputes in B);
+     value;
   4. the cut: values W reads that B produces (the cotangents at the weight ops' outputs,
      and the activations B recomputed under the remat policy) are B's extra outputs,
      except a value that W can recompute cheaply from what it keeps (weights, stored
@@ -34,7 +32,6 @@ exchange therefore runs its backward as two switches (k2jax.model.expert_paralle
 B(dy) + W(cut) equal the backward exactly: the same ops, bound in the same order.
 """
 
-import contextvars
 import math
 from typing import Callable, NamedTuple
 
@@ -42,16 +39,6 @@ import jax
 from jax.extend import core as jcore
 
 from k2jax.kernels.pallas_utils import type_vma
-
-_SPLITTING = contextvars.ContextVar("bwsplit_splitting", default=False)
-
-
-def splitting() -> bool:
-  """Whether the backward being traced is traced for `split`: an op whose backward can take
-  a form W takes part of, at some cost where nothing is split (k2jax.model.expert_parallel's
-  two switches), picks that form only then."""
-  return _SPLITTING.get()
-
 
 # Calls whose body is inlined: their ops join the flat list (a remat's body in a backward
 # is recomputation plus the transposed layer, both ordinary ops once inlined).
@@ -226,56 +213,22 @@ def _cheap(op) -> bool:
 class Split(NamedTuple):
   """The two halves of one backward (`split`).
 
-  b(*ins) -> (dx leaves, early weight-gradient leaves (None where W makes all of it), cut)
-  w(kept ins, cut) -> weight-gradient leaves (None where B made all of it)
-  A weight gradient in both lists (`early` and `late`) is the sum of the two.
+  b(*ins) -> (dx leaves, early weight-gradient leaves (None where W makes it), cut)
+  w(kept ins, cut) -> weight-gradient leaves (None where B made it)
   ins: the backward's flat inputs. flops: {"B": ..., "W": ...} matmul FLOPs of each half.
   cut_avals: shapes of the values B hands W."""
   b: Callable
   w: Callable
   flops: dict
   cut_avals: list
-  late: tuple          # indices of the weight gradients W makes (all or part of)
-  early: tuple = ()    # indices of the weight gradients B makes (all or part of)
-
-
-def _add(a, b):
-  return (a + b,)
-
-
-def _is_add(op) -> bool:
-  if op.eqn is None:
-    return op.fn is _add
-  return op.eqn.primitive.name in ("add", "add_any")
-
-
-def _parts(ops, producer, b_ops, key):
-  """(B's part, W's part) of a weight gradient `key` that is the sum of a value B makes and
-  one it does not, else None."""
-  if not isinstance(key, int) or key not in producer or producer[key] in b_ops:
-    return None
-  op = ops[producer[key]]
-  if not _is_add(op) or len(op.ins) != 2 or not all(isinstance(k, int) for k in op.ins):
-    return None
-  if not all(k in producer for k in op.ins):
-    return None
-  in_b = [producer[k] in b_ops for k in op.ins]
-  if in_b[0] == in_b[1]:
-    return None
-  return op.ins if in_b[0] else op.ins[::-1]
+  late: tuple          # indices of the weight gradients W makes
 
 
 def _partition(ops, in_keys, n_kept: int, b_keys, w_keys):
   """Steps 2-4 of the module docstring on a flat op list -> (B's ops, the indices of
-  `w_keys` W makes (`late`), W's ops, the cut: the keys B hands W, {index: B's part} of the
-  weight gradients made in two parts, w_keys with W's part in place of such a sum)."""
+  `w_keys` W makes (`late`), W's ops, the cut: the keys B hands W)."""
   producer = _producers(ops)
   b_ops = _slice(ops, producer, b_keys)
-  parts, w_keys = {}, list(w_keys)
-  for i, k in enumerate(w_keys):
-    two = _parts(ops, producer, b_ops, k)
-    if two:
-      parts[i], w_keys[i] = two
   late = tuple(i for i, k in enumerate(w_keys)
                if isinstance(k, int) and k in producer and producer[k] not in b_ops)
   w_ops = _slice(ops, producer, [w_keys[i] for i in late]) - b_ops
@@ -319,7 +272,7 @@ def _partition(ops, in_keys, n_kept: int, b_keys, w_keys):
     if not again:
       break
     w_ops |= again
-  return b_ops, late, w_ops, sorted(k for k in wanted if not redo(k)), parts, w_keys
+  return b_ops, late, w_ops, sorted(k for k in wanted if not redo(k))
 
 
 def _open_shard_map(op, b_out, w_out, counter):
@@ -338,23 +291,18 @@ def _open_shard_map(op, b_out, w_out, counter):
   sub, keys, outs = _flat(body, consts, [0])
   producer = _producers(sub)
   while True:
-    b_ops, late, w_ops, cut, parts, w_keys = _partition(
-        sub, keys, len(keys), [outs[j] for j in b_out], [outs[j] for j in w_out])
+    b_ops, late, w_ops, cut = _partition(sub, keys, len(keys), [outs[j] for j in b_out],
+                                         [outs[j] for j in w_out])
     # An output whose W part does no matmul (a psum of a gradient B made, inside a kernel's
     # backward) stays B's: moving it would only hand W a weight-sized value.
     idle = [i for i in late if not sum(_op_flops(sub[n]) for n in
-                                       _slice(sub, producer, [w_keys[i]]) - b_ops)]
-    # body outputs W makes -> (W's key, B's part or None: an output made in two parts)
-    w_made = {w_out[i]: (w_keys[i], parts.get(i)) for i in late if i not in idle}
+                                       _slice(sub, producer, [outs[w_out[i]]]) - b_ops)]
     b_out = list(b_out) + [j for i, j in enumerate(w_out) if i not in late or i in idle]
     w_out = [w_out[i] for i in late if i not in idle]
     if not idle:
       break
   if not w_out:
     return None
-  # An output made in two parts: B's half returns B's part, W's half W's, and an add outside
-  # both makes the output (which `split` takes apart again, so neither waits on the other).
-  two = [j for j in w_out if w_made[j][1] is not None]
   mesh, check = params["mesh"], params["check_vma"]
   manual = _manual(params)
   aval_of = {k: _aval(e, j) for e in sub for j, k in enumerate(e.outs) if k in cut}
@@ -376,37 +324,31 @@ def _open_shard_map(op, b_out, w_out, counter):
     def body_b(*vals):
       env = dict(zip([keys[j] for j in b_in], vals))
       _run(sub, sorted(b_ops), env)
-      return (tuple(_read(env, outs[j]) for j in b_out)
-              + tuple(_read(env, w_made[j][1]) for j in two)
-              + tuple(env[k][None] for k in cut))
+      return tuple(_read(env, outs[j]) for j in b_out) + tuple(env[k][None] for k in cut)
     return smap(body_b, [in_specs[j] for j in b_in],
-                [out_specs[j] for j in b_out + two] + list(cut_specs))(*args)
+                [out_specs[j] for j in b_out] + list(cut_specs))(*args)
 
   def w_fn(*args):
     def body_w(*vals):
       env = dict(zip([keys[j] for j in w_in], vals[:len(w_in)]))
       env.update(zip(cut, (v[0] for v in vals[len(w_in):])))
       _run(sub, sorted(w_ops), env)
-      return tuple(_read(env, w_made[j][0]) for j in w_out)
+      return tuple(_read(env, outs[j]) for j in w_out)
     return smap(body_w, [in_specs[j] for j in w_in] + list(cut_specs),
                 [out_specs[j] for j in w_out])(*args)
 
-  def fresh(n):
-    counter[0] += n
-    return list(range(counter[0] - n + 1, counter[0] + 1))
-  new_keys, b_parts, w_parts = fresh(len(cut)), fresh(len(two)), fresh(len(two))
-  w_keys_out = {j: k for j, k in zip(two, w_parts)}
+  new_keys = []
+  for _ in cut:
+    counter[0] += 1
+    new_keys.append(counter[0])
   avals = [_aval(op, j) for j in range(len(op.outs))]
   flops = lambda idx: _devices(op.eqn) * sum(_op_flops(sub[i]) for i in idx)
-  b_op = _Op(None, tuple(op.ins[j] for j in b_in),
-             tuple(op.outs[j] for j in b_out) + tuple(b_parts) + tuple(new_keys), b_fn,
-             tuple(avals[j] for j in b_out + two) + cut_avals, flops(b_ops))
+  b_op = _Op(None, tuple(op.ins[j] for j in b_in), tuple(op.outs[j] for j in b_out) +
+             tuple(new_keys), b_fn, tuple(avals[j] for j in b_out) + cut_avals, flops(b_ops))
   w_op = _Op(None, tuple(op.ins[j] for j in w_in) + tuple(new_keys),
-             tuple(w_keys_out.get(j, op.outs[j]) for j in w_out), w_fn,
-             tuple(avals[j] for j in w_out), flops(w_ops))
-  sums = [_Op(None, (bk, wk), (op.outs[j],), _add, (avals[j],))
-          for j, bk, wk in zip(two, b_parts, w_parts)]
-  return [b_op, w_op] + sums
+             tuple(op.outs[j] for j in w_out), w_fn, tuple(avals[j] for j in w_out),
+             flops(w_ops))
+  return [b_op, w_op]
 
 
 def _open(ops, dx_keys, dw_keys, counter):
@@ -437,16 +379,12 @@ def split(bwd, n_weights: int, n_kept: int, *avals) -> Split:
   (ShapeDtypeStructs or arrays of its flat inputs), into B and W (module docstring).
   The first `n_kept` inputs (weights, stored residuals) are still there when W runs; the
   rest (the output cotangent) reach W through the cut if it needs them."""
-  token = _SPLITTING.set(True)
-  try:
-    closed = jax.make_jaxpr(bwd)(*avals)
-  finally:
-    _SPLITTING.reset(token)
+  closed = jax.make_jaxpr(bwd)(*avals)
   counter = [0]
   ops, in_keys, outs = _flat(closed.jaxpr, closed.consts, counter)
   dw_keys, dx_keys = outs[:n_weights], outs[n_weights:]
   ops = _open(ops, dx_keys, dw_keys, counter)
-  b_ops, late, w_ops, cut, parts, w_keys = _partition(ops, in_keys, n_kept, dx_keys, dw_keys)
+  b_ops, late, w_ops, cut = _partition(ops, in_keys, n_kept, dx_keys, dw_keys)
   b_order, w_order = sorted(b_ops), sorted(w_ops)
   aval_of = {k: a.aval for k, a in zip(in_keys, closed.jaxpr.invars)}
   aval_of.update({k: _aval(op, j) for op in ops for j, k in enumerate(op.outs) if k in cut})
@@ -454,17 +392,15 @@ def split(bwd, n_weights: int, n_kept: int, *avals) -> Split:
   def b(*ins):
     env = dict(zip(in_keys, ins))
     _run(ops, b_order, env)
-    early = [_read(env, parts[i]) if i in parts else None if i in late else _read(env, k)
-             for i, k in enumerate(dw_keys)]
+    early = [None if i in late else _read(env, k) for i, k in enumerate(dw_keys)]
     return [_read(env, k) for k in dx_keys], early, [env[k] for k in cut]
 
   def w(kept, cut_vals):
     env = dict(zip(in_keys[:n_kept], kept))
     env.update(zip(cut, cut_vals))
     _run(ops, w_order, env)
-    return [_read(env, w_keys[i]) if i in late else None for i in range(len(w_keys))]
+    return [_read(env, dw_keys[i]) if i in late else None for i in range(len(dw_keys))]
 
   flops = {"B": sum(_op_flops(ops[i]) for i in b_order),
            "W": sum(_op_flops(ops[i]) for i in w_order)}
-  early = tuple(i for i in range(len(dw_keys)) if i not in late or i in parts)
-  return Split(b, w, flops, [aval_of[k] for k in cut], late, early)
+  return Split(b, w, flops, [aval_of[k] for k in cut], late)

@@ -224,7 +224,7 @@ class Executor:
           self.aux_weight)
       self.cut_fn = cut_fn
       self.w_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(pl0)]
-      self.early = list(cut_fn.early)   # (a gradient made in two parts is in both lists)
+      self.early = [i for i in range(len(self.w_avals)) if i not in cut_fn.late]
       log.info("pipeline (zbh1): W takes %.0f%% of a layer's backward matmul FLOPs (B %.3g, "
                "W %.3g); %d of %d weight gradients in W; B hands W %.3g MB per layer",
                100 * cut_fn.flops["W"] / max(cut_fn.flops["B"] + cut_fn.flops["W"], 1),
