@@ -305,6 +305,29 @@ def check_context(cfg, prompts, max_new_tokens: int, flag: str = "") -> None:
         "generate fewer tokens")
 
 
+def _padded_batch(prompts, max_new_tokens: int):
+  """(tokens [B, T] right-padded, lengths [B], cache length S) of `prompts`. The batch is
+  bucketed like the lengths (RL decodes a different number of unfinished trajectories every
+  iteration, a server a different number of requests), and filled to the mesh's batch
+  devices: extra rows repeat the first prompt, start finished and are never reported."""
+  B = rows_bucket(len(prompts))
+  prompts = list(prompts) + [prompts[0]] * (B - len(prompts))
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  tokens = np.zeros((B, bucket(int(lengths.max()))), np.int32)
+  for b, p in enumerate(prompts):
+    tokens[b, :len(p)] = p
+  return tokens, lengths, bucket(int(lengths.max()) + max_new_tokens)
+
+
+def _sampling_key(seed, n: int, B: int):
+  """One key for the batch (an int seed) or one per row (a seed per prompt; padding rows 0)."""
+  if isinstance(seed, (int, np.integer)):
+    return jax.random.key(seed)
+  if len(seed) != n:
+    raise ValueError(f"generate: {len(seed)} seeds for {n} prompts")
+  return jax.vmap(jax.random.key)(jnp.asarray(list(seed) + [0] * (B - n), jnp.uint32))
+
+
 def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | Sequence[int] = 0, stop_ids: Sequence[int] = (),
@@ -340,28 +363,12 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
   check_sampling(temperature, top_k, top_p, cfg.vocab_size)
   check_context(cfg, prompts, max_new_tokens)
   n = len(prompts)
-  # The batch is bucketed like the lengths (RL decodes a different number of unfinished
-  # trajectories every iteration, a server a different number of requests), and filled to
-  # the mesh's batch devices: extra rows repeat the first prompt, start finished and are
-  # never reported.
-  B = rows_bucket(n)
-  prompts = list(prompts) + [prompts[0]] * (B - n)
-  lengths = np.asarray([len(p) for p in prompts], np.int32)
-  T = bucket(int(lengths.max()))
-  S = bucket(int(lengths.max()) + max_new_tokens)
-  tokens = np.zeros((B, T), np.int32)
-  for b, p in enumerate(prompts):
-    tokens[b, :len(p)] = p
+  tokens, lengths, S = _padded_batch(prompts, max_new_tokens)
+  B = len(tokens)
   prefill, step, steps = _programs(cfg)
   opts = dict(greedy=temperature <= 0, temperature=jnp.float32(max(float(temperature), 1e-6)),
               top_k=top_k, top_p=top_p)
-  if isinstance(seed, (int, np.integer)):
-    key = jax.random.key(seed)
-  else:
-    if len(seed) != n:
-      raise ValueError(f"generate: {len(seed)} seeds for {n} prompts")
-    seeds = list(seed) + [0] * (B - n)
-    key = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
+  key = _sampling_key(seed, n, B)
   stop = set(int(s) for s in stop_ids)
   out: list[list[int]] = [[] for _ in range(B)]
   done = np.arange(B) >= n

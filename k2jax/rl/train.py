@@ -49,7 +49,8 @@ from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
 from k2jax.rl.loss import (CORRECTIONS, LEVELS, k15_loss, rollout_weights, sequence_logprobs,
                            temperature_at)
-from k2jax.step import TrainState, _gate, lm_loss, on_device, split_as_stored
+from k2jax.step import (TrainState, _gate, fresh_state, init_state, lm_loss, on_device,
+                        split_as_stored)
 
 log = logging.getLogger("k2jax.rl")
 
@@ -533,7 +534,6 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
 
 
 def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
-  from k2jax import sft
   from k2jax.metrics import MetricsWriter
   from k2jax import resume
   r, t = config.rl, config.train
@@ -549,7 +549,6 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   kernels.prepare(config.model.attention_impl, config.model.moe_impl)   # before any trace
   tx = optim.optimizer(config)
   specs = model.param_specs(config.model)
-  from k2jax.step import fresh_state, init_state
   abstract = jax.eval_shape(functools.partial(init_state, config, tx), jax.random.key(t.seed))
   shardings = parallel.state_shardings(specs, train_mesh, abstract, tx,
                                        host_state=config.optimizer.host_state)
@@ -565,47 +564,15 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   judge = PolicyJudge(config.model, tok)
   environments = make_environments(config, judge)
   rollouts = Rollouts(config, tok, environments, random.Random(int(t.seed)))
-  latest = manager.latest_step()
-  init_policy = None
-  with jax.set_mesh(train_mesh):
-    if latest is not None:
-      target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, shardings)
-      restored = manager.restore(latest, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-      state = TrainState(*restored.state)
-      rollouts.load(restored.meta["rollouts"])
-      start = restored.meta["iteration"]
-      log.info("resumed RL at iteration %d (%d groups in flight)", start, len(rollouts.groups))
-    elif init is not None:   # --init's weights, loaded shard by shard into the trainer's
-      params = init(config.model, shardings.params)
-      if r.get("kl_to_init", False):   # kept apart: the step donates the state
-        init_policy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                              out_shardings=shardings.params)(params)
-      state = jax.jit(functools.partial(fresh_state, tx), out_shardings=shardings,
-                      donate_argnums=0)(params)
-      start = 0
-    else:
-      state = jax.jit(functools.partial(init_state, config, tx),
-                      out_shardings=shardings)(jax.random.key(t.seed))
-      start = 0
-  ptx_rows = None
-  if r.ptx_weight > 0:
-    dialogs = ptx_dialogs or (sft.read_dialogs(config.data.files) if config.data.files else
-                              sft.default_dialogs(n=512, seed=1))
-    ptx_rows = sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
-                             for d in dialogs], t.seq_len, tok.pad_id)
+  state, start, init_policy = _initial_state(config, manager, rollouts, init, tx, abstract,
+                                               shardings, train_mesh)
+  ptx_rows = _ptx_rows(config, tok, ptx_dialogs)
   step_fn = step_program(config, tx, shardings.opt_state,
                          parallel.grad_shardings(specs, train_mesh, abstract.params))
   logp_fn = jax.jit(functools.partial(trainer_logprobs, config))
   writer = MetricsWriter(workdir, start)
   samples = Samples(workdir, start)
   sets = eval_sets(config, environments) if r.get("eval_every", 0) else []
-  if r.get("kl_to_init", False) and init_policy is None:  # the policy RL started from:
-    with jax.set_mesh(train_mesh):                       # --init's, or the seed's init
-      init_policy = (init(config.model, shardings.params) if init else
-                     jax.jit(lambda k: init_state(config, tx, k).params,
-                             out_shardings=shardings.params)(jax.random.key(t.seed)))
   history = []
   from k2jax.train import files_line
   # a signal while setting up stops before the first iteration, one after this line after it
@@ -619,61 +586,14 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   try:
     for it in range(start, r.iterations if stopped is None else start):
       t0 = time.perf_counter()
-      temperature = temperature_at(it, r.iterations, r.temperature_start, r.temperature_end)
-      # training layout -> inference layout (a reshard when the meshes differ)
-      inf_params = to_sampler(state.params)
-      judge.params = inf_params
-      row = {}
-      if sets and it % r.eval_every == 0:    # the weights this iteration starts from
-        with jax.set_mesh(inf_mesh):
-          row.update(evaluate(config, tok, sets, sampler_model, inf_params,
-                              r.truncation_penalty))
-      rollouts.refill()
-      with jax.set_mesh(inf_mesh):
-        decoded = rollouts.decode(sampler_model, inf_params, temperature,
-                                  seed=decode_seed(t.seed, it))
-      groups = rollouts.complete_groups()
-      row.update({"temperature": temperature, "decoded_tokens": decoded,
-                  "groups_trained": len(groups), "in_flight": len(rollouts.groups),
-                  "resumed_trajectories": rollouts.resumed})
+      row, groups = _sample(config, tok, it, to_sampler(state.params), judge, sets,
+                            sampler_model, rollouts, inf_mesh)
       if groups:
         rewards = score(groups, environments, r.truncation_penalty)
-        batch = batch_of(groups, rewards, r.prompts, tok.pad_id)
         with jax.set_mesh(train_mesh):
-          batch["logp_old"], trainer_tok = logp_fn(state.params, batch)
-          trainer_tok = np.asarray(trainer_tok)
-          sampler_tok = sampler_logprobs(groups, batch["mask"])
-          gap, gap_max, gap_n = sampler_gap(groups, trainer_tok, sampler_tok, batch["mask"])
-          batch["weights"], correction = rollout_weights(
-              trainer_tok, sampler_tok, batch["mask"], mode=r.get("rollout_correction", "none"),
-              level=r.get("correction_level", "token"), cap=r.get("tis_cap", 2.0),
-              low=r.get("mask_low", 0.5), high=r.get("mask_high", 2.0))
-          if init_policy is not None:
-            kl = kl_k3(trainer_tok, np.asarray(logp_fn(init_policy, batch)[1]),
-                       batch["mask"])
-          # PTX rows drawn from a generator keyed by the iteration, not one carried across
-          # iterations: a resumed run draws what the uninterrupted one drew
-          ptx_rng = np.random.default_rng([int(t.seed) + 1, it])
-          for _ in range(r.updates_per_iteration):
-            ptx = None
-            if ptx_rows is not None:
-              idx = ptx_rng.integers(0, len(ptx_rows), size=r.ptx_batch_size)
-              rows = [ptx_rows[i] for i in idx]
-              ptx = {k: np.stack([x[k] for x in rows]) for k in rows[0]}
-            state, m = step_fn(state, batch, ptx)
-        trunc = [x.truncated for ts in groups for x in ts]
-        lengths = [x.generated for ts in groups for x in ts]
-        row.update({k: float(v) for k, v in jax.device_get(m).items()})
-        row.update(mean_reward=float(rewards.mean()), truncated_frac=float(np.mean(trunc)),
-                   mean_response_tokens=float(np.mean(lengths)),
-                   **{f"reward/{e.name}": float(np.mean([rewards[i].mean()
-                                                         for i, ts in enumerate(groups)
-                                                         if ts[0].task.env == e.name]))
-                      for e in environments if any(ts[0].task.env == e.name for ts in groups)})
-        row.update(logp_gap_sampler_trainer=gap, logp_gap_max=gap_max, logp_gap_tokens=gap_n,
-                   **{f"rollout_{k}": v for k, v in correction.items()})
-        if init_policy is not None:
-          row["kl_to_init"] = kl
+          state, losses, gaps = _update(config, state, groups, rewards, tok.pad_id, step_fn,
+                                        logp_fn, ptx_rows, init_policy, it)
+        row.update(**losses, **_rollout_stats(groups, rewards, environments), **gaps)
         if r.get("samples_every", 0) and (it + 1) % r.samples_every == 0:
           samples.write(it + 1, groups, rewards)
       row["seconds"] = time.perf_counter() - t0
@@ -683,17 +603,31 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
           f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
       stopped = stop.agreed(True)
       if (it + 1) % r.checkpoint_every == 0 or it + 1 == r.iterations or stopped is not None:
-        manager.save(it + 1, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            meta=ocp.args.JsonSave({"iteration": it + 1, "rollouts": rollouts.state()})),
-            force=True)
-        saved = it + 1
+        saved = _save(manager, it + 1, state, rollouts)
       if stopped is not None:
         break
   finally:
     manager.wait_until_finished()
     manager.close()
     writer.close()
+  _finish(config, workdir, history, stopped, saved)
+  return {"history": history, "state": state}
+
+
+def _save(manager, iteration: int, state, rollouts) -> int:
+  """A checkpoint of the state and the rollouts in flight after `iteration`; -> iteration."""
+  manager.save(iteration, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      meta=ocp.args.JsonSave({"iteration": iteration, "rollouts": rollouts.state()})),
+      force=True)
+  return iteration
+
+
+def _finish(config, workdir, history, stopped, saved) -> None:
+  """The run's last line: where a signal stopped it (then SystemExit(128 + signal)), or the
+  reward's first and last iteration."""
+  from k2jax.train import files_line
+  r = config.rl
   if stopped is not None:
     log.warning("stopped by %s: %s; run the same command to resume",
                 signal.Signals(stopped).name, f"checkpoint at iteration {saved} of "
@@ -703,7 +637,124 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   log.info("done: iteration %d/%d, mean reward %s; %s", r.iterations, r.iterations,
            f"{rewards[0]:.3f} (first) -> {rewards[-1]:.3f} (last)" if rewards else "n/a",
            files_line(workdir))
-  return {"history": history, "state": state}
+
+
+def _sample(config, tok, it: int, inf_params, judge, sets, sampler_model, rollouts, inf_mesh):
+  """One iteration's sampling on the inference layout (`inf_params`: the policy resharded
+  there): the greedy evaluation every rl.eval_every iterations (of the weights the iteration
+  starts from), then the rollouts' next segments at this iteration's temperature.
+  -> (the metrics row so far, the groups complete this iteration)."""
+  r = config.rl
+  temperature = temperature_at(it, r.iterations, r.temperature_start, r.temperature_end)
+  judge.params = inf_params
+  row = {}
+  if sets and it % r.eval_every == 0:
+    with jax.set_mesh(inf_mesh):
+      row.update(evaluate(config, tok, sets, sampler_model, inf_params, r.truncation_penalty))
+  rollouts.refill()
+  with jax.set_mesh(inf_mesh):
+    decoded = rollouts.decode(sampler_model, inf_params, temperature,
+                              seed=decode_seed(config.train.seed, it))
+  groups = rollouts.complete_groups()
+  row.update({"temperature": temperature, "decoded_tokens": decoded,
+              "groups_trained": len(groups), "in_flight": len(rollouts.groups),
+              "resumed_trajectories": rollouts.resumed})
+  return row, groups
+
+
+def _initial_state(config, manager, rollouts, init, tx, abstract, shardings, train_mesh):
+  """(state, first iteration, the initial policy for rl.kl_to_init or None): restored from
+  the newest checkpoint (rollouts in flight included), else --init's weights loaded shard by
+  shard into the trainer's shardings, else the seed's initialization."""
+  r, t = config.rl, config.train
+  latest = manager.latest_step()
+  init_policy = None
+  with jax.set_mesh(train_mesh):
+    if latest is not None:
+      target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+      restored = manager.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+      rollouts.load(restored.meta["rollouts"])
+      start = restored.meta["iteration"]
+      log.info("resumed RL at iteration %d (%d groups in flight)", start, len(rollouts.groups))
+      state = TrainState(*restored.state)
+    elif init is not None:
+      params = init(config.model, shardings.params)
+      if r.get("kl_to_init", False):   # kept apart: the step donates the state
+        init_policy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                              out_shardings=shardings.params)(params)
+      state = jax.jit(functools.partial(fresh_state, tx), out_shardings=shardings,
+                      donate_argnums=0)(params)
+      start = 0
+    else:
+      state = jax.jit(functools.partial(init_state, config, tx),
+                      out_shardings=shardings)(jax.random.key(t.seed))
+      start = 0
+    if r.get("kl_to_init", False) and init_policy is None:   # the policy RL started from:
+      init_policy = (init(config.model, shardings.params) if init else   # --init's, or the
+                     jax.jit(lambda k: init_state(config, tx, k).params,  # seed's init
+                             out_shardings=shardings.params)(jax.random.key(t.seed)))
+  return state, start, init_policy
+
+
+def _ptx_rows(config, tok, ptx_dialogs):
+  """The PTX loss's chat rows (rl.ptx_weight > 0): the given dialogs, data.files' or SFT's
+  built-in set."""
+  from k2jax import sft
+  if config.rl.ptx_weight <= 0:
+    return None
+  dialogs = ptx_dialogs or (sft.read_dialogs(config.data.files) if config.data.files else
+                            sft.default_dialogs(n=512, seed=1))
+  return sft.ChatRows([chat.encode_with_mask(d["messages"], d.get("tools"), tokenizer=tok)
+                       for d in dialogs], config.train.seq_len, tok.pad_id)
+
+
+def _update(config, state, groups, rewards, pad_id, step_fn, logp_fn, ptx_rows, init_policy,
+            it: int):
+  """One iteration's rl.updates_per_iteration steps on its complete groups, under the
+  training mesh: the trainer's log-probabilities of the samples before the first step
+  (pi_old), their gap to the sampler's and the rollout correction's weights, the KL to the
+  initial policy, PTX rows. -> (state, the last step's losses, the sampler / trainer gap and
+  correction statistics)."""
+  r, t = config.rl, config.train
+  batch = batch_of(groups, rewards, r.prompts, pad_id)
+  batch["logp_old"], trainer_tok = logp_fn(state.params, batch)
+  trainer_tok = np.asarray(trainer_tok)
+  sampler_tok = sampler_logprobs(groups, batch["mask"])
+  gap, gap_max, gap_n = sampler_gap(groups, trainer_tok, sampler_tok, batch["mask"])
+  batch["weights"], correction = rollout_weights(
+      trainer_tok, sampler_tok, batch["mask"], mode=r.get("rollout_correction", "none"),
+      level=r.get("correction_level", "token"), cap=r.get("tis_cap", 2.0),
+      low=r.get("mask_low", 0.5), high=r.get("mask_high", 2.0))
+  gaps = {"logp_gap_sampler_trainer": gap, "logp_gap_max": gap_max, "logp_gap_tokens": gap_n,
+          **{f"rollout_{k}": v for k, v in correction.items()}}
+  if init_policy is not None:
+    gaps["kl_to_init"] = kl_k3(trainer_tok, np.asarray(logp_fn(init_policy, batch)[1]),
+                               batch["mask"])
+  # PTX rows drawn from a generator keyed by the iteration, not one carried across
+  # iterations: a resumed run draws what the uninterrupted one drew
+  ptx_rng = np.random.default_rng([int(t.seed) + 1, it])
+  for _ in range(r.updates_per_iteration):
+    ptx = None
+    if ptx_rows is not None:
+      idx = ptx_rng.integers(0, len(ptx_rows), size=r.ptx_batch_size)
+      rows = [ptx_rows[i] for i in idx]
+      ptx = {k: np.stack([x[k] for x in rows]) for k in rows[0]}
+    state, m = step_fn(state, batch, ptx)
+  return state, {k: float(v) for k, v in jax.device_get(m).items()}, gaps
+
+
+def _rollout_stats(groups, rewards, environments) -> dict:
+  """Reward (overall and per environment), truncation and response length of the groups."""
+  trunc = [x.truncated for ts in groups for x in ts]
+  lengths = [x.generated for ts in groups for x in ts]
+  return dict(mean_reward=float(rewards.mean()), truncated_frac=float(np.mean(trunc)),
+              mean_response_tokens=float(np.mean(lengths)),
+              **{f"reward/{e.name}": float(np.mean([rewards[i].mean()
+                                                    for i, ts in enumerate(groups)
+                                                    if ts[0].task.env == e.name]))
+                 for e in environments if any(ts[0].task.env == e.name for ts in groups)})
 
 
 def main(argv=None):
