@@ -633,7 +633,7 @@ def embedding():
 
   def grad(mesh, table, ids, w, dtype, rounds):
     def g(t, i, w):        # the lookup (its forward) and the gradient of sum(x w)
-      x, vjp = jax.vjp(lambda t: embed(t, i, dtype, rounds=rounds), t)
+      x, vjp = jax.vjp(lambda t: embed(t, i, dtype, chunks=rounds), t)
       return x, vjp(w.astype(x.dtype))[0]
     if mesh.shape["pipeline"] > 1:
       g = jax.shard_map(g, in_specs=(P(), P(), P()), out_specs=(P(), P()),

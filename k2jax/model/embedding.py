@@ -5,12 +5,11 @@
 
 Under a mesh the table [V, d] is split on its rows over the expert group (sharding rule
 `vocab`) and the tokens over every non-pipeline device (`batch`: data x expert). Autodiff of
-jnp.take leaves both to XLA's partitioner, which gathers: the `kimi_k2` preset's pipelined
-step on v5p 8x16x16 (PP16 x EP16 x DP8) held, per device, the whole microbatch's cotangents
-bf16[128, 4096, 7168] (7 GiB) and the bf16[524288, 7168] rows of its scatter (7 GiB), and
-the whole table bf16[163840, 7168] (2.2 GiB, gathered over the expert group for each
-microbatch's forward and again for the backward's recompute) (issue 42); a sharding rule
-splitting the table on d instead gathered as well. Here both are shard_maps over the token
+jnp.take leaves both to XLA's partitioner, which gathers: every device then holds the
+whole microbatch's cotangents of the expert group ([b, T, d] for all its devices' tokens)
+and the rows of their scatter, and the whole table, gathered for each microbatch's forward
+and again for the backward's recompute; a sharding rule splitting the table on d instead
+gathered as well. Here both are shard_maps over the token
 axes. With ep devices in the expert group the table's rows are ep contiguous slices of
 Vl = ceil(V / ep) (owner o(r) = r // Vl, the row's place there r - o(r) Vl), and device
 (i, j) of (data, expert), holding n tokens and slice j:
@@ -23,9 +22,9 @@ Vl = ceil(V / ep) (owner o(r) = r // Vl, the row's place there r - o(r) Vl), and
 
 so each device ends with the gradient of the rows it holds and only rows its tokens use
 cross the expert group. Shapes are static while ids are not: a device's slots for one shard
-are padded to the worst case (all its rows to that shard). The rows go in `rounds` chunks
-(a scan), so one round's [ep, n / rounds, d] buffer, at rounds = ep the size of the device's
-own rows, is all that is live at once; every round moves ep x its rows, as padding does (ep
+are padded to the worst case (all its rows to that shard). The rows go in `chunks` pieces
+(a scan), so one chunk's [ep, n / chunks, d] buffer, at chunks = ep the size of the device's
+own rows, is all that is live at once; every chunk moves ep x its rows, as padding does (ep
 n d per device each way: what an all-gather of the group's cotangents moves, and at K2's
 shapes 0.4x the table's all-gather, per microbatch).
 
@@ -40,6 +39,7 @@ sit with every row they need: plain jnp.take and its autodiff.
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -50,14 +50,14 @@ from k2jax.configs.sharding_rules import active_mesh_axes
 from k2jax.kernels.pallas_utils import varying_like
 
 
-class _Plan(NamedTuple):
+class _LookupPlan(NamedTuple):
   """What is static about one lookup (hashable: a custom_vjp nondiff argument)."""
   vocab: int             # V, the table's rows
   table_dtype: object    # the gradient's dtype (the table's)
   owners: tuple          # mesh axes the rows are split over (the expert group)
   ep: int                # devices in the expert group
   tokens: tuple          # mesh axes the tokens (leading dim of ids) are split over
-  rounds: int            # chunks the rows go in (0: as many as the expert group's devices)
+  chunks: int            # chunks the rows go in (0: as many as the expert group's devices)
   manual: bool = False   # an enclosing shard_map holds the token axes: no shard_map here,
                          # and each device's gradient stays its tokens' share (that
                          # shard_map sums it over the token axes, once)
@@ -72,7 +72,7 @@ def _axis(names):
   return names[0] if len(names) == 1 else names
 
 
-def _plan(table, ids, rounds: int, vocab: int | None = None):
+def _plan(table, ids, chunks: int, vocab: int | None = None):
   """The plan of a lookup under the current mesh, or None where jnp.take and its autodiff
   need no exchange or cannot have this one (no mesh, no expert group, ids not split over
   the owners' axes, or a shard_map that already holds those axes)."""
@@ -84,7 +84,7 @@ def _plan(table, ids, rounds: int, vocab: int | None = None):
     if not owners or vocab is None or table.shape[0] == vocab or ids.ndim == 0:
       return None             # whole here: a local gather, the gradient this device's share
     ep = math.prod(mesh.shape[a] for a in owners)
-    return _Plan(vocab, table.dtype, owners, ep, everywhere, rounds, True)
+    return _LookupPlan(vocab, table.dtype, owners, ep, everywhere, chunks, True)
   owners = active_mesh_axes("vocab", mesh)
   tokens = active_mesh_axes("batch", mesh)
   if not owners or ids.ndim == 0 or not set(owners) <= set(tokens):
@@ -94,17 +94,17 @@ def _plan(table, ids, rounds: int, vocab: int | None = None):
   if ids.shape[0] % math.prod(mesh.shape[a] for a in tokens):
     return None     # (decode's single sequences): the tokens are not split
   ep = math.prod(mesh.shape[a] for a in owners)
-  return _Plan(table.shape[0], table.dtype, owners, ep, tokens, rounds)
+  return _LookupPlan(table.shape[0], table.dtype, owners, ep, tokens, chunks)
 
 
 def _routes(plan, ids):
-  """Inside shard_map over plan.tokens: where this device's ids [n] go, in R rounds of c ->
+  """Inside shard_map over plan.tokens: where this device's ids [n] go, in R chunks of c ->
   (dest [R, c]: the expert shard holding each one's row, ep where none does; at [R, ep, c]:
-  the rows of this shard's slice that round k's s-th id of each sender asks for, Vl where
+  the rows of this shard's slice that chunk k's s-th id of each sender asks for, Vl where
   it asks none of this shard)."""
   owners, ep, vl = _axis(plan.owners), plan.ep, plan.rows
   n = ids.shape[0]
-  R = min(plan.rounds or ep, n)
+  R = min(plan.chunks or ep, n)
   c = -(-n // R)
   ids = jnp.pad(ids, (0, R * c - n), constant_values=-1)
   real = (ids >= 0) & (ids < plan.vocab)
@@ -112,7 +112,7 @@ def _routes(plan, ids):
   local = (ids - (ids // vl) * vl).astype(jnp.int32).reshape(R, c)
   slot = jnp.broadcast_to(jnp.arange(c), (R, c))
   rnd = jnp.broadcast_to(jnp.arange(R)[:, None], (R, c))
-  # every round's requests in one exchange (ep R c integers)
+  # every chunk's requests in one exchange (ep R c integers)
   where = jnp.full((ep, R, c), vl, jnp.int32).at[dest, rnd, slot].set(local, mode="drop")
   return dest, jax.lax.all_to_all(where, owners, 0, 0, tiled=True).transpose(1, 0, 2)
 
@@ -132,14 +132,14 @@ def _gather(plan, dtype, table, ids):
   dest, at = _routes(plan, ids.reshape(-1))
   R, c = dest.shape
 
-  def round_(_, xs):
+  def chunk(_, xs):
     to, at = xs                                      # [c], [sender, c]
     rows = jnp.take(table, at.reshape(-1), axis=0, mode="fill", fill_value=0).astype(dtype)
     back = jax.lax.all_to_all(_as_bits(rows.reshape(ep, c, d)), owners, 0, 0, tiled=True)
     back = jax.lax.bitcast_convert_type(back, dtype)          # [owner, c, d]
     return None, back.at[to, jnp.arange(c)].get(mode="fill", fill_value=0)
 
-  _, x = jax.lax.scan(round_, None, (dest, at))
+  _, x = jax.lax.scan(chunk, None, (dest, at))
   n = math.prod(ids.shape)
   return x.reshape(R * c, d)[:n].reshape(ids.shape + (d,))
 
@@ -156,7 +156,7 @@ def _scatter(plan, d: int, ct, ids):
   rows = jnp.pad(rows, ((0, R * c - rows.shape[0]), (0, 0))).reshape(R, c, d)
   g = varying_like(jnp.zeros((vl, d), acc), rows)
 
-  def round_(g, xs):
+  def chunk(g, xs):
     r, to, at = xs                                   # [c, d], [c], [sender, c]
     send = jnp.zeros((ep, c, d), _as_bits(r).dtype).at[to, jnp.arange(c)].set(
         _as_bits(r), mode="drop")
@@ -164,9 +164,9 @@ def _scatter(plan, d: int, ct, ids):
     got = jax.lax.bitcast_convert_type(got, r.dtype).astype(acc)
     return g.at[at.reshape(-1)].add(got, mode="drop"), None
 
-  # the rounds read `at`: the requests' exchange precedes theirs on every device (XLA:CPU may
+  # the chunks read `at`: the requests' exchange precedes theirs on every device (XLA:CPU may
   # order independent collectives differently per device and deadlock)
-  g, _ = jax.lax.scan(round_, g, (rows, dest, at))
+  g, _ = jax.lax.scan(chunk, g, (rows, dest, at))
   rest = () if plan.manual else tuple(a for a in plan.tokens if a not in plan.owners)
   return jax.lax.psum(g, rest) if rest else g
 
@@ -203,7 +203,8 @@ def _lookup_bwd(plan, dtype, ids, dx):
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
-def embed(table, ids, dtype=None, *, rounds: int = 0, vocab: int | None = None):
+def embed(table, ids, dtype=None, *, chunks: int = 0, vocab: int | None = None,
+          rounds: int | None = None):
   """table[ids] in `dtype` (default the table's), each row read on, and its gradient sent
   to, the expert shard that holds it where a mesh splits the table's rows and the tokens
   (module docstring).
@@ -212,15 +213,22 @@ def embed(table, ids, dtype=None, *, rounds: int = 0, vocab: int | None = None):
     table: [V, d], under a mesh split on its rows as sharding rule `vocab` says (or whole).
     ids: int [b, ...], under a mesh split on its leading dimension as `batch` says.
     dtype: the output's dtype (the cotangents travel in it).
-    rounds: chunks the rows go in (0: ep, module docstring).
+    chunks: the pieces this device's rows go in, one exchange each (0: ep, module
+      docstring).
     vocab: V, inside a shard_map that holds the token axes manual and passes this device's
       slice of the rows (the pipeline's): then the exchange runs without a shard_map of its
       own and the gradient is this device's tokens' share, summed by that shard_map.
+    rounds: the old name of `chunks` (deprecated: "rounds" are the expert exchange's
+      windows of received rows, k2jax.model.expert_parallel).
   Returns:
     [b, ..., d]: jnp.take(table, ids, axis=0).astype(dtype).
   """
+  if rounds is not None:
+    warnings.warn("embed(rounds=...) is now embed(chunks=...)", DeprecationWarning,
+                  stacklevel=2)
+    chunks = rounds
   dtype = jnp.dtype(table.dtype if dtype is None else dtype)
-  plan = _plan(table, ids, rounds, vocab)
+  plan = _plan(table, ids, chunks, vocab)
   if plan is None:
     return jnp.take(table, ids, axis=0).astype(dtype)
   return _lookup(plan, table, ids, dtype)
