@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k2jax import compile as k2compile
+from k2jax import xla_target
 from k2jax import configs, engine, generate, kernels, model, parallel
 from k2jax.kernels import platform as kernel_platform
 
-GB = k2compile.GB
+GB = xla_target.GB
 PROGRAMS = ("train", "sft", "rl", "prefill", "decode")
 SFT_NOTE = ("sft: k2jax.sft trains through k2jax.train.train, which compiles "
             "k2jax.step.program from the config as pre-training does: the program below")
@@ -128,16 +128,16 @@ def host(shape, dtype):
   return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
-def run(job: Job, dump: str | None = None) -> k2compile.Compiled:
+def run(job: Job, dump: str | None = None) -> xla_target.Compiled:
   """Trace, lower and compile `job` for its mesh's devices. Raises what XLA raises."""
   device = job.mesh.devices.flat[0]
   t0 = time.perf_counter()
   with kernel_platform.target(device.platform), jax.set_mesh(job.mesh):
     compiled = job.fn.trace(*job.args, **job.kwargs).lower().compile(
         compiler_options={"xla_dump_to": dump} if dump else None)
-  dev, host_mem = k2compile.memory(compiled.memory_analysis())
-  return k2compile.Compiled(compiled, time.perf_counter() - t0, dev, host_mem,
-                            device.device_kind, device.platform, k2compile.hbm_bytes(device))
+  dev, host_mem = xla_target.memory(compiled.memory_analysis())
+  return xla_target.Compiled(compiled, time.perf_counter() - t0, dev, host_mem,
+                            device.device_kind, device.platform, xla_target.hbm_bytes(device))
 
 
 def abstract_params(cfg, shardings):
@@ -231,8 +231,8 @@ def rl_update(config, devices, rows: int, length: int) -> Job:
   if rows % r.samples:
     raise ValueError(f"--rows {rows}: the update's rows are rl.prompts x rl.samples, a "
                      f"multiple of rl.samples = {r.samples}")
-  config = k2compile.fit_mesh(config, len(devices))
-  shape = k2compile.mesh_sizes(config)
+  config = xla_target.fit_mesh(config, len(devices))
+  shape = xla_target.mesh_sizes(config)
   mesh = parallel.make_mesh(config.mesh, devices)
   platform = devices[0].platform
   with kernel_platform.target(platform):
@@ -321,7 +321,7 @@ def rl_sampler(config, devices, rows: int, length: int, prompt: int | None):
 
 def main(args, config, devices) -> list[dict]:
   """Compile what --program asks for on `devices`, print each table; -> records. Raises
-  ValueError for the user's mistakes; XLA's refusals as k2compile.Refused."""
+  ValueError for the user's mistakes; XLA's refusals as Refused."""
   jobs = []       # Jobs, or fn(the previous one's compiled executable) -> Job
   # (generate.UserError, raised below for a bad --mesh, is a ValueError: cli says it)
   if args.program in ("prefill", "decode"):
@@ -348,7 +348,7 @@ def main(args, config, devices) -> list[dict]:
     except ValueError as e:     # a trace-time check: the geometry on this mesh
       raise ValueError(f"{job.label}: {str(e).splitlines()[0]}") from None
     except Exception as e:
-      raise Refused(k2compile.refusal(e, what=f"the {job.label.split(' (')[0]}")) from None
+      raise Refused(xla_target.refusal(e, what=f"the {job.label.split(' (')[0]}")) from None
     if job.cache_at is not None:   # the engine's next call takes what this one returns
       out_at = result.compiled.output_shardings[job.cache_at]
       same = all(o.is_equivalent_to(a.sharding, len(a.shape)) for o, a in
@@ -375,13 +375,13 @@ def cli(args, config, devices) -> None:
     raise SystemExit(2)
   except Refused as e:
     if args.json:
-      k2compile._write_json(args.json, dict(config=args.config, topology=args.topology,
+      xla_target.write_json(args.json, dict(config=args.config, topology=args.topology,
                                             program=args.program, compiled=False,
                                             refusal=str(e)))
     print(f"k2jax.compile: {e}", file=sys.stderr)
     raise SystemExit(1)
   if args.json:
-    k2compile._write_json(args.json, dict(config=args.config, topology=args.topology,
+    xla_target.write_json(args.json, dict(config=args.config, topology=args.topology,
                                           program=args.program, compiled=True,
                                           programs=records))
 
@@ -390,7 +390,7 @@ def mesh_text(mesh) -> str:
   return ",".join(f"{a}={v}" for a, v in mesh.shape.items() if v > 1) or "one device"
 
 
-def table(args, job: Job, result: k2compile.Compiled) -> str:
+def table(args, job: Job, result: xla_target.Compiled) -> str:
   d = result.device
   mesh_total = math.prod(job.mesh.shape.values())
   planned = sum(v for k, v in job.plan.items() if not k.startswith("plan"))
@@ -412,13 +412,13 @@ def table(args, job: Job, result: k2compile.Compiled) -> str:
     lines.append(f"  {label:<32}{xla / GB:>10.2f}{plan_col}{note}")
   lines += [f"  {x}" for x in job.notes]
   if result.hbm:
-    lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / k2compile.GIB:.2f} "
+    lines.append(f"HBM {result.hbm / GB:.1f} GB per chip ({result.hbm / xla_target.GIB:.2f} "
                  f"GiB, XLA's figure): peak {d['peak'] / result.hbm:.0%} of it: "
-                 f"{k2compile.verdict(d['peak'], result.hbm)}")
+                 f"{xla_target.verdict(d['peak'], result.hbm)}")
   return "\n".join(lines)
 
 
-def record(args, job: Job, result: k2compile.Compiled) -> dict:
+def record(args, job: Job, result: xla_target.Compiled) -> dict:
   """One compiled program's figures, flat (JSON, CSV rows)."""
   d = result.device
   return dict(program=job.label, config=args.config, topology=args.topology,
@@ -426,5 +426,5 @@ def record(args, job: Job, result: k2compile.Compiled) -> dict:
               rows=args.rows, context=args.context, prompt=args.prompt,
               seconds=round(result.seconds, 1), xla_device=d, xla_host=result.host,
               plan={k: int(v) for k, v in job.plan.items()}, hbm=result.hbm, **job.shape,
-              fits=bool(result.hbm and d["peak"] <= k2compile.ROOM * result.hbm),
-              verdict=k2compile.verdict(d["peak"], result.hbm) if result.hbm else None)
+              fits=bool(result.hbm and d["peak"] <= xla_target.ROOM * result.hbm),
+              verdict=xla_target.verdict(d["peak"], result.hbm) if result.hbm else None)

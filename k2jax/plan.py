@@ -38,6 +38,7 @@ from k2jax.parallel import param_shardings as parallel_param_shardings
 from k2jax.parallel.mesh import parse_mesh
 from k2jax.parallel.mesh import entry_axes
 from k2jax.step import differentiated, init_state
+from k2jax import xla_target
 
 GB = 1e9
 
@@ -216,8 +217,8 @@ def activation_bytes(mcfg, mesh_shape, seq_len, micro_batch=1, *, remat=None,
   # their gradients before they join the float32 sums (k2jax.parallel.stage.add_at):
   # twice the layer. Where the expert exchange's worst case runs in rounds, the backward's
   # scan over the rounds sums the routed experts' gradient in its carry beside the round's
-  # own: once more (XLA:TPU at K2, `k2jax.compile --explain`: 2.1 GB each, the layer's
-  # experts, the carry and the round's).
+  # own: once more (`k2jax.compile --explain` shows the three at K2: the layer's experts,
+  # the carry and the round's).
   layer_bytes = 2 * stack_layer_bytes(m, sp.stack.name, mesh_shape)
   if expert_parallel.runs_in_rounds(mesh_shape["expert"], m.get("ep_round_load", 2.0),
                                     m.get("ep_transport", "auto"), platform):
@@ -371,26 +372,52 @@ def estimate(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *,
   return Estimate(cfg, seq_len, micro_batch, geometry, rounded, st, acts)
 
 
-def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtual_stages=None,
-           microbatches=None, remat=None, storage=None, param_dtype=None, name=None,
-           platform="gpu", est: Estimate | None = None) -> str:
-  """The per-device table of a preset name or a full config on `mesh` ({axis: size});
-  `est`: its `estimate`, where the caller has it already."""
-  name = name or (config if isinstance(config, str) else "config")
-  est = est or estimate(config, mesh, seq_len, micro_batch, grad_bytes,
-                        virtual_stages=virtual_stages, microbatches=microbatches, remat=remat,
-                        storage=storage, param_dtype=param_dtype, platform=platform)
-  cfg, seq_len, micro_batch, geometry, rounded, st, acts = est
+def _pipeline_line(cfg, mesh, seq_len, platform, acts, rounded: str) -> str:
+  """plan's line on the pipeline: the schedule's ticks, idle time by stage FLOPs, stage
+  activations in flight (what every device allocates: one SPMD program), padding rows, the
+  zero-bubble split, the work the table runs against the model's own."""
   V = cfg.mesh.get("virtual_stages", 1)
   M = cfg.train.grad_accum
   schedule = cfg.mesh.get("pipeline_schedule", "1f1b")
   P = mesh["pipeline"]
-  act, used = acts.device, acts.settings
-  n = math.prod(mesh.values())
-  lines = [f"{name} on mesh {', '.join(f'{a}={mesh.get(a, 1)}' for a in MESH_AXES)} ({n} devices), "
-           f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
-           f"micro_batch {micro_batch} ({geometry})",
-           f"{'per device':<26}{'GB':>10}"]
+  args = (schedule, mesh["data"], mesh["expert"], seq_len, platform)
+  tab = pipeline.schedule_table(cfg.model, P, V, M, *args)
+  costs = pipeline.schedule_costs(cfg.model, P, V, *args)
+  sp = layout.split(cfg.model, P, V)
+  layout_note = ("one task per device and tick" if tab.grid
+                 else "1F1B's ticks with the W tasks placed in them")
+  split_note = "" if not tab.split else (
+      f"; {layout_note} (the faster of the two under these stage costs); W takes "
+      f"{pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
+      f"backward (k2jax.parallel.bwsplit), "
+      f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above)")
+  prefix_note = "stage 0 recomputes the embedding and dense layers in its backward"
+  padded = (f", {sp.padded} padding row(s) stored, first on the stage with the embedding"
+            if sp.padded else "")
+  # one SPMD program: every device allocates the busiest device's residual slots
+  used_slots = tab.used("res")
+  unused = ""
+  if used_slots.min() < tab.in_flight:
+    spare = (tab.in_flight - used_slots.mean()) * acts.moved if acts.moved else 0.0
+    unused = (f" on the busiest (every device allocates its slots: one SPMD program; "
+              f"devices use {used_slots.min()}-{used_slots.max()}, mean "
+              f"{used_slots.mean():.0f}" + (f", {spare / GB:.1f} GB of host slots unused "
+                                            f"on the average device" if spare else "") + ")")
+  return (f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
+          f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
+          f"{tab.idle_fraction(costs):.1%} of device time by stage FLOPs "
+          f"({tab.idle_fraction():.1%} if stages did equal work), {tab.in_flight} "
+          f"stage activations in flight per device{unused}{padded}{split_note}; the tasks it "
+          f"runs are {tab.work_ratio(costs):.3f}x the work of the model's forward + backward "
+          f"without a pipeline ({prefix_note})")
+
+
+def _state_lines(cfg, st: dict, mesh) -> tuple[list[str], float]:
+  """plan's lines on the states a device holds (params, the gradient sums, ZeRO-1's
+  optimizer states, the weights the loop gathers or casts, a stack's gradient), and their
+  bytes."""
+  M = cfg.train.grad_accum
+  lines = []
   for key, label in (("params", "params"), ("loop_sums", "grads / accumulation"),
                      ("optimizer", "optimizer (ZeRO-1)")):
     lines.append(f"  {label:<24}{st[key] / GB:>10.2f}")
@@ -424,6 +451,28 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
                  f"gradient in {cfg.model.dtype}, as the layers' scan returns it for a "
                  f"microbatch, before it joins the accumulator")
     states += st["loop_grad"]
+  return lines, states
+
+
+def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtual_stages=None,
+           microbatches=None, remat=None, storage=None, param_dtype=None, name=None,
+           platform="gpu", est: Estimate | None = None) -> str:
+  """The per-device table of a preset name or a full config on `mesh` ({axis: size});
+  `est`: its `estimate`, where the caller has it already."""
+  name = name or (config if isinstance(config, str) else "config")
+  est = est or estimate(config, mesh, seq_len, micro_batch, grad_bytes,
+                        virtual_stages=virtual_stages, microbatches=microbatches, remat=remat,
+                        storage=storage, param_dtype=param_dtype, platform=platform)
+  cfg, seq_len, micro_batch, geometry, rounded, st, acts = est
+  P = mesh["pipeline"]
+  act, used = acts.device, acts.settings
+  n = math.prod(mesh.values())
+  lines = [f"{name} on mesh {', '.join(f'{a}={mesh.get(a, 1)}' for a in MESH_AXES)} ({n} devices), "
+           f"params {cfg.model.param_dtype}, grads {grad_bytes} B, seq_len {seq_len}, "
+           f"micro_batch {micro_batch} ({geometry})",
+           f"{'per device':<26}{'GB':>10}"]
+  state_lines, states = _state_lines(cfg, st, mesh)
+  lines += state_lines
   offloaded = "" if not acts.host else (
       ", the stage residuals of the microbatches in flight in host memory (model.offload)"
       if P > 1 else ", the layers' saved activations in host memory (model.offload)")
@@ -454,38 +503,7 @@ def report(config, mesh, seq_len=None, micro_batch=None, grad_bytes=4, *, virtua
                  f"keeps, offloaded by each layer (model.offload); a layer moves up to "
                  f"{acts.moved / GB:.2f} GB there and reads it back in its backward")
   if P > 1:
-    args = (schedule, mesh["data"], mesh["expert"], seq_len, platform)
-    tab = pipeline.schedule_table(cfg.model, P, V, M, *args)
-    costs = pipeline.schedule_costs(cfg.model, P, V, *args)
-    sp = layout.split(cfg.model, P, V)
-    layout_note = ("one task per device and tick" if tab.grid
-                   else "1F1B's ticks with the W tasks placed in them")
-    split_note = "" if not tab.split else (
-        f"; {layout_note} (the faster of the two under these stage costs); W takes "
-        f"{pipeline.w_share(cfg.model, *args[1:]):.2f} forwards of a layer's "
-        f"backward (k2jax.parallel.bwsplit), "
-        f"{tab.sizes['cut']} slots per device hold what B hands W (in activations above)")
-    prefix_note = "stage 0 recomputes the embedding and dense layers in its backward"
-    padded = (f", {sp.padded} padding row(s) stored, first on the stage with the embedding"
-              if sp.padded else "")
-    # one SPMD program: every device allocates the busiest device's residual slots
-    used_slots = tab.used("res")
-    unused = ""
-    if used_slots.min() < tab.in_flight:
-      spare = (tab.in_flight - used_slots.mean()) * acts.moved if acts.moved else 0.0
-      unused = (f" on the busiest (every device allocates its slots: one SPMD program; "
-                f"devices use {used_slots.min()}-{used_slots.max()}, mean "
-                f"{used_slots.mean():.0f}" + (f", {spare / GB:.1f} GB of host slots unused "
-                                              f"on the average device" if spare else "") + ")")
-    lines.append(f"pipeline ({schedule}): {P} devices x {V} virtual stages of "
-                 f"{sp.per_stage} layer(s), {M} microbatches{rounded}: {tab.ticks} ticks, idle "
-                 f"{tab.idle_fraction(costs):.1%} of device time by stage FLOPs "
-                 f"({tab.idle_fraction():.1%} if stages did equal work), {tab.in_flight} "
-                 f"stage activations in flight per device{unused}"
-                 f"{padded}"
-                 f"{split_note}; the tasks it runs are {tab.work_ratio(costs):.3f}x the "
-                 f"work of the model's forward + backward without a pipeline "
-                 f"({prefix_note})")
+    lines.append(_pipeline_line(cfg, mesh, seq_len, platform, acts, rounded))
   group = mesh["pipeline"] * mesh["expert"]
   tb = (st["total_params"] + st["total_grads"]) / 1e12
   lines.append(f"params + grads of the whole model: {tb:.2f} TB over a {group}-device "
@@ -573,9 +591,8 @@ def main(argv=None):
         "chips_per_host"))
     target = None
     if args.compile:   # plan the mesh k2jax.compile fits to the chips, with their kernels
-      from k2jax import compile as xla
       try:
-        target = xla.topology_devices(args.compile)
+        target = xla_target.topology_devices(args.compile)
       except ValueError as e:
         raise ValueError(str(e).replace("--topology", "--compile", 1)) from None
       if args.devices not in (None, len(target)):
@@ -613,11 +630,11 @@ def main(argv=None):
 
 
 def compiled_beside(args, overrides, mesh, est, devices) -> str:
-  """XLA's figures of the same step (k2jax.compile.until_buffer_assignment: its buffer
+  """XLA's figures of the same step (k2jax.xla_target.until_buffer_assignment: its buffer
   assignment, where its out-of-memory check runs) beside `est`'s: the compiler is the truth
   for memory; plan's count says where it goes. Exits 1 with XLA's one line
   where it refuses the step."""
-  from k2jax import compile as xla
+
   # the step plan counted: its mesh, and its microbatches where plan rounded them for it
   settings = [f"--config.mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
   settings.append(f"--config.train.grad_accum={est.cfg.train.grad_accum}")
@@ -627,12 +644,12 @@ def compiled_beside(args, overrides, mesh, est, devices) -> str:
                     ("param_dtype", "model.param_dtype")):
     if getattr(args, flag) is not None:
       settings.append(f"--config.{key}={getattr(args, flag)}")
-  device, host, seconds = xla.until_buffer_assignment(
+  device, host, seconds = xla_target.until_buffer_assignment(
       ["--config", args.config, "--topology", args.compile, *overrides, *settings])
   if device is None:
     print(f"k2jax.plan: {host.removeprefix('k2jax.compile: ')}", file=sys.stderr)
     raise SystemExit(1)
-  hbm = xla.hbm_bytes(devices[0])
+  hbm = xla_target.hbm_bytes(devices[0])
   lines = [f"compiled for {args.compile} ({devices[0].device_kind}), XLA's buffer assignment "
            f"in {seconds:.0f} s:",
            f"  {'XLA per device':<24}{'GB':>10}{'plan GB':>10}{'XLA / plan':>12}",
@@ -648,7 +665,7 @@ def compiled_beside(args, overrides, mesh, est, devices) -> str:
   if hbm:   # the verdict as k2jax.compile gives it: on the whole device memory space
     lines.append(f"  HBM {hbm / GB:.1f} GB per chip: XLA's peak is {device['check'] / hbm:.0%} "
                  f"of it, {device['peak'] / hbm:.0%} with the thread-local buffers "
-                 f"({xla.verdict(device['peak'], hbm)})")
+                 f"({xla_target.verdict(device['peak'], hbm)})")
   lines.append("  XLA's peak is the figure of record; plan's lines above say where it goes "
                "(what they do not count: XLA's layout copies and transposes of weights, the "
                "expert exchange's buffers beyond the residuals, heap fragmentation)")

@@ -65,3 +65,87 @@ def test_installed_kernels_is_hugging_faces():
 
 if __name__ == "__main__":
   print("RESULT", json.dumps(sys.path))
+
+
+# -- dependencies run one way ----------------------------------------------------------------
+
+def _module_files() -> dict:
+  """{module name: file} of k2jax and its kernels (installed as k2jax.kernels)."""
+  out = {}
+  for base, prefix in ((os.path.join(REPO, "k2jax"), "k2jax"),
+                       (os.path.join(REPO, "kernels"), "k2jax.kernels")):
+    for dirpath, _, names in os.walk(base):
+      for name in names:
+        if name.endswith(".py") and name != "__main__.py":
+          rel = os.path.relpath(os.path.join(dirpath, name), base)[:-3].replace(os.sep, ".")
+          mod = prefix if rel == "__init__" else f"{prefix}.{rel.removesuffix('.__init__')}"
+          out[mod] = os.path.join(dirpath, name)
+  return out
+
+
+def import_graph(files: dict) -> dict:
+  """{module: the k2jax modules it imports}, imports inside functions included (they hide a
+  circle from Python, not from a reader). A package's `__init__` importing its own modules
+  and a module importing its own package are not edges."""
+  import ast
+
+  def owner(name):
+    while name and name not in files:
+      name = name.rpartition(".")[0]
+    return name
+
+  graph = {}
+  for mod, path in files.items():
+    deps = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        names = [f"{node.module}.{a.name}" for a in node.names]
+      deps |= {owner(n) for n in names if n.startswith("k2jax")}
+    graph[mod] = {d for d in deps if d and d != mod and not mod.startswith(d + ".")
+                  and not d.startswith(mod + ".")}
+  return graph
+
+
+def circles(graph: dict) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan's algorithm)."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in sorted(graph.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while not comp or comp[-1] != v:
+        comp.append(stack.pop())
+        on.discard(comp[-1])
+      if len(comp) > 1:
+        out.append(sorted(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return out
+
+
+def test_no_import_circles():
+  graph = import_graph(_module_files())
+  assert len(graph) > 50 and graph["k2jax.compile"] >= {"k2jax.plan", "k2jax.xla_target"}
+  assert circles(graph) == []
+
+
+def test_a_circle_through_a_function_level_import_is_found(tmp_path):
+  (tmp_path / "a.py").write_text("import k2jax.b\n")
+  (tmp_path / "b.py").write_text("def f():\n  from k2jax import a\n")
+  (tmp_path / "c.py").write_text("from k2jax import a\n")
+  graph = import_graph({f"k2jax.{n}": str(tmp_path / f"{n}.py") for n in "abc"})
+  assert circles(graph) == [["k2jax.a", "k2jax.b"]]
