@@ -303,9 +303,8 @@ def residual_stages(tab: schedules.Table, offload: bool) -> dict:
   made and the one B reads (a tick moves one to host and one back).
 
   B reads its slot in the tick it runs. Fetching it a tick ahead (so the copy could run
-  behind the tick's phases) kept one more stage on the device and saved nothing on one
-  H200 (2026-11-26: 1.99x the device slots' step time vs 1.96x reading in place,
-  experiments/results/pipeline/gpu_offload_fetch_ahead.csv), so it was taken out."""
+  behind the tick's phases) kept one more stage on the device and saved no time on a GPU
+  (experiments/results/pipeline/gpu_offload_fetch_ahead.csv), so it was taken out."""
   if not offload:
     return {"device": tab.in_flight, "host": 0}
   return {"device": min(2, tab.in_flight), "host": tab.sizes["res"] + 1}
@@ -331,14 +330,12 @@ def _reduce(g, lead: tuple, target):
   PartitionSpec; parallel.grad_shardings: ZeRO-1's slices). A lead axis that `target` splits
   the gradient over is reduce-scattered onto that dimension, the others summed; or None
   where `target` lays a dimension out in an order this cannot produce (the lead axes must
-  come last in its entry). Written out because a plain sum followed by ZeRO-1's slice stays
-  an all-reduce (twice a reduce-scatter's bytes, and the whole sum on every device): so
-  XLA:TPU (libtpu 0.0.42.1) compiled K2's step on v5p 8x16x16, 21.6 GB of all-reduce
-  results per device a step. A reduce-scatter goes onto the slice's largest dimension the
-  group divides and an all-to-all of the slice moves it where the target wants it: onto
-  the expert stacks' 24 local experts (-> 3) XLA:TPU lowered it as an all-reduce, whose
-  whole result (5.6 GB a stack) lived until the update; onto their 7168 or 2048 it stays a
-  reduce-scatter. K2's step now all-reduces 0.8 GB."""
+  come last in its entry). Written out because XLA:TPU compiles a plain sum followed by
+  ZeRO-1's slice as an all-reduce (twice a reduce-scatter's bytes, and the whole sum on
+  every device). A reduce-scatter goes onto the slice's largest dimension the group
+  divides and an all-to-all of the slice moves it where the target wants it: scattered
+  onto a small dimension (K2's 24 local experts, split 8 ways) XLA:TPU lowered it as an
+  all-reduce again, whose whole result lived until the update."""
   spec = tuple(getattr(target, "spec", target))
   spec += (None,) * (g.ndim - 1 - len(spec))
   inner = []

@@ -36,8 +36,7 @@ def layer_at(params, v, l):
   stack, which XLA fuses into its consumers or copies one layer at a time. Slicing the whole
   stage first (and scanning over the slice) made XLA:TPU copy the stage's weights in every
   phase and stack the stage's weight gradients in a bf16 buffer of the stage's size before
-  adding them to the float32 sums: 7.9 of the 30.8 GiB live at the K2 step's peak (v5p
-  8x16x16, libtpu 0.0.42.1)."""
+  adding them to the float32 sums: a quarter of the K2 step's peak."""
   return jax.tree.map(lambda a: a[v, l], params)
 
 
@@ -93,7 +92,7 @@ def backward(saved, params, v, on, res, dy, g, valid, skip_padding: bool, active
   `valid`, in the loop, so no stage-sized gradient exists. `active`: whether the phase
   runs (`if_real`): each layer's work is its own cond and the sums stay outside every
   cond (a cond's output is a buffer of its own on XLA:TPU: the sums passed through the
-  phase's cond were a second copy of them, 17 GB on the K2 preset). -> (dx, g)."""
+  phase's cond would be a second copy of them). -> (dx, g)."""
   def body(carry, xs):
     dy, g = carry
     l, r = xs

@@ -39,8 +39,8 @@ def grad_shardings(specs, mesh, abstract_params, spread_layers: bool = False):
   over the ZeRO-1 axes like the optimizer states that mirror it (`zero1`). Constrained to
   these, the step's gradient sums are reduce-scattered over `data` rather than all-reduced
   (report 2.4.2: each data rank updates its own slice): half the bytes on the wire, and
-  each device holds 1 / data of the reduced gradients, not all of them (at K2 on v5p
-  8x16x16, 5.6 GB of one expert stack's float32 sums, whole, beside the sums themselves).
+  each device holds 1 / data of the reduced gradients, not all of them (at K2 an expert
+  stack's whole float32 sums would otherwise sit beside the sums themselves).
   Args as `state_shardings`; abstract_params: the parameters' ShapeDtypeStructs."""
   params = param_shardings(specs, mesh, spread_layers)
   batch = jax.tree.map(spec.muon_batch, specs, is_leaf=spec.is_spec)
