@@ -334,7 +334,7 @@ def _run(config, workdir, mesh, data, init_params=None):
       save=lambda step, state, eval_loss: ckpt.save(
           step, to_logical(state), train_iter,
           {"step": step, "eval_loss": eval_loss, "seed": int(t.seed)}),
-      eval_loss=meta.get("eval_loss", float("nan")), close=ckpt)
+      eval_loss=meta.get("eval_loss", float("nan")), ckpt=ckpt)
   stopped = stop_signal if step < t.steps else None
   summary = _summary(workdir, step, t.steps, eval_loss, data.unigram_baseline, stopped)
   log.info("%s", summary["line"])
@@ -421,11 +421,12 @@ def _programs(config, prog, state, data, train_iter, start):
   return step_fn, evaluate, batches
 
 
-def _loop(config, workdir, state, step_fn, evaluate, batches, *, save, eval_loss, close):
+def _loop(config, workdir, state, step_fn, evaluate, batches, *, save, eval_loss, ckpt):
   """Steps to train.steps, logging, evaluating and checkpointing on the config's cadence;
   SIGTERM / SIGINT save a checkpoint at the step all processes agree on and stop there.
-  -> (last step, last eval loss, the signal that stopped it or None). `close` (the
-  checkpointer) is waited for and closed on the way out, whatever happens."""
+  -> (last step, last eval loss, the signal that stopped it or None). The checkpointer
+  `ckpt` (what `save` writes with) is waited for and closed on the way out, whatever
+  happens."""
   t = config.train
   main_process = jax.process_index() == 0
   start = step = int(state.step)
@@ -474,8 +475,8 @@ def _loop(config, workdir, state, step_fn, evaluate, batches, *, save, eval_loss
       _check_divergence(*previous, t.max_nan_steps)
   finally:
     bar.close()
-    close.wait()
-    close.close()
+    ckpt.wait()
+    ckpt.close()
     writer.close()
     for s, h in old_handlers.items():
       signal.signal(s, h)
