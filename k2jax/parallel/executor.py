@@ -400,7 +400,9 @@ class Executor:
   def tick(self, carry, t):
     """One tick: F, head, B, W and the two ring transfers, reading and writing the table's
     slots. Every collective of a tick runs in one order on every device (`order`)."""
-    act_buf, grad_buf, res_buf, cut_buf, stats, sums = carry[2:]
+    act_buf, grad_buf, res_buf, cut_buf = (carry.act_buf, carry.grad_buf, carry.res_buf,
+                                           carry.cut_buf)
+    stats, sums = carry.stats, carry.sums
     p, task, order, store = self.p, self.task, self.order, self.store
     sl = {k: a[t, p] for k, a in self.slot.items()}
     act_buf = _put(act_buf, sl["act_in"], carry.act_in)
