@@ -564,6 +564,11 @@ def test_an_api_key_metrics_and_a_bound_on_waiting_rows():
       stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=800,
                                               stream=True, extra_body={"min_tokens": 800})
       next(iter(stream))
+      # the role chunk comes before the engine admits the row: wait for its slot, or the
+      # stream itself is the waiting row counted below (seen on a loaded CI machine)
+      deadline = time.time() + 60
+      while engine.running_rows() < 1 and time.time() < deadline:
+        time.sleep(0.01)
       with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(client.chat.completions.create, model="tiny", messages=USER,
                               max_tokens=2)
