@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 from k2jax import configs, model, parallel  # noqa: E402
 from k2jax.model import attention, context  # noqa: E402
-from k2jax.step import lm_loss  # noqa: E402
+from k2jax.training.step import lm_loss  # noqa: E402
 from bench_pipeline import matmul_rate  # noqa: E402  (the same ceiling the pipeline bench prints)
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "context")
@@ -113,7 +113,7 @@ def layer_bytes():
   one every layout pays, once a step. Compiled by XLA:TPU for v5p 2x2x2 where libtpu is
   installed (`pip install -e ".[tpu]"`), else by XLA:CPU, which runs bf16 collectives in
   float32 (twice the bytes)."""
-  from k2jax import compile as k2compile
+  from k2jax.tools import compile as k2compile
   cfg = configs.get_config("kimi_k2").model
   cfg.update(dtype="bfloat16", param_dtype="bfloat16", attention_impl="chunked")
   H, T = cfg.num_attention_heads, 4096

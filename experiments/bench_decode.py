@@ -6,7 +6,7 @@
 CPU: the issue-8 bench config (hidden 256, 4 layers, 16 experts top-2) with the same random
 weights in both (written in the published layout, read by k2jax.interop.hf); greedy decoding
 of new tokens after a 32-token prompt, steady state (compiled programs reused; transformers
-with its own KV cache, 2 threads), by k2jax.generate and by k2jax.engine (the server's
+with its own KV cache, 2 threads), by k2jax.generate and by k2jax.serving.engine (the server's
 continuous batcher, the rows submitted together), plus cache bytes per token: ours (latent +
 rope key) vs a naive per-head K/V cache.
 GPU: a random bf16 model with K2's attention shapes scaled to ~1B activated parameters;
@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # k2jax when not installed; last, so that the root's kernels/ hides no installed package
 sys.path.append(os.path.dirname(HERE))
 
-from k2jax import generate  # noqa: E402
+from k2jax.serving import generate  # noqa: E402
 from k2jax.model import decode  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def ours_tokens_per_s(cfg, params, prompts, new):
 
 
 class _Ids:
-  """A tokenizer for k2jax.engine over random ids: no stop token, no text."""
+  """A tokenizer for k2jax.serving.engine over random ids: no stop token, no text."""
   eos_id, bos_id, pad_id, special_ids = -1, 0, 0, {}
 
   def decode(self, ids):
@@ -61,10 +61,10 @@ class _Ids:
 
 
 def engine_tokens_per_s(cfg, params, prompts, new):
-  """The same prompts through k2jax.engine (what k2jax.serve runs: continuous batching over
+  """The same prompts through k2jax.serving.engine (what k2jax.serve runs: continuous batching over
   a slotted cache), submitted together, greedy, steady state."""
   import threading
-  from k2jax.engine import Engine, Job
+  from k2jax.serving.engine import Engine, Job
   engine = Engine(cfg, params, _Ids(), max_batch=len(prompts), max_len=len(prompts[0]) + new,
                   window_s=0.05, reuse_min=None)
 

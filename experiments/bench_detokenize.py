@@ -32,12 +32,12 @@ WINDOW = 256
 
 
 def engine_module(rev: str | None):
-  """k2jax.engine as it is, or as it was at git revision `rev`."""
+  """k2jax.serving.engine as it is, or as it was at git revision `rev`."""
   if rev is None:
-    from k2jax import engine
+    from k2jax.serving import engine
     return engine
   from from_git import module_at
-  return module_at(rev, "k2jax/engine.py", f"engine_{rev}")
+  return module_at(rev, ("k2jax/serving/engine.py", "k2jax/engine.py"), f"engine_{rev}")
 
 
 def reply_ids(tok, n: int) -> list[int]:

@@ -170,7 +170,7 @@ def train_step_vs_torch(steps=10):
   import tempfile
   from k2jax import configs, optim
   from k2jax.interop import hf
-  from k2jax.step import TrainState, train_step
+  from k2jax.training.step import TrainState, train_step
   torch.set_num_threads(2)
   arch = {k: v for k, v in BENCH.items()}
   arch.update(n_group=1, topk_group=1, norm_topk_prob=True, rms_norm_eps=1e-6,

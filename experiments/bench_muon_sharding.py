@@ -65,7 +65,7 @@ def measure(mesh_spec, moe_layers, which):
   import jax.numpy as jnp
   from k2jax import configs, model, optim, parallel
   from k2jax.parallel import layout
-  from k2jax.step import init_state
+  from k2jax.training.step import init_state
 
   sizes = [1] * (3 - len(mesh_spec.split("x"))) + [int(s) for s in mesh_spec.split("x")]
   c = configs.get_config("kimi_k2")

@@ -28,7 +28,7 @@ def measure(mesh_spec, zero1, steps):
   import jax
   import numpy as np
   from k2jax import configs, data as data_lib, model, optim, parallel
-  from k2jax.step import init_state, train_step
+  from k2jax.training.step import init_state, train_step
 
   cfg = configs.get_config("tiny")
   d, e = map(int, mesh_spec.split("x"))

@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from k2jax import configs, model, parallel  # noqa: E402
 from k2jax.parallel import layout, schedules  # noqa: E402
-from k2jax.step import _grads  # noqa: E402
+from k2jax.training.step import _grads  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import pipeline_hlo  # noqa: E402
@@ -130,7 +130,8 @@ def zero_bubble():
   the stage residuals alive per device, the slots for what B hands W, and plan's activation
   figure without offload (all of it on the device). K2 at 2 and 4 virtual stages (stages of
   2 and 1 layers)."""
-  from k2jax import configs, plan
+  from k2jax import configs
+  from k2jax.tools import plan
   from k2jax.parallel import layout, pipeline
   k2 = configs.get_config("kimi_k2")
   mesh = dict(pipeline=16, data=8, expert=16)
@@ -196,7 +197,7 @@ def offload(name="offload.csv", tiny=True, reps=3):
   hidden 1024, 16 heads, 16 experts of 512 (top-2 + shared), 2048 tokens x 4 sequences."""
   from k2jax import configs, model as k2model
   from k2jax.parallel import pipeline
-  from k2jax.step import microbatches
+  from k2jax.training.step import microbatches
   cfg = configs.get_config("tiny").model
   cfg.num_hidden_layers = 9
   B, T, M, V = (4, 64, 8, 8) if tiny else (4, 2048, 8, 8)
@@ -266,7 +267,7 @@ def collectives():
 def plan_vs_xla():
   """plan's per-device params + optimizer state against the argument bytes XLA's memory
   analysis gives the compiled train step (minus the batch), bf16 params, on 8 devices."""
-  from k2jax import plan
+  from k2jax.tools import plan
   rows = []
   for shape in ((4, 1, 2), (4, 2, 1), (1, 2, 4)):
     compiled, _, _, batch, _, _ = pipeline_hlo.build(shape, param_dtype="bfloat16")
@@ -285,7 +286,7 @@ def plan_vs_xla_activations():
   steps (pipeline 4 x 2 virtual x expert 2, 8 microbatches of 4 sequences per device).
   Their absolute temp bytes also hold the gradient buffers and the update's temporaries,
   which plan counts as states, so the rows compare the difference."""
-  from k2jax import plan
+  from k2jax.tools import plan
   rows = []
   for remat in ("none", "full"):
     got = {}

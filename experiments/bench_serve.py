@@ -12,7 +12,7 @@ transformers' DeepseekV3 runs the same weights. Each setting starts the real ser
 threads, greedy and without stops, so every request gets exactly the tokens it asks for:
 "mixed" requests ask, by turns, max_tokens / 4 and 2 max_tokens tokens (short requests among
 long ones). Rows, each a ratio to the one-client baseline measured in the same run:
-- continuous: `k2jax.engine` as served (rows join and leave between dispatches);
+- continuous: `k2jax.serving.engine` as served (rows join and leave between dispatches);
 - static: the same engine admitting a batch only when the last one has ended (what the
   server did before continuous batching, `StaticEngine` below);
 - transformers: `generate` on the same prompts in batches of N (left-padded), each batch
@@ -40,10 +40,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # k2jax when not installed; last, so that the root's kernels/ hides no installed package
 sys.path.append(os.path.dirname(HERE))
 
-from k2jax import chat  # noqa: E402
+from k2jax.serving import chat  # noqa: E402
 from k2jax.data import ByteTokenizer  # noqa: E402
-from k2jax.engine import Engine  # noqa: E402
-from k2jax.serve import Background, make_app  # noqa: E402
+from k2jax.serving.engine import Engine  # noqa: E402
+from k2jax.serving.serve import Background, make_app  # noqa: E402
 
 
 class StaticEngine(Engine):
@@ -195,11 +195,11 @@ def agent_loop(cfg, params, *, reuse: bool, turns: int, max_tokens: int):
 
 
 def engine_class(rev: str | None):
-  """k2jax.engine.Engine as it is, or as it was at git revision `rev`."""
+  """k2jax.serving.engine.Engine as it is, or as it was at git revision `rev`."""
   if rev is None:
     return Engine
   from from_git import module_at
-  return module_at(rev, "k2jax/engine.py", f"engine_{rev}").Engine
+  return module_at(rev, ("k2jax/serving/engine.py", "k2jax/engine.py"), f"engine_{rev}").Engine
 
 
 def beside_json(cfg, params, *, engine_cls, json_client: bool, clients: int, requests: int,

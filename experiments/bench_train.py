@@ -6,7 +6,7 @@
 
 The model is K2's architecture scaled down (MLA with K2's head dims, 32 routed experts top-8
 plus one shared (64 did not fit 80 GB with the float32 state: 4.4B parameters), the sigmoid router with bias balancing, one dense layer first), bf16
-compute, selective recomputation, trained with the trainer's own step (`k2jax.step.
+compute, selective recomputation, trained with the trainer's own step (`k2jax.training.step.
 train_step`: forward, backward, MuonClip with QK-Clip on, router-bias balancing, the
 non-finite gate). Parameters are float32 (no master copy needed: 12 bytes per parameter
 with gradients and momentum) so the ~4B total parameters fit one 80 GB device.
@@ -118,7 +118,7 @@ def step_time(config, reps):
   """(seconds per train step, train state, metrics): the trainer's jitted step."""
   from k2jax import optim
   from k2jax import kernels
-  from k2jax.step import init_state, train_step
+  from k2jax.training.step import init_state, train_step
   kernels.prepare(config.model.attention_impl, config.model.moe_impl)
   tx = optim.optimizer(config)
   schedule = optim.learning_rate_schedule(config)

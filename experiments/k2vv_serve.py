@@ -34,7 +34,7 @@ experiments/out/k2vv/ (--keep).
 
 The tiny model after tiny_sft's 300 steps opens a call section for every request (its SFT
 dialogs carry tools exactly when they call one), so all 128 replies end in tool_calls; under
-"auto" the section it opens is sampled under the schema (k2jax.chat.ToolSectionConstraint),
+"auto" the section it opens is sampled under the schema (k2jax.serving.chat.ToolSectionConstraint),
 which is what the verifier's schema accuracy measures here. The expressions themselves are
 wrong at 300 steps (none of the 64 is the question's; a schema does not check that, and
 experiments/rl_arithmetic.py trains 2,500 steps for it). Two cores: ~1 minute for 128 requests.
@@ -201,9 +201,9 @@ def main():
   summary_path = os.path.join(args.keep, "summary.json")
   log_path = os.path.join(args.keep, "verifier.log")
 
-  from k2jax.engine import Engine
-  from k2jax.generate import load
-  from k2jax.serve import Background, make_app
+  from k2jax.serving.engine import Engine
+  from k2jax.serving.generate import load
+  from k2jax.serving.serve import Background, make_app
   cfg, params, tok = load(argparse.Namespace(workdir=args.workdir, hf=None))
   engine = Engine(cfg, params, tok, max_batch=args.max_batch, window_s=0.01)
   with Background(make_app(engine, args.model)) as server:

@@ -43,10 +43,10 @@ def main():
   import jax
   from k2jax import configs, model
   from k2jax.data import ByteTokenizer
-  from k2jax.engine import Engine
-  from k2jax.serve import Background, make_app
+  from k2jax.serving.engine import Engine
+  from k2jax.serving.serve import Background, make_app
   if args.workdir:
-    from k2jax.generate import load
+    from k2jax.serving.generate import load
     cfg, params, tok = load(argparse.Namespace(workdir=args.workdir, hf=None))
   else:
     cfg = configs.get_config("tiny").model

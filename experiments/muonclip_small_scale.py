@@ -69,9 +69,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k2jax import metrics  # noqa: E402
+from k2jax.training import metrics  # noqa: E402
 from k2jax.configs import tiny  # noqa: E402
-from k2jax.train import train  # noqa: E402
+from k2jax.training.train import train  # noqa: E402
 
 OPTIMIZERS = ("adamw", "muon", "muonclip")
 COLORS = {"adamw": "tab:blue", "muon": "tab:red", "muonclip": "tab:green"}

@@ -156,7 +156,7 @@ def build(mesh_shape, virtual=2, layers=9, grad_accum=8, batch=64, seq=32, skip=
   """(compiled train step, mesh, state, batch, ticks, stack parameter bytes) of
   `tiny_config(...)` on 8 devices, as this checkout's k2jax.train builds it."""
   from k2jax import model, optim, parallel
-  from k2jax.step import init_state, train_step
+  from k2jax.training.step import init_state, train_step
   try:
     from k2jax.parallel import layout
   except ImportError:

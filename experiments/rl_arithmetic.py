@@ -41,9 +41,11 @@ sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k2jax import chat, configs, data as data_lib, sft, train  # noqa: E402
-from k2jax.checkpoint import load_run  # noqa: E402
-from k2jax.generate import generate  # noqa: E402
+from k2jax import configs, data as data_lib, sft  # noqa: E402
+from k2jax.serving import chat
+from k2jax.training import train
+from k2jax.training.checkpoint import load_run  # noqa: E402
+from k2jax.serving.generate import generate  # noqa: E402
 from k2jax.rl import envs  # noqa: E402
 from k2jax.rl import train as rl_train  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A resumable sweep driver for the report's small-scale experiments (experiments/*_sweep.py).
 
 Each sweep is a list of `Run`s: a name and config overrides on top of one base config. Runs
-go through the public trainer, `k2jax.train.train(config, workdir)`, one workdir each under
+go through the public trainer, `k2jax.training.train.train(config, workdir)`, one workdir each under
 experiments/out/<sweep>/ (gitignored). A finished run leaves summary.json there and is not
 repeated; an interrupted one resumes from its newest checkpoint (the trainer's own exact
 resume), so a killed sweep continues where it stopped when rerun with the same arguments.
@@ -31,8 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # k2jax when not installed; last, so that the root's kernels/ hides no installed package
 sys.path.append(os.path.dirname(HERE))
 
-from k2jax import configs, metrics  # noqa: E402
-from k2jax.train import train  # noqa: E402
+from k2jax import configs  # noqa: E402
+from k2jax.training import metrics
+from k2jax.training.train import train  # noqa: E402
 
 # Base sizes per scale: (hidden, layers, steps, batch, seq_len, eval_batches).
 SCALES = {

@@ -5,7 +5,7 @@
         --config.data.files='chats/*.jsonl'
 
 Each JSONL line is a dialog: {"messages": [...], "tools": [...]} in the OpenAI-style shape
-k2jax.chat renders (system / user / assistant with optional tool_calls / tool results). The
+k2jax.serving.chat renders (system / user / assistant with optional tool_calls / tool results). The
 loss covers the tokens the assistant produced (its text, tool calls and closing <|im_end|>)
 and nothing the user, system or tools wrote. Dialogs are packed into rows without attending
 across dialogs (segment ids). Without data.files an embedded, deterministically generated
@@ -13,6 +13,9 @@ set is used: arithmetic and unit-conversion dialogs, half of them calling a calc
 Everything else is the pre-training trainer's: MuonClip by default (the report fine-tunes with
 Muon), resume, metrics, checkpoints. --init starts from a k2jax run's newest checkpoint or a
 Hugging Face directory; the model config comes from there.
+
+May import: k2jax.configs, k2jax.data, k2jax.kernels, k2jax.model, k2jax.optim,
+k2jax.parallel, k2jax.interop, k2jax.training, k2jax.serving.
 """
 
 import json
@@ -23,9 +26,10 @@ import sys
 
 import numpy as np
 
-from k2jax import chat, data as data_lib
-# CALCULATOR is the arithmetic environment's tool: re-exported here, where SFT data uses it
-from k2jax.rl.envs import CALCULATOR, SPLITS, check_ops, draw_problem
+from k2jax import data as data_lib
+from k2jax.serving import chat
+# CALCULATOR: re-exported here too (sft.CALCULATOR), where SFT data uses it
+from k2jax.data.arithmetic import CALCULATOR, SPLITS, check_ops, draw_problem
 
 log = logging.getLogger("k2jax.sft")
 
@@ -38,7 +42,7 @@ def default_dialogs(n: int = 4000, seed: int = 0, max_operand: int = 99,
                     conversions: float = 0.3, dropped_carry: float = 0.0) -> list[dict]:
   """Deterministic arithmetic (operands 0..max_operand, operators `ops`) and unit-conversion
   dialogs (a `conversions` fraction); a tool_fraction of them call the calculator. Arithmetic
-  problems come from `split` of k2jax.rl.envs.arithmetic_split ('train' keeps the held-out
+  problems come from `split` of k2jax.data.arithmetic.arithmetic_split ('train' keeps the held-out
   problems out of training). dropped_carry: the probability that an addition whose ones
   digits carry is answered without that carry (a + b - 10, no calculator call): a teacher's
   systematic slip, which SFT imitates and RL against a verifier can undo
@@ -203,7 +207,7 @@ def build_data(config, process_index: int = 0, process_count: int = 1,
 INIT_HELP = (
     "--init: the weights to start from: a k2jax run directory (its params only) or a Hugging "
     "Face directory (config.json + safetensors, bf16 / FP8 / INT4 as published), read "
-    "straight into the config's mesh (k2jax.weights). The model's shape is --init's: pair it "
+    "straight into the config's mesh (k2jax.training.weights). The model's shape is --init's: pair it "
     "with the preset whose mesh and optimizer fit it (kimi_k2 for Kimi-K2-Instruct, "
     "deepseek_v3 for DeepSeek-V3); --config.model.* may change only how it computes and "
     "param_dtype. The tokenizer is --init's (a run's, or the directory's tiktoken.model, "
@@ -211,10 +215,10 @@ INIT_HELP = (
 
 
 def init_from(path: str):
-  """The weights of a k2jax run directory or a Hugging Face directory (k2jax.weights.Source):
+  """The weights of a k2jax run directory or a Hugging Face directory (k2jax.training.weights.Source):
   their config, read before anything else; their params, loaded into the trainer's
   shardings when it asks."""
-  from k2jax import weights
+  from k2jax.training import weights
   return weights.open_source(path)
 
 
@@ -231,7 +235,7 @@ def pop_init(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def load_init(init: str):
   """init_from with the user's mistakes as one-line UserErrors."""
-  from k2jax import train
+  from k2jax.training import train
   if not init or not os.path.exists(init):
     raise train.UserError(f"--init {init!r}: no such run or checkpoint directory")
   try:
@@ -245,7 +249,7 @@ def load_init(init: str):
 def load_params(init: str, source, cfg, shardings, layout=None):
   """source.load with a checkpoint's flaws (a missing or misshapen tensor, a truncated
   file) as one-line UserErrors naming --init."""
-  from k2jax import train
+  from k2jax.training import train
   try:
     return source.load(cfg, shardings, layout)
   except (OSError, ValueError) as e:
@@ -266,10 +270,10 @@ def tokenizer_from_init(source, config, argv) -> None:
 def model_from_init(init_model, config, argv, flag: str = "--init"):
   """The model config to fine-tune: --init's, with the command line's --config.model.*
   overrides that only change how it computes (remat, dtype, kernels: the keys a resumed run
-  may change, k2jax.resume) or the dtype the weights are stored in (param_dtype: they are
+  may change, k2jax.training.resume) or the dtype the weights are stored in (param_dtype: they are
   cast as they load) applied. An override that would change the weights' shapes or meaning
   is refused (ValueError naming it), never dropped."""
-  from k2jax import resume
+  from k2jax.training import resume
   model = init_model.copy_and_resolve_references()
   for arg in argv:
     if not arg.startswith("--config.model."):
@@ -288,7 +292,7 @@ def model_from_init(init_model, config, argv, flag: str = "--init"):
 
 
 def main(argv=None):
-  from k2jax import train
+  from k2jax.training import train
   init, argv = pop_init(sys.argv if argv is None else argv)
   try:
     config, workdir = train.parse(argv, "k2jax.sft", " [--init RUN | HF_DIR]",

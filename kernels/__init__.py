@@ -1,5 +1,8 @@
 """Kernels (imported as k2jax.kernels): each op has XLA reference implementations with one
-signature and an `impl="auto"` selector; fused Pallas versions slot in behind the same call."""
+signature and an `impl="auto"` selector; fused Pallas versions slot in behind the same call.
+
+May import: nothing of k2jax.
+"""
 
 from k2jax.kernels import flash, moe, platform
 from k2jax.kernels.flash import attention

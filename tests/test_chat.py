@@ -6,7 +6,7 @@ import base64
 import numpy as np
 import pytest
 
-from k2jax import chat
+from k2jax.serving import chat
 from k2jax.data import ByteTokenizer, get_tokenizer
 
 WEATHER = [{"type": "function", "function": {

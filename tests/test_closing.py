@@ -10,7 +10,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from k2jax import chat, closing
+from k2jax.serving import chat, closing
 from k2jax.data import ByteTokenizer, get_tokenizer
 from tests.test_chat import write_bpe
 

@@ -7,10 +7,11 @@ import threading
 import jax
 import pytest
 
-from k2jax import chat, configs, model
+from k2jax import configs, model
+from k2jax.serving import chat
 from k2jax.data import ByteTokenizer
-from k2jax.engine import Engine, Job, row_seed
-from k2jax.generate import generate
+from k2jax.serving.engine import Engine, Job, row_seed
+from k2jax.serving.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax import checkpoint as ckpt_lib, configs, data as data_lib, runlock, train
-from k2jax.checkpoint import (Checkpointer, CheckpointUnreadable, CheckpointWriteFailed)
+from k2jax import configs, data as data_lib
+from k2jax.training import checkpoint as ckpt_lib, runlock, train
+from k2jax.training.checkpoint import (Checkpointer, CheckpointUnreadable, CheckpointWriteFailed)
 
 from tests.test_train import SMALL
 

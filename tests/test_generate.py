@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax import chat, configs, generate, model
+from k2jax import configs, model
+from k2jax.serving import chat, generate
 from k2jax.configs import base
 from k2jax.model import attention, decode, rope
 
@@ -217,7 +218,7 @@ def test_a_section_opened_under_auto_is_held_to_the_schemas():
 
 def test_cli_samples_from_a_trained_run(tmp_path):
   from tests.test_train import small_config
-  from k2jax import train
+  from k2jax.training import train
   train.train(small_config(steps=4, checkpoint_every=4, eval_every=4), str(tmp_path))
   p = subprocess.run([sys.executable, "-m", "k2jax.generate", "--workdir", str(tmp_path),
                       "--prompt", "def ", "--max_new_tokens", "12", "--seed", "1"],
@@ -234,7 +235,7 @@ def test_cli_samples_from_a_trained_run(tmp_path):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
   from tests.test_train import small_config
-  from k2jax import train
+  from k2jax.training import train
   d = tmp_path_factory.mktemp("run")
   train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), str(d))
   return d
@@ -272,7 +273,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_cli_bad_inputs_end_in_one_line_and_exit_2(case, run_dir, tmp_path, capsys):
-  from k2jax import generate as gen
+  from k2jax.serving import generate as gen
   _, argv, fragment = case
   (tmp_path / "empty_config").mkdir()
   (tmp_path / "empty_config" / "config.json").write_text("")
@@ -294,7 +295,7 @@ def test_cli_bad_inputs_end_in_one_line_and_exit_2(case, run_dir, tmp_path, caps
 
 
 def test_visible_streamed_text_stops_short_of_stop_strings():
-  from k2jax.generate import visible
+  from k2jax.serving.generate import visible
   assert visible("hello wor", ["world"]) == "hello "      # 'wor' may become 'world'
   assert visible("hello world and more", ["world", "and"]) == "hello "
   assert visible("hello w", ["xyz"]) == "hello w"
@@ -304,7 +305,7 @@ def test_visible_streamed_text_stops_short_of_stop_strings():
 def test_cli_streaming_never_prints_the_stop_string(run_dir, capsys):
   """One prompt streams; the stop string (and what follows) was printed before the row
   ended, while a batch trimmed it."""
-  from k2jax import generate as gen
+  from k2jax.serving import generate as gen
   argv = ["--workdir", str(run_dir), "--prompt", "def ", "--max_new_tokens", "24",
           "--temperature", "0"]
   gen.main(argv)

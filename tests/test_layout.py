@@ -10,9 +10,10 @@ import optax
 import pytest
 from jax.sharding import AbstractMesh
 
-from k2jax import configs, model, optim, parallel, plan
+from k2jax import configs, model, optim, parallel
+from k2jax.tools import plan
 from k2jax.parallel import layout, pipeline
-from k2jax.step import init_state
+from k2jax.training.step import init_state
 
 
 @pytest.mark.parametrize("layers,P,V", [(8, 2, 1), (8, 4, 2), (8, 2, 3), (60, 16, 2), (5, 4, 1)])

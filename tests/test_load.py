@@ -78,7 +78,8 @@ def _cases(tmp):
       out[f"{kind}/{name}"] = dict(bad=_differences(got, _stored(want, sp), targets),
                                    read=stats["bytes_read"], file=published.tensor_bytes(path))
     if kind == "bf16":     # the same weights as a k2jax run, restored into the stored layout
-      from k2jax import convert, weights
+      from k2jax.tools import convert
+      from k2jax.training import weights
       run = os.path.join(tmp, "run")
       convert.save_params(run, convert.run_config(cfg, "byte"), logical)
       targets, sp = _targets(cfg, MESHES["pp2xdp2xep2"])
@@ -188,7 +189,7 @@ def _memory(path, what):
   """In a fresh process (so no memory freed earlier is reused unseen): the peak RSS `what`
   adds on 8 devices, data 2 x expert 4, params bf16, over the arrays' bytes (CPU devices'
   buffers are host memory), and the bytes it read by syscalls over the params' bytes."""
-  from k2jax import checkpoint
+  from k2jax.training import checkpoint
   cfg = hf.read_config(os.path.join(path, "hf"))
   cfg.param_dtype = "bfloat16"
   targets, _ = _targets(cfg, "data=2,expert=4")
@@ -207,7 +208,7 @@ def _with_moments(path):
   """Adds to the run a state whose float32 moments are 4x its params' bytes."""
   import orbax.checkpoint as ocp
 
-  from k2jax import checkpoint
+  from k2jax.training import checkpoint
   _, params = checkpoint.load_run(os.path.join(path, "run"))
   moments = jax.tree.map(lambda a: a.astype(np.float32), params)
   with ocp.CheckpointManager(os.path.join(path, "run", "checkpoints"), item_handlers={
@@ -339,7 +340,7 @@ def test_convert_export_and_fine_tune_from_published_weights_on_meshes(tmp_path)
   router bias aside: balancing moves it each step). Wrong inputs end in one line, exit 2."""
   from safetensors import safe_open
 
-  from k2jax import checkpoint
+  from k2jax.training import checkpoint
   a = published.arch(num_hidden_layers=3, vocab_size=272)
   published.write(tmp_path / "hf", a, "bf16", seed=9)
   published.write(tmp_path / "fp8", a, "fp8", seed=10)
@@ -384,7 +385,8 @@ def test_convert_export_and_fine_tune_from_published_weights_on_meshes(tmp_path)
 def test_init_sources_say_their_config_and_tokenizer_before_any_weight(tmp_path):
   """weights.open_source reads config.json only; --init takes the source's tokenizer (a
   Hugging Face directory's tiktoken.model) unless the command line names one."""
-  from k2jax import configs, sft, weights
+  from k2jax import configs, sft
+  from k2jax.training import weights
   published.write(tmp_path / "hf", published.arch(num_hidden_layers=2), "bf16", files=1)
   src = weights.open_source(str(tmp_path / "hf"))
   assert src.kind == "hf" and src.model.hidden_size == 160 and src.tokenizer() == "byte"

@@ -4,7 +4,7 @@ row and drop the partial one with a log line."""
 import json
 import logging
 
-from k2jax import metrics
+from k2jax.training import metrics
 
 
 def _write(path, rows, tail):

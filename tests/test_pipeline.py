@@ -11,7 +11,7 @@ import pytest
 
 from k2jax import configs, model
 from k2jax.parallel import executor, layout, pipeline, schedules
-from k2jax.step import lm_loss, microbatches
+from k2jax.training.step import lm_loss, microbatches
 from tests.numerics import replay, seed_and_rng
 
 

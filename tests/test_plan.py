@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from k2jax import configs, model, plan
+from k2jax import configs, model
+from k2jax.tools import plan
 
 
 def test_k2_states_match_report_scale():
@@ -202,7 +203,7 @@ def test_offload_on_one_stage_puts_what_the_policy_keeps_in_host_memory():
   residuals in host memory are exactly what the policy keeps beyond the layer input (the
   non-offloading policy's residuals less full recomputation's), and plan counts them on
   the host, not the device."""
-  from k2jax import plan
+  from k2jax.tools import plan
   from k2jax.kernels import platform
   from k2jax.model import transformer
   cfg = configs.get_config("tiny").model
@@ -231,7 +232,8 @@ def test_plan_reports_the_zbh1_table_the_trainer_builds():
   """One source of truth: plan's idle figure for zbh1 is the trainer's table
   (pipeline.table) read with the trainer's stage costs (pipeline.costs, W's share traced from
   the split)."""
-  from k2jax import configs, plan
+  from k2jax import configs
+  from k2jax.tools import plan
   from k2jax.parallel import pipeline
   c = configs.get_config("kimi_k2")
   c.mesh.pipeline_schedule = "zbh1"
@@ -259,7 +261,8 @@ def test_plan_counts_what_zbh1_keeps_for_its_weight_gradients():
   operand per layer that 1F1B's backward drops at once (bf16), and every pipeline device
   allocates the table's cut slots of a stage's layers each (the loop's buffers have one
   shape)."""
-  from k2jax import configs, plan
+  from k2jax import configs
+  from k2jax.tools import plan
   from k2jax.parallel import pipeline
   c = configs.get_config("kimi_k2")
   mesh = {a: c.mesh[a] for a in ("pipeline", "data", "expert")}
@@ -302,7 +305,8 @@ def test_long_context_on_context_devices_keeps_pretrainings_residuals_and_bubble
   host memory no more stage residuals per device than the 4k preset on PP16 x EP16 x DP8
   (each device holds 4k tokens of a sequence either way) and idles <= 10% by stage FLOPs
   (128 microbatches); the same 32k on DP8, without context, holds over 5x more."""
-  from k2jax import configs, plan
+  from k2jax import configs
+  from k2jax.tools import plan
   from k2jax.parallel import pipeline
   long = configs.get_config("kimi_k2_long_context")
   mesh = {a: long.mesh[a] for a in ("pipeline", "data", "context", "expert")}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from k2jax import plot
+from k2jax.tools import plot
 
 PRE = [{"step": s, "loss": 5.0 - 0.1 * s, "max_logit": 10.0 + s, "clipped_heads": 0,
         "max_logits_per_layer": [9.0 + s, 10.0 + s]} for s in range(1, 6)]

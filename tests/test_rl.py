@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax import chat, configs
+from k2jax import configs
+from k2jax.serving import chat
 from k2jax.data import ByteTokenizer
 from k2jax.rl import budget_rewards, envs, k15_loss, sandbox, sequence_logprobs, temperature_at
 
@@ -637,7 +638,7 @@ def test_rl_trains_with_partial_rollouts_and_resumes(tmp_path):
   with their rewards and lengths (samples.jsonl), the fraction truncated, the sampler's
   log pi against the trainer's over the tokens sampled this iteration (one policy in two
   programs: float rounding apart), the KL to the initial policy; `k2jax.plot` draws them."""
-  from k2jax import plot
+  from k2jax.tools import plot
   from k2jax.rl import train as rl_train
   c = rl_config(eval_every=1, eval_tasks=2, samples_every=1, kl_to_init=True)
   out = rl_train.run(c, str(tmp_path))
@@ -869,7 +870,7 @@ def test_rl_cli_bad_input(tmp_path):
 def test_an_end_marker_split_across_segments_ends_the_turn(monkeypatch):
   """Partial rollouts: '<|im_en' at the end of one segment and 'd|>' in the next end the turn
   (a decoder that only looked at the new segment would run on to the budget)."""
-  import k2jax.generate
+  import k2jax.serving.generate
   from k2jax.rl.train import Rollouts
   tok = ByteTokenizer()
   script = iter(["7 + 1 = 8<|im_en", "d|>garbage after the end"])
@@ -928,7 +929,7 @@ def test_the_measured_rl_setting_is_the_tiny_rl_preset():
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "experiments"))
   import rl_arithmetic
-  from k2jax import resume
+  from k2jax.training import resume
   measured = resume.flatten(rl_arithmetic.rl_config(
       rl_arithmetic.FIXED, 0, None, configs.get_config("tiny_sft").model))
   preset = resume.flatten(configs.get_config("tiny_rl"))

@@ -17,11 +17,12 @@ import pytest
 
 import openai
 
-from k2jax import chat, configs, model
+from k2jax import configs, model
+from k2jax.serving import chat
 from k2jax.data import ByteTokenizer
-from k2jax.engine import Engine
-from k2jax.generate import generate
-from k2jax.serve import Background, make_app
+from k2jax.serving.engine import Engine
+from k2jax.serving.generate import generate
+from k2jax.serving.serve import Background, make_app
 
 # Bounded schemas: a random model under a grammar writes unbounded integers / strings forever.
 TOOLS = [{"type": "function", "function": {
@@ -315,7 +316,7 @@ def test_call_ids_count_the_replys_calls_and_a_cut_section_says_length():
   """Ids are functions.NAME:IDX with IDX counting the reply's calls (the model may write any
   index), dotted names survive, and a reply cut inside its call section keeps
   finish_reason "length" with the complete calls before the cut, never a repaired one."""
-  from k2jax.serve import _message
+  from k2jax.serving.serve import _message
   call = lambda cid, args: (f"<|tool_call_begin|>{cid}<|tool_call_argument_begin|>{args}"
                             "<|tool_call_end|>")
   text = ("<|tool_calls_section_begin|>" + call("functions.add:0", '{"a": 1, "b": 2}')
@@ -399,7 +400,7 @@ def test_one_refused_prompt_stops_its_siblings_and_is_a_400(served, monkeypatch)
   """A multi-prompt completion whose second prompt the engine refuses (engine.Unfit): the
   answer is a 400 with the engine's reason, and the first prompt's job, which nobody will
   read, is cancelled (its rows leave their slots) instead of decoding to max_tokens."""
-  from k2jax.engine import Event, Unfit
+  from k2jax.serving.engine import Event, Unfit
   engine = served[1]
   submit, taken = engine.submit, []
 
@@ -448,7 +449,7 @@ def _free_port():
 
 def test_cli_serves_a_trained_run_and_refuses_bad_input(tmp_path):
   from tests.test_train import small_config
-  from k2jax import train
+  from k2jax.training import train
   run = tmp_path / "run"
   train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), str(run))
   with socket.socket() as held:
@@ -733,7 +734,7 @@ def test_grammars_compile_off_the_event_loop_and_the_engines_thread(served, clie
   the engine's thread, whose dispatches would."""
   import asyncio
   import threading
-  from k2jax import chat as chat_lib
+  from k2jax.serving import chat as chat_lib
   made, real = [], chat_lib.JSONConstraint
 
   def recording(*a, **kw):
@@ -773,7 +774,7 @@ def test_a_think_block_is_reasoning_content_streamed_or_not(served, client, monk
   before a tool-call section does not swallow the calls. The model's tokens are forced here
   (a random model writes no <think>)."""
   import numpy as np
-  from k2jax import serve
+  from k2jax.serving import serve
   url, engine, cfg, params, tok = served
 
   def forcing(script):

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from k2jax import chat, configs, model, sft
+from k2jax import configs, model, sft
+from k2jax.serving import chat
 from k2jax.data import ByteTokenizer
-from k2jax.step import lm_loss
+from k2jax.training.step import lm_loss
 
 
 def small_model():

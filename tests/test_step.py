@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from k2jax import configs, optim
-from k2jax.step import init_state, train_step
+from k2jax.training.step import init_state, train_step
 
 
 def _batch(cfg, B, T, seed=0):
@@ -36,7 +36,7 @@ def test_grad_accumulation_equals_one_batch(aux_loss_alpha):
   (weighting it by each microbatch's tokens moved the router's gradient 3.4% here, the
   MoE layers' others 0.03-0.16%)."""
   from k2jax import model
-  from k2jax.step import _grads
+  from k2jax.training.step import _grads
   cfg = configs.get_config("tiny")
   cfg.model.num_hidden_layers = 2
   cfg.model.aux_loss_alpha = aux_loss_alpha
@@ -68,7 +68,7 @@ def test_weights_cast_once_per_step_give_the_same_gradients(monkeypatch, impl):
   from k2jax import model
   from k2jax.kernels import moe as moe_kernels
   from k2jax.model import spec
-  from k2jax.step import _grads, differentiated
+  from k2jax.training.step import _grads, differentiated
   cfg = configs.get_config("tiny")
   cfg.model.update(dict(num_hidden_layers=3, dtype="bfloat16", moe_impl=impl))
   params = model.init(cfg.model, jax.random.key(0))
@@ -128,7 +128,7 @@ def test_a_skipped_step_keeps_one_clock(monkeypatch, param_dtype):
   still advances with the trainer's step, so the logged learning rate is the one optax
   applies (schedule(count)) and a WSD decay still completes on time. bf16 params: the kept
   params are the kept master's rounding (step.train_step), equal to the old ones."""
-  from k2jax import step as step_lib
+  from k2jax.training import step as step_lib
   cfg = configs.get_config("tiny")
   cfg.model.num_hidden_layers = 2
   cfg.model.param_dtype = param_dtype

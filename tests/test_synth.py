@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from k2jax import chat
+from k2jax.serving import chat
 from k2jax.synth import Client, ScriptedClient, agentic, cli, dryrun, rephrase
 from k2jax.synth.client import Reply
 from k2jax.synth.dryrun import agent_model
@@ -414,8 +414,8 @@ def served():
 
   from k2jax import configs, model
   from k2jax.data import ByteTokenizer
-  from k2jax.engine import Engine
-  from k2jax.serve import Background, make_app
+  from k2jax.serving.engine import Engine
+  from k2jax.serving.serve import Background, make_app
   cfg = configs.get_config("tiny").model
   engine = Engine(cfg, model.init(cfg, jax.random.key(0)), ByteTokenizer(), window_s=0.02)
   with Background(make_app(engine, "tiny")) as server:
@@ -583,8 +583,8 @@ def test_local_client_and_synth_workdir(tmp_path, capsys):
   required tool call comes back parsed; `python -m k2jax.synth math --workdir RUN` (the CLI
   loading a trained run into a LocalClient) does every item once."""
   from tests.test_train import small_config
-  from k2jax import train
-  from k2jax.generate import generate
+  from k2jax.training import train
+  from k2jax.serving.generate import generate
   from k2jax.synth import LocalClient, Request
   run = str(tmp_path / "run")
   train.train(small_config(steps=2, checkpoint_every=2, eval_every=2), run)
@@ -617,7 +617,7 @@ def test_train_and_sft_run_on_what_synth_writes(tmp_path):
   (CLI) on agentic dialogs, a few steps each."""
   from tests.test_sft import SMALL, run_sft
   from tests.test_train import small_config
-  from k2jax import metrics, train
+  from k2jax.training import metrics, train
   docs = tmp_path / "docs.jsonl"
   docs.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Item {i}. " + DOCS[i % 3]["text"]})
                           + "\n" for i in range(12)))

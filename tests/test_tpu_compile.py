@@ -86,7 +86,7 @@ def test_host_residual_slots_compile_for_tpu_and_live_in_host_memory():
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from k2jax import compile as kc
+  from k2jax.tools import compile as kc
   from k2jax.parallel import executor
 
   devices = kc.topology_devices("v5p:2x2x1")
@@ -124,7 +124,7 @@ def test_buffer_assignment_is_read_by_memory_space_and_kind():
   """The parser of XLA's dumped buffer assignment: entry parameters, the preallocated heap
   and thread-local buffers, in HBM (color 0) and host memory (color 5); on-chip scratch
   (other colors), constants and outputs are not counted."""
-  from k2jax import compile as kc
+  from k2jax.tools import compile as kc
   text = "\n".join([
       "allocation 0: size 100, thread-local:",
       "allocation 1: size 1000, parameter 3, shape |bf16[4,8]| at ShapeIndex {}, maybe-live-out:",
@@ -303,7 +303,7 @@ def test_explain_charges_the_heap_to_the_lines_that_made_it(tmp_path):
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import SingleDeviceSharding
-  from k2jax import compile as kc, xla_heap
+  from k2jax.tools import compile as kc, xla_heap
 
   dev = kc.topology_devices("v5e:1x1")[0]
   n, k = 2048, 16            # 256 MB: not in the chip's 128 MiB of on-chip memory
@@ -347,7 +347,7 @@ def test_explain_names_temporaries_in_a_donated_arguments_buffer(tmp_path):
   import jax
   import jax.numpy as jnp
   from jax.sharding import SingleDeviceSharding
-  from k2jax import compile as kc, xla_heap
+  from k2jax.tools import compile as kc, xla_heap
 
   dev = kc.topology_devices("v5e:1x1")[0]
   n, k = 2048, 16            # 256 MB: not in the chip's 128 MiB of on-chip memory

@@ -1,6 +1,6 @@
 """Generation and the RL update, compiled by XLA:TPU for one v5e chip on this machine.
 
-The programs are the ones k2jax runs, not copies: `k2jax.generate._programs(cfg)`'s jitted
+The programs are the ones k2jax runs, not copies: `k2jax.serving.generate._programs(cfg)`'s jitted
 prefill and decode functions (what `generate` and the RL rollouts call) and
 `k2jax.rl.train.step_program` (the RL loop's update). Each is traced from ShapeDtypeStructs
 with the shardings the callers give their arrays, compiled with the kernels `auto` picks on
@@ -27,8 +27,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from k2jax import compile as k2compile
-from k2jax import configs, generate, kernels, model, optim, parallel
+from k2jax.tools import compile as k2compile
+from k2jax import configs, kernels, model, optim, parallel
+from k2jax.serving import generate
 from k2jax.configs import base
 from k2jax.kernels import platform
 from k2jax.model import decode
@@ -195,7 +196,7 @@ def test_rl_update_compiles_for_a_v5e_chip(chip):
   update (each the params' size), every residual the loss's VJP keeps for the backward in
   TPU tiles (`tpu_tiled_bytes`: the tiny widths, 16-48, pad to 128 lanes), and SMALL."""
   from k2jax.rl import train as rl
-  from k2jax.step import init_state
+  from k2jax.training.step import init_state
   config = configs.get_config("tiny_rl")
   config.model.update(dict(num_hidden_layers=1, first_k_dense_replace=0))
   config.rl.ptx_weight = 0.0

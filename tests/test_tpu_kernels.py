@@ -1,6 +1,6 @@
 """Every TPU kernel path, compiled by XLA:TPU at K2's shapes on this machine (nothing runs).
 
-libtpu compiles for the chips of a TPU topology (`k2jax.compile.topology_devices`); each
+libtpu compiles for the chips of a TPU topology (`k2jax.tools.compile.topology_devices`); each
 program is traced from ShapeDtypeStructs, compiled, and held to two checks: XLA accepted it,
 and its per-device memory (`compiled.memory_analysis()`) lies between a floor and a ceiling
 counted here from the shapes alone. The floor is the bytes we pass in; the ceiling names what
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k2jax import compile as k2compile
+from k2jax.tools import compile as k2compile
 from k2jax import kernels
 from k2jax.kernels import platform
 

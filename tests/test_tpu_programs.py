@@ -43,7 +43,7 @@ def test_engine_decode_compiles_with_its_slots_split_over_the_experts(tmp_path):
   check_figures(fig, "decode")
   (p,) = fig["programs"]
   assert p["mesh"] == "expert=4" and "8 slots x 256 (6 asked" in p["geometry"], p
-  for text in ("decode (k2jax.engine steps)", "slots split over expert", "peak",
+  for text in ("decode (k2jax.serving.engine steps)", "slots split over expert", "peak",
                "the cache comes back placed as it went in", "HBM 16.9 GB per chip"):
     assert text in r.stdout, r.stdout
   slot = 256 * 2 * (512 + 64) * 2      # positions x layers x latent + rope x bf16
@@ -61,7 +61,7 @@ def test_engine_prefill_compiles_new_rows_into_the_slots(tmp_path):
   check_figures(fig, "prefill")
   (p,) = fig["programs"]
   assert "3 new rows (batch 4) x 128 prompt tokens into 4 slots x 256" in p["geometry"], p
-  assert "prefill (k2jax.engine admit)" in r.stdout and "arguments" in r.stdout
+  assert "prefill (k2jax.serving.engine admit)" in r.stdout and "arguments" in r.stdout
 
 
 def test_rl_update_and_its_sampler_compile(tmp_path):
@@ -95,7 +95,7 @@ def test_sft_is_the_train_step(tmp_path):
   r, fig = compile_cli(tmp_path, "--config", "tiny_sft", "--program", "sft", "--topology",
                        "v5e:1x1", "--no_plan", "--config.train.seq_len=128")
   assert r.returncode == 0, r.stderr[-3000:]
-  assert r.stdout.startswith("sft: k2jax.sft trains through k2jax.train.train"), r.stdout
+  assert r.stdout.startswith("sft: k2jax.sft trains through k2jax.training.train.train"), r.stdout
   assert "train step compiled for v5e:1x1" in r.stdout and fig["compiled"]
 
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax import configs, metrics, step as step_lib, train
+from k2jax import configs
+from k2jax.training import metrics, step as step_lib, train
 
 # A small, fast variant of the tiny preset (one dense + one MoE layer, short rows).
 SMALL = ["--config.model.num_hidden_layers=2", "--config.train.batch_size=4",
@@ -171,7 +172,7 @@ def test_a_workdir_that_is_not_a_run_is_refused_and_left_alone(tmp_path):
   ours: train (and sft, which trains through it) refuse it before writing anything. A
   workdir holding only what a run writes before its config.json (lock and log: a run that
   stopped before it began) or nothing at all is a new run."""
-  from k2jax import resume
+  from k2jax.training import resume
   foreign = tmp_path / "foreign"
   (foreign / "checkpoints" / "8").mkdir(parents=True)
   (foreign / "notes.txt").write_text("mine")
@@ -196,8 +197,8 @@ def test_a_checkpoint_of_another_state_is_reported_not_quarantined(tmp_path):
   import functools
   import jax
   from k2jax import optim
-  from k2jax.checkpoint import Checkpointer, CheckpointMismatch
-  from k2jax.step import init_state
+  from k2jax.training.checkpoint import Checkpointer, CheckpointMismatch
+  from k2jax.training.step import init_state
   cfg = small_config(steps=1)
   state = init_state(cfg, optim.optimizer(cfg), jax.random.key(0))
   data = __import__("k2jax.data", fromlist=["build"]).build(cfg.data, cfg.train,
@@ -300,14 +301,14 @@ def test_learns_below_the_unigram_baseline(tmp_path):
   cfg.data.max_corpus_bytes = 4_000_000  # enough files for a representative held-out split
   summary = train.train(cfg, str(tmp_path))
   assert summary["eval_loss"] < summary["unigram_baseline"] - 0.2
-  from k2jax import plot
+  from k2jax.tools import plot
   assert os.path.getsize(plot.plot(str(tmp_path))) > 10_000
 
 
 def test_the_progress_bar_keeps_the_last_loss_on_eval_only_rows():
   """An eval step that is no log step writes a row of eval_loss alone: the bar showed
   loss=nan, max_logit=nan."""
-  from k2jax.train import postfix
+  from k2jax.training.train import postfix
   shown = {}
   assert postfix(shown, {"loss": 2.5, "max_logit": 11.25, "grad_norm": 1.0}) == {
       "loss": "2.500", "max_logit": "11.2"}
@@ -339,7 +340,7 @@ def test_host_state_keeps_optimizer_states_in_host_memory_and_changes_nothing(tm
   import jax
   import numpy as np
   from k2jax import model, optim, parallel
-  from k2jax.step import init_state, train_step
+  from k2jax.training.step import init_state, train_step
   cfg = small_config()
   cfg.optimizer.host_state = True
   tx = optim.optimizer(cfg)

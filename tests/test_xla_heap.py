@@ -3,7 +3,7 @@ compiled cases are in test_tpu_compile.py)."""
 
 import numpy as np
 
-from k2jax import xla_heap
+from k2jax.tools import xla_heap
 
 
 def test_heap_peak_is_the_most_bytes_live_at_once_brute_force():

@@ -3,6 +3,8 @@
 `get_config(name)` returns a validated ConfigDict with groups model, optimizer, data,
 train, mesh. Each preset file also defines `get_config()` so that
 `--config k2jax/configs/tiny.py` works with `ml_collections.config_flags`.
+
+May import: nothing of k2jax.
 """
 
 import importlib

@@ -131,7 +131,7 @@ def train_config():
       seq_len=128,
       grad_accum=1,                   # microbatches per step
       # with grad_accum > 1 and param_dtype wider than dtype: cast the weights to dtype once
-      # per step, not in every microbatch (k2jax.step.differentiated; one dtype copy held)
+      # per step, not in every microbatch (k2jax.training.step.differentiated; one dtype copy held)
       cast_once=True,
       log_every=10,
       eval_every=100,

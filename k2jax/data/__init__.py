@@ -3,6 +3,8 @@
   data = k2jax.data.build(cfg.data, cfg.train, cfg.model.vocab_size)
   it = data.train_iter()          # grain iterator; orbax saves it via grain.checkpoint
   batch = next(it)                # inputs, targets, segment_ids, positions, loss_mask
+
+May import: nothing of k2jax.
 """
 
 from k2jax.data.corpus import (embedded_documents, file_documents, load_documents,

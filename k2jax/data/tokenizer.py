@@ -35,7 +35,7 @@ def _as_str(text: str | bytes) -> str:
 class ByteTokenizer:
   """ids 0..255 are bytes, then EOS 256, BOS 257, PAD 258 and five reserved ids (264 total).
 
-  It has no chat specials: k2jax.chat writes K2's markers as their text, which a byte-level
+  It has no chat specials: k2jax.serving.chat writes K2's markers as their text, which a byte-level
   model learns like any other text."""
 
   eos_id = 256
@@ -89,7 +89,7 @@ class TiktokenTokenizer:
 
   The 256 ids after the ranks are reserved specials laid out as K2's (K2_SPECIALS): BOS,
   EOS, the chat markers, PAD; `special_ids` maps their names to ids and `encode` never emits
-  them (k2jax.chat places the markers).
+  them (k2jax.serving.chat places the markers).
   """
 
   def __init__(self, path: str):

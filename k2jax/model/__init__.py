@@ -1,4 +1,7 @@
-"""The K2 model as pure functions of (model config, params)."""
+"""The K2 model as pure functions of (model config, params).
+
+May import: k2jax.configs, k2jax.kernels.
+"""
 
 from k2jax.model.counting import count_params, flops_per_token
 from k2jax.model.moe import MoEStats

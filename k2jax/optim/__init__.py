@@ -1,4 +1,7 @@
-"""MuonClip and friends as optax transforms (report 2.1)."""
+"""MuonClip and friends as optax transforms (report 2.1).
+
+May import: k2jax.configs, k2jax.kernels, k2jax.model.
+"""
 
 from k2jax.optim.balancing import load_imbalance, router_bias_balancing
 from k2jax.optim.master import MasterWeightsState, master_weights

@@ -1,4 +1,7 @@
-"""Meshes, logical-axis sharding rules and the shardings of the training state."""
+"""Meshes, logical-axis sharding rules and the shardings of the training state.
+
+May import: k2jax.configs, k2jax.kernels, k2jax.model.
+"""
 
 from k2jax.parallel.mesh import (MESH_AXES, RULES, batch_sharding, logical_spec, make_mesh,
                                  param_shardings, process_batch_slice, replicated)

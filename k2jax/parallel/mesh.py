@@ -85,7 +85,7 @@ def param_shardings(specs, mesh: Mesh, spread_layers: bool = False):
 
 def batch_sharding(mesh: Mesh, global_batch: int, grad_accum: int = 1) -> NamedSharding:
   """Rows split over the mesh axes of the logical `batch` axis. With grad_accum microbatches
-  (k2jax.step.microbatches takes every grad_accum-th row) each microbatch must split evenly
+  (k2jax.training.step.microbatches takes every grad_accum-th row) each microbatch must split evenly
   too, so every device works on every microbatch."""
   pspec = logical_spec(("batch", None))
   fix = "make train.batch_size a multiple of it"

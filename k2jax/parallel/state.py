@@ -60,7 +60,7 @@ def state_shardings(specs, mesh, abstract_state, tx, shard_optimizer: bool = Tru
       parallelism, for comparison).
     spread_layers: param_shardings' (True for a logical view of a pipelined stack).
     host_state: the states that mirror a parameter live in host memory (memory kind
-      `pinned_host`); k2jax.step.train_step brings them to the device for the update and
+      `pinned_host`); k2jax.training.step.train_step brings them to the device for the update and
       the step's output shardings put them back (config `optimizer.host_state`).
   Returns:
     A TrainState of NamedShardings.

@@ -23,16 +23,19 @@ import fractions
 import itertools
 import random
 import re
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+# the arithmetic problems' split, operators and calculator tool live with the data (SFT's
+# dialogs draw from them too); envs.OPS, envs.CALCULATOR, ... keep working
+from k2jax.data.arithmetic import (CALCULATOR, HELDOUT_EVERY, OPS, SPLITS,  # noqa: F401
+                                   arithmetic_split, check_ops, draw_problem)
 from k2jax.rl import sandbox
 
 
 @dataclasses.dataclass
 class Task:
-  """One prompt: chat messages (k2jax.chat format), a token budget, and the scorer's data."""
+  """One prompt: chat messages (k2jax.serving.chat format), a token budget, and the scorer's data."""
   env: str
   messages: list[dict]
   budget: int
@@ -73,44 +76,6 @@ _INT = re.compile(r"-?\d+")
 def last_integer(text: str) -> int | None:
   found = _INT.findall(text)
   return int(found[-1]) if found else None
-
-
-# Held-out arithmetic. One-digit problems number only 300, so problems drawn at random for
-# evaluation were seen in training. Each problem "a op b" belongs to one part by a stable hash
-# of its text (crc32, not Python's per-process salted hash): the same partition in every
-# process and at every operand range. Training draws (RL tasks, k2jax.sft's dialogs) take the
-# train part, evaluation the held-out one (1 in 4: 78 of the one-digit problems).
-HELDOUT_EVERY = 4
-SPLITS = ("train", "heldout", "all")
-OPS = "+-*"
-# The calculator tool Arithmetic(use_tools=True) offers and k2jax.sft's dialogs call.
-CALCULATOR = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}]
-
-
-def check_ops(ops: str) -> str:
-  """ops, if it is a non-empty string of distinct operators from OPS."""
-  if not ops or set(ops) - set(OPS) or len(set(ops)) != len(ops):
-    raise ValueError(f"arithmetic ops {ops!r}: give distinct operators from '{OPS}', e.g. '+'")
-  return ops
-
-
-def arithmetic_split(expr: str) -> str:
-  """'train' or 'heldout': the part the problem `expr` ("a op b") belongs to."""
-  return "heldout" if zlib.crc32(expr.encode()) % HELDOUT_EVERY == 0 else "train"
-
-
-def draw_problem(rng: random.Random, max_operand: int, ops: str, split: str) -> str:
-  """A problem "a op b" of `split` (operands 0..max_operand, op from ops), drawn with rng:
-  one of the other part is drawn again. RL's tasks and k2jax.sft's dialogs both draw here,
-  so neither can reach the held-out part."""
-  while True:
-    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-    expr = f"{a} {rng.choice(ops)} {b}"
-    if split == "all" or arithmetic_split(expr) == split:
-      return expr
 
 
 class Arithmetic(_PerResponse):

@@ -44,12 +44,13 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from k2jax import chat, kernels, model, optim, parallel
+from k2jax import kernels, model, optim, parallel
+from k2jax.serving import chat
 from k2jax import data as data_lib
 from k2jax.rl import envs as envs_lib
 from k2jax.rl.loss import (CORRECTIONS, LEVELS, k15_loss, rollout_weights, sequence_logprobs,
                            temperature_at)
-from k2jax.step import (TrainState, _gate, fresh_state, init_state, lm_loss, on_device,
+from k2jax.training.step import (TrainState, _gate, fresh_state, init_state, lm_loss, on_device,
                         split_as_stored)
 
 log = logging.getLogger("k2jax.rl")
@@ -104,7 +105,7 @@ class PolicyJudge:
            "\n".join(f"- {x}" for x in rubrics) +
            "\nDoes the response meet every rubric? Answer Yes or No.")
       rows.append(chat.encode([{"role": "user", "content": q}], tokenizer=self.tok))
-    from k2jax.generate import bucket
+    from k2jax.serving.generate import bucket
     # left-padded to a power-of-two length (one compile per bucket, not per question) so
     # the last position is every row's next-token prediction; padding is segment 0, which
     # the question (segment 1, positions from 0) does not attend to
@@ -326,7 +327,7 @@ class Rollouts:
 
   def decode(self, cfg, params, temperature: float, seed: int):
     """One segment for every unfinished trajectory; returns the number of tokens decoded."""
-    from k2jax.generate import generate
+    from k2jax.serving.generate import generate
     for t in (t for g in self.groups.values() for t in g if t.done):
       t.fresh = len(t.logp)      # sampled in an earlier iteration, maybe by older weights
     active = [t for g in self.groups.values() for t in g if not t.done]
@@ -459,7 +460,7 @@ def score(groups, environments, penalty: float):
 def batch_of(groups, rewards, prompts: int, pad_id: int):
   """Padded arrays for rl_loss: [prompts x samples, T] with T a power of two (few compiles);
   groups beyond the complete ones are masked out."""
-  from k2jax.generate import bucket
+  from k2jax.serving.generate import bucket
   K = len(groups[0])
   seqs = [t.ids for ts in groups for t in ts]
   masks = [t.policy for ts in groups for t in ts]
@@ -523,7 +524,7 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
   SIGINT / SIGTERM as in the pre-training trainer: the iteration under way finishes (its
   rollouts and updates are the uninterrupted run's), a checkpoint is saved and the run ends
   with SystemExit(128 + signal); the same command resumes from there."""
-  from k2jax.train import _StopFlag
+  from k2jax.training.train import _StopFlag
   stop = _StopFlag()
   old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
@@ -534,8 +535,8 @@ def run(config, workdir: str, init=None, ptx_dialogs=None) -> dict:
 
 
 def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
-  from k2jax.metrics import MetricsWriter
-  from k2jax import resume
+  from k2jax.training.metrics import MetricsWriter
+  from k2jax.training import resume
   r, t = config.rl, config.train
   changes = resume.check(workdir, config)   # before any write: ValueError leaves it untouched
   if changes:
@@ -574,7 +575,7 @@ def _run(config, workdir, init, ptx_dialogs, stop) -> dict:
   samples = Samples(workdir, start)
   sets = eval_sets(config, environments) if r.get("eval_every", 0) else []
   history = []
-  from k2jax.train import files_line
+  from k2jax.training.train import files_line
   # a signal while setting up stops before the first iteration, one after this line after it
   stopped, saved = stop.agreed(True), start
   if stopped is None and start >= r.iterations:
@@ -626,7 +627,7 @@ def _save(manager, iteration: int, state, rollouts) -> int:
 def _finish(config, workdir, history, stopped, saved) -> None:
   """The run's last line: where a signal stopped it (then SystemExit(128 + signal)), or the
   reward's first and last iteration."""
-  from k2jax.train import files_line
+  from k2jax.training.train import files_line
   r = config.rl
   if stopped is not None:
     log.warning("stopped by %s: %s; run the same command to resume",
@@ -758,7 +759,8 @@ def _rollout_stats(groups, rewards, environments) -> dict:
 
 
 def main(argv=None):
-  from k2jax import interrupt, sft, train
+  from k2jax import sft
+  from k2jax.training import interrupt, train
   argv = list(sys.argv if argv is None else argv)
   init, argv = sft.pop_init(argv)
   try:
@@ -775,7 +777,8 @@ def main(argv=None):
 
 def _main(argv, init):
   """Parse, check, run; a mistake raises train.UserError."""
-  from k2jax import resume, sft, train
+  from k2jax import sft
+  from k2jax.training import resume, train
   config, workdir = train.parse(argv, "k2jax.rl", " [--init RUN | HF_DIR]", "tiny_rl",
                                 more_help=sft.INIT_HELP)
   train.init_distributed()     # several processes (--coordinator_address ...): before JAX

@@ -18,7 +18,7 @@ multi-turn trajectories, and a judge that keeps only those meeting their rubric.
      unparseable verdicts are dropped and counted.
 
 Output: chat records {"messages", "tools", ...provenance} in the shape `k2jax.sft` reads (the
-K2 tool-call format is what `k2jax.chat` renders them into). Failures that make an item
+K2 tool-call format is what `k2jax.serving.chat` renders them into). Failures that make an item
 unusable (an unknown tool called, arguments outside the tool's JSON schema, malformed JSON
 from a simulator or judge) raise `rephrase.Dropped` with the reason, so the CLI counts them.
 """

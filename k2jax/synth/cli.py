@@ -34,7 +34,7 @@ import sys
 import traceback
 import urllib.parse
 
-from k2jax import console, interrupt
+from k2jax.training import console, interrupt
 from k2jax.synth import agentic, dryrun, mathnotes, rephrase, store
 from k2jax.synth.client import LocalClient, ModelError, OpenAIClient, ScriptedClient, Unreachable
 from k2jax.synth.rephrase import Dropped, Settings
@@ -143,8 +143,8 @@ def _client(args):
     except Unreachable as e:
       raise UserError(str(e)) from None
     return c
-  from k2jax.generate import UserError as LoadError
-  from k2jax.generate import _check_run_dir
+  from k2jax.serving.generate import UserError as LoadError
+  from k2jax.serving.generate import _check_run_dir
   try:
     if args.workdir:
       _check_run_dir(args.workdir)

@@ -1,7 +1,7 @@
 """One model interface for every synthesis pipeline, whatever answers it.
 
     client = OpenAIClient("http://127.0.0.1:8000/v1", model="tiny")   # k2jax.serve, vLLM, SGLang
-    client = LocalClient.from_run("runs/tiny")                         # in process (k2jax.engine)
+    client = LocalClient.from_run("runs/tiny")                         # in process (k2jax.serving.engine)
     client = ScriptedClient(lambda request: "...")                      # tests, dry runs
 
     replies = client.chat_many([Request(messages=[...], seed=1), ...])  # bounded concurrency
@@ -127,11 +127,11 @@ class OpenAIClient(Client):
 
 
 class LocalClient(Client):
-  """In-process decoding on this machine's devices through `k2jax.engine` (concurrent
+  """In-process decoding on this machine's devices through `k2jax.serving.engine` (concurrent
   requests from chat_many share decode steps, as on the server)."""
 
   def __init__(self, cfg, params, tokenizer, *, concurrency: int = 16, mesh=None):
-    from k2jax.engine import Engine
+    from k2jax.serving.engine import Engine
     self.engine = Engine(cfg, params, tokenizer, max_batch=concurrency, window_s=0.01,
                          mesh=mesh)
     self.cfg, self.tok, self.concurrency = cfg, tokenizer, concurrency
@@ -140,10 +140,10 @@ class LocalClient(Client):
   def from_run(cls, workdir: str | None = None, hf: str | None = None, mesh: str | None = None,
                **kw):
     """From a k2jax run or a Hugging Face directory, its weights loaded straight into the
-    shardings of `mesh` (a --mesh string: k2jax.generate.inference_mesh), else one device."""
+    shardings of `mesh` (a --mesh string: k2jax.serving.generate.inference_mesh), else one device."""
     import argparse
 
-    from k2jax.generate import inference_mesh, load
+    from k2jax.serving.generate import inference_mesh, load
     devices = inference_mesh(mesh)
     cfg, params, tok = load(argparse.Namespace(workdir=workdir, hf=hf), devices,
                             flag=f"--mesh {mesh}")
@@ -152,8 +152,8 @@ class LocalClient(Client):
   def chat(self, request: Request) -> Reply:
     import queue
 
-    from k2jax import chat
-    from k2jax.serve import RequestError, parse
+    from k2jax.serving import chat
+    from k2jax.serving.serve import RequestError, parse
     body = {k: v for k, v in dataclasses.asdict(request).items() if v is not None}
     try:      # the server's own checks and rendering: one behaviour for both backends
       job, info = parse(body, model="local", cfg=self.cfg, tokenizer=self.tok,
@@ -190,7 +190,7 @@ class ScriptedClient(Client):
   def chat(self, request: Request) -> Reply:
     import copy
 
-    from k2jax import chat
+    from k2jax.serving import chat
     with self._lock:       # as sent: a caller may go on changing its lists
       self.requests.append(copy.deepcopy(request))
     out = self.fn(request)

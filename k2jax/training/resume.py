@@ -18,7 +18,7 @@ import os
 
 from ml_collections import config_dict
 
-from k2jax import runlock
+from k2jax.training import runlock
 
 # (group.key prefix, reason it can change). Everything not matched cannot change.
 RESUMABLE = (

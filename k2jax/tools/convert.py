@@ -26,7 +26,7 @@ import time
 
 import jax
 
-from k2jax import console
+from k2jax.training import console
 
 log = logging.getLogger("k2jax.convert")
 
@@ -45,7 +45,7 @@ def add_distributed(p: argparse.ArgumentParser) -> None:
 
 def init_distributed(args) -> None:
   if args.distributed or args.coordinator_address:
-    from k2jax.train import start_distributed
+    from k2jax.training.train import start_distributed
     start_distributed(args.coordinator_address, args.num_processes, args.process_id)
 
 
@@ -73,7 +73,7 @@ def mesh_of(text: str | None):
   """The mesh that loads / saves: --mesh, else every device on the expert axis (each then
   holds 1 / devices of the experts and of the other weights' model dims, as the trainer's
   rules split them). UserError naming the flag for a mesh that cannot be had."""
-  from k2jax.generate import UserError as MeshError, inference_mesh
+  from k2jax.serving.generate import UserError as MeshError, inference_mesh
   try:
     return inference_mesh(text or f"expert={jax.device_count()}", "--mesh")
   except MeshError as e:
@@ -81,7 +81,7 @@ def mesh_of(text: str | None):
 
 
 def shardings_on(cfg, mesh, flag: str):
-  from k2jax.generate import UserError as MeshError, target_shardings
+  from k2jax.serving.generate import UserError as MeshError, target_shardings
   try:
     return target_shardings(cfg, mesh, flag)
   except MeshError as e:
@@ -102,7 +102,7 @@ def save_params(workdir: str, config, params) -> str:
   """A weights-only run in `workdir`: config.json and checkpoints/0/state = {"params"}."""
   import orbax.checkpoint as ocp
 
-  from k2jax import checkpoint
+  from k2jax.training import checkpoint
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
@@ -130,7 +130,7 @@ def main(argv=None):
 
 
 def _convert(args):
-  from k2jax import weights
+  from k2jax.training import weights
   new_directory(args.workdir, "--workdir")
   try:
     source = weights.open_source(args.hf)

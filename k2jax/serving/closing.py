@@ -1,5 +1,5 @@
 """The shortest text that finishes a partial JSON value under a JSON schema: how a constrained
-reply still ends valid when its token budget runs out (k2jax.chat's grammar constraints).
+reply still ends valid when its token budget runs out (k2jax.serving.chat's grammar constraints).
 
     complete('{"city": "Par', schema)   ->  '"}'             (if "city" is the only required key)
     complete('{"n": [1, ', schema)      ->  '0]}'            (an array after a comma needs a value)

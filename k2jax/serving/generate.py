@@ -1,6 +1,6 @@
 """Sampling from a trained run or a published checkpoint, over MLA's latent cache.
 
-    from k2jax.generate import generate
+    from k2jax.serving.generate import generate
     out = generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=32, temperature=0.8, top_p=0.9)
 
     python -m k2jax.generate --workdir runs/tiny --prompt "def "        # newest checkpoint of a run
@@ -10,7 +10,7 @@ Prompts of different lengths share one batch; the cache is sized to a power-of-t
 prompt + new tokens, so one prefill and one decode step are compiled per (batch, bucket) and
 reused for every token (k2jax.model.decode). Sampling (greedy, temperature, top-k, top-p) runs
 on device; each step's tokens come back to the host only to stop finished rows, stream text
-and, when given, apply a logits processor (e.g. k2jax.chat's tool-call constraint).
+and, when given, apply a logits processor (e.g. k2jax.serving.chat's tool-call constraint).
 """
 
 import argparse
@@ -141,7 +141,7 @@ def sample(logits, key, *, temperature: float, top_k: int | None, top_p: float |
 
 def sample_rows(logits, keys, *, temperature, top_k, top_p, allowed=None, filtered: bool = True):
   """`sample` with every setting per row, so rows that sample differently share a batch
-  (k2jax.engine): next tokens [B] from logits [B, V], keys [B], temperature [B] (0 =
+  (k2jax.serving.engine): next tokens [B] from logits [B, V], keys [B], temperature [B] (0 =
   greedy), top_k [B] int (0 = every token), top_p [B] (1 = every token), allowed [B, V] bool
   or None. A row's token is the one `sample` draws for it alone with the same key and
   settings. filtered=False skips the top-k / top-p masks (no row uses them): the sort of
@@ -345,7 +345,7 @@ def generate(cfg, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     top_k: keep the k most likely tokens (None: all).
     top_p: nucleus sampling's mass (None: all).
     seed: the sampling key: one for the batch, or one per row (a row's tokens then do not
-      depend on the other rows; k2jax.engine batches seeded requests this way).
+      depend on the other rows; k2jax.serving.engine batches seeded requests this way).
     stop_ids: a row ends after emitting any of these (the stop token is included).
     logits_processor: fn(row, tokens generated so far) -> bool [vocab] of allowed next tokens
       (or None = all), called on the host per row and step (constrained decoding).
@@ -492,7 +492,8 @@ def _check_run_dir(workdir: str) -> None:
 def load(args, mesh=None, flag: str = "--mesh"):
   """-> (model config, params, tokenizer) of --hf / --workdir, the params loaded straight
   into `mesh`'s shardings (target_shardings): each process reads only its shards."""
-  from k2jax import data as data_lib, weights
+  from k2jax import data as data_lib
+  from k2jax.training import weights
   path = args.hf or args.workdir
   if args.hf and weights.is_run(path):
     raise UserError(f"--hf {path} holds a k2jax run, not a Hugging Face checkpoint: pass "
@@ -523,7 +524,7 @@ def main(argv=None):
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--mesh", default=None, help=MESH_HELP)
   args = p.parse_args(argv)
-  from k2jax import interrupt
+  from k2jax.training import interrupt
   generated: list[list[int]] = []   # per row, filled as it decodes: the stop line's count
   try:
     with interrupt.raising():       # loading too: a Ctrl-C there was a traceback
@@ -551,7 +552,7 @@ def _main(args, generated):
     stop_ids = [tok.eos_id]
     texts = args.prompt
     if args.chat:
-      from k2jax import chat
+      from k2jax.serving import chat
       prompts = [chat.encode([{"role": "user", "content": t}], tokenizer=tok) for t in texts]
       stop_ids += chat.stop_ids(tok)
     else:

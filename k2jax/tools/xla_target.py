@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import jax
 
-from k2jax import xla_heap
+from k2jax.tools import xla_heap
 from k2jax.parallel.mesh import MESH_AXES
 
 GB = 1e9
@@ -124,7 +124,7 @@ def until_buffer_assignment(argv, timeout: float = 3600, poll: float = 2.0,
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     err = os.path.join(d, "stderr")
     with open(err, "w") as e:
-      child = subprocess.Popen([sys.executable, "-m", "k2jax.compile", *argv, "--no_plan",
+      child = subprocess.Popen([sys.executable, "-m", "k2jax.tools.compile", *argv, "--no_plan",
                                 "--dump", xla],
                                stdout=subprocess.DEVNULL, stderr=e, env=env)
     try:

@@ -19,7 +19,7 @@ import time
 
 import jax
 
-from k2jax.convert import UserError, mesh_of, new_directory, run_cli, shardings_on
+from k2jax.tools.convert import UserError, mesh_of, new_directory, run_cli, shardings_on
 
 log = logging.getLogger("k2jax.export")
 
@@ -39,7 +39,7 @@ def main(argv=None):
 
 
 def _export(args):
-  from k2jax import checkpoint, weights
+  from k2jax.training import checkpoint, weights
   from k2jax.interop import export
   if not args.max_shard_gb > 0:
     raise UserError(f"--max_shard_gb {args.max_shard_gb}: must be > 0")

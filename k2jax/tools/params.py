@@ -40,7 +40,7 @@ def parse_config(prog: str, parser: argparse.ArgumentParser, argv, positive=()):
   PRESET | FILE and --config.KEY=VALUE overrides (read by k2jax.train's parser, so every CLI
   takes the same configs). The options named in `positive` must be >= 1 where given; they
   are checked before the config is loaded. Raises ValueError (one line) for anything wrong."""
-  from k2jax import train
+  from k2jax.training import train
   args, rest = parser.parse_known_args(argv)
   for flag in positive:
     value = getattr(args, flag)

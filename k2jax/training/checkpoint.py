@@ -421,7 +421,7 @@ def load_state(workdir: str, shardings=None):
   import functools
 
   from k2jax import optim
-  from k2jax.step import TrainState, init_state
+  from k2jax.training.step import TrainState, init_state
 
   config = run_config(workdir)
   abstract = jax.eval_shape(functools.partial(init_state, config, optim.optimizer(config)),

@@ -37,8 +37,8 @@ from k2jax.parallel import MESH_AXES, grad_shardings, layout, pipeline, state_sh
 from k2jax.parallel import param_shardings as parallel_param_shardings
 from k2jax.parallel.mesh import parse_mesh
 from k2jax.parallel.mesh import entry_axes
-from k2jax.step import differentiated, init_state
-from k2jax import xla_target
+from k2jax.training.step import differentiated, init_state
+from k2jax.tools import xla_target
 
 GB = 1e9
 
@@ -58,6 +58,16 @@ def _with_mesh(config, mesh_shape, virtual_stages=None, microbatches=None, param
   return config
 
 
+def _per_device(tree, shardings, itemsize=None, memory_kind=None) -> int:
+  """Bytes of `tree`'s leaves on the fullest device under `shardings` (at `itemsize` bytes a
+  value if given; only the leaves in host memory, or only those on the device, if
+  memory_kind is "pinned_host" / "device")."""
+  return sum(int(np.prod(s.shard_shape(a.shape))) * (itemsize or a.dtype.itemsize)
+             for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+             if memory_kind is None or (s.memory_kind == "pinned_host") == (
+                 memory_kind == "pinned_host"))
+
+
 def state_bytes(config, mesh_shape, grad_bytes=4):
   """Bytes of params, gradient buffer and optimizer state on the fullest device, and totals,
   from `state_shardings` of the train state `k2jax.train` builds for `config` (a full
@@ -69,19 +79,47 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
   mesh = AbstractMesh(tuple(mesh_shape.get(a, 1) for a in MESH_AXES), MESH_AXES)
   specs = model.param_specs(stored.model)
   sh = state_shardings(specs, mesh, abstract, tx, host_state=config.optimizer.host_state)
-  # the gradients as the update takes them: ZeRO-1's slices (k2jax.step.program), and so
-  # the accumulator of a step without a pipeline, which XLA keeps in that sharding
+  # the gradients as the update takes them: ZeRO-1's slices (k2jax.training.step.program),
+  # and so the accumulator of a step without a pipeline, which XLA keeps in that sharding
   to = grad_shardings(specs, mesh, abstract.params)
+  unsplit, names = _unsplit_states(abstract, sh, mesh_shape)
+  n = model.count_params(config.model)["total"]
+  param_size = np.dtype(config.model.param_dtype).itemsize
+  # the weights' model.dtype copy a step without a pipeline differentiates (train.cast_once)
+  cast_tree = jax.eval_shape(functools.partial(differentiated, stored), abstract.params)
+  cast = [(c, s) for c, a, s in zip(jax.tree.leaves(cast_tree), jax.tree.leaves(abstract.params),
+                                    jax.tree.leaves(sh.params)) if c.dtype != a.dtype]
+  grads = sums = _per_device(abstract.params, to, grad_bytes)
+  loop_copy = loop_grad = 0
+  if mesh_shape["pipeline"] == 1:
+    # The transpose of the layers' scan hands back a stack's whole gradient (model.dtype,
+    # split as its weights) for each microbatch; only then is it reduced into the float32
+    # accumulator's slices (step._grads). XLA:TPU holds the largest stack's beside the
+    # accumulator (`k2jax.compile --explain` of a step without a pipeline shows it).
+    size = np.dtype(config.model.dtype).itemsize
+    loop_grad = max(_per_device(abstract.params[s.name], sh.params[s.name], size)
+                    for s in model.stacks(stored.model))
+  else:
+    sums, loop_copy = _pipeline_loop_bytes(stored, abstract, sh, mesh, grad_bytes)
+  return dict(params=_per_device(abstract.params, sh.params),
+              cast_copy=_per_device([c for c, _ in cast], [s for _, s in cast]),
+              loop_copy=loop_copy, loop_sums=sums, loop_grad=loop_grad,
+              grads=grads, muon_gather=_muon_gather(specs, abstract, to, mesh),
+              grads_whole=_per_device(abstract.params, sh.params, grad_bytes),
+              optimizer=_per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
+              optimizer_host=_per_device(abstract.opt_state, sh.opt_state,
+                                         memory_kind="pinned_host"),
+              optimizer_unsplit=unsplit,
+              optimizer_unsplit_leaves=sorted(names, key=names.get, reverse=True),
+              total_params=n * param_size, total_grads=n * grad_bytes)
 
-  def per_device(tree, shardings, itemsize=None, memory_kind=None):
-    return sum(int(np.prod(s.shard_shape(a.shape))) * (itemsize or a.dtype.itemsize)
-               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
-               if memory_kind is None or (s.memory_kind == "pinned_host") == (
-                   memory_kind == "pinned_host"))
 
-  # ZeRO-1 splits each state over the `opt_state` mesh axes on a dimension they divide
-  # (parallel.state.zero1); where none does, the state stays whole over them. Report what
-  # that costs instead of letting the figure jump unexplained.
+def _unsplit_states(abstract, sh, mesh_shape) -> tuple[float, dict]:
+  """-> (bytes, {state path: bytes}) the optimizer states hold beyond ZeRO-1's slices.
+
+  ZeRO-1 splits each state over the `opt_state` mesh axes on a dimension they divide
+  (parallel.state.zero1); where none does, the state stays whole over them. Reported so the
+  figure does not jump unexplained."""
   group = [a for a in mesh_axes("opt_state") if mesh_shape.get(a, 1) > 1]
   unsplit, names = 0, {}
   for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0],
@@ -93,61 +131,45 @@ def state_bytes(config, mesh_shape, grad_bytes=4):
       unsplit += extra
       name = "/".join(str(getattr(k, "key", "")) for k in path if hasattr(k, "key"))
       names[name] = names.get(name, 0) + extra
-  n = model.count_params(config.model)["total"]
-  param_size = np.dtype(config.model.param_dtype).itemsize
-  # the weights' model.dtype copy a step without a pipeline differentiates (train.cast_once)
-  cast_tree = jax.eval_shape(functools.partial(differentiated, stored), abstract.params)
-  cast = [(c, s) for c, a, s in zip(jax.tree.leaves(cast_tree), jax.tree.leaves(abstract.params),
-                                    jax.tree.leaves(sh.params)) if c.dtype != a.dtype]
-  grads = sums = per_device(abstract.params, to, grad_bytes)
-  loop_copy = loop_grad = 0
-  if mesh_shape["pipeline"] == 1:
-    # The transpose of the layers' scan hands back a stack's whole gradient (model.dtype,
-    # split as its weights) for each microbatch; only then is it reduced into the float32
-    # accumulator's slices (step._grads). XLA:TPU holds the largest stack's beside the
-    # accumulator (`k2jax.compile --explain`, the 8-chip K2 step without a pipeline).
-    size = np.dtype(config.model.dtype).itemsize
-    loop_grad = max(per_device(abstract.params[s.name], sh.params[s.name], size)
-                    for s in model.stacks(stored.model))
-  if mesh_shape["pipeline"] > 1:
-    # The pipeline's shard_map holds the weights stored split only to save memory whole,
-    # gathered once as it opens, and its float32 sums of every weight's gradient shaped
-    # as it holds the weight (k2jax.parallel.pipeline.inner_specs).
-    # (the head padded to a multiple of the pipeline's devices, as the pipeline pads it)
-    d, vocab = abstract.params["lm_head"].shape
-    padded = dict(abstract.params, lm_head=jax.ShapeDtypeStruct(
-        (d, -(-vocab // mesh_shape["pipeline"]) * mesh_shape["pipeline"]),
-        abstract.params["lm_head"].dtype))
-    inner, _ = pipeline.inner_specs(stored.model, padded, mesh)
-    held = [jax.sharding.NamedSharding(mesh, s) for s in jax.tree.leaves(
-        inner, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))]
-    sums = per_device(padded, held, grad_bytes)
-    loop_copy = sum(per_device([a], [h]) for a, h, s, b in zip(
-        jax.tree.leaves(padded), held, jax.tree.leaves(sh.params),
-        jax.tree.leaves(abstract.params)) if h.shard_shape(a.shape) != s.shard_shape(b.shape))
-  # Muon orthogonalizes whole matrices where the momentum ZeRO-1 split over data is not split
-  # so by the work (sharding_rules.muon_work_spec: a stack's batch dimensions data does not
-  # divide, e.g. a stage's one dense layer): the update gathers those momenta (float32) and
-  # holds them and their orthogonalized updates as the work splits them, beyond the slices
-  # (`k2jax.compile --explain`: optim/muon.py's on_local_matrices rows)
-  muon_gather = sum(
-      per_device([a], [NamedSharding(mesh, muon_work_spec(s.axes, s.shape, mesh,
-                                                          model_spec.muon_batch(s)))], 4)
-      - per_device([a], [z], 4)
+  return unsplit, names
+
+
+def _pipeline_loop_bytes(stored, abstract, sh, mesh, grad_bytes) -> tuple[int, int]:
+  """-> (the loop's float32 gradient sums, the weights it gathers), bytes a device.
+
+  The pipeline's shard_map holds the weights stored split only to save memory whole,
+  gathered once as it opens, and its float32 sums of every weight's gradient shaped as it
+  holds the weight (k2jax.parallel.pipeline.inner_specs); the head padded to a multiple of
+  the pipeline's devices, as the pipeline pads it."""
+  P = mesh.shape["pipeline"]
+  d, vocab = abstract.params["lm_head"].shape
+  padded = dict(abstract.params, lm_head=jax.ShapeDtypeStruct(
+      (d, -(-vocab // P) * P), abstract.params["lm_head"].dtype))
+  inner, _ = pipeline.inner_specs(stored.model, padded, mesh)
+  held = [jax.sharding.NamedSharding(mesh, s) for s in jax.tree.leaves(
+      inner, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))]
+  sums = _per_device(padded, held, grad_bytes)
+  copy = sum(_per_device([a], [h]) for a, h, s, b in zip(
+      jax.tree.leaves(padded), held, jax.tree.leaves(sh.params),
+      jax.tree.leaves(abstract.params)) if h.shard_shape(a.shape) != s.shard_shape(b.shape))
+  return sums, copy
+
+
+def _muon_gather(specs, abstract, to, mesh) -> int:
+  """Bytes of the momenta Muon's update gathers beyond ZeRO-1's slices.
+
+  Muon orthogonalizes whole matrices where the momentum ZeRO-1 split over data is not split
+  so by the work (sharding_rules.muon_work_spec: a stack's batch dimensions data does not
+  divide, e.g. a stage's one dense layer): the update gathers those momenta (float32) and
+  holds them and their orthogonalized updates as the work splits them, beyond the slices
+  (`k2jax.compile --explain` shows them at optim/muon.py's on_local_matrices)."""
+  return sum(
+      _per_device([a], [NamedSharding(mesh, muon_work_spec(s.axes, s.shape, mesh,
+                                                           model_spec.muon_batch(s)))], 4)
+      - _per_device([a], [z], 4)
       for s, a, z in zip(jax.tree.leaves(specs, is_leaf=model_spec.is_spec),
                          jax.tree.leaves(abstract.params), jax.tree.leaves(to))
       if s.group == "muon")
-  return dict(params=per_device(abstract.params, sh.params),
-              cast_copy=per_device([c for c, _ in cast], [s for _, s in cast]),
-              loop_copy=loop_copy, loop_sums=sums, loop_grad=loop_grad,
-              grads=grads, muon_gather=muon_gather,
-              grads_whole=per_device(abstract.params, sh.params, grad_bytes),
-              optimizer=per_device(abstract.opt_state, sh.opt_state, memory_kind="device"),
-              optimizer_host=per_device(abstract.opt_state, sh.opt_state,
-                                        memory_kind="pinned_host"),
-              optimizer_unsplit=unsplit,
-              optimizer_unsplit_leaves=sorted(names, key=names.get, reverse=True),
-              total_params=n * param_size, total_grads=n * grad_bytes)
 
 
 class Activations(NamedTuple):
@@ -585,7 +607,7 @@ def main(argv=None):
                  "\".[tpu]\"; plan then traces TPU kernels) or `local`, read from its buffer "
                  "assignment (k2jax.compile --memory_only), beside plan's count")
   try:
-    from k2jax.params import parse_config
+    from k2jax.tools.params import parse_config
     args, config, overrides = parse_config("k2jax.plan", p, argv, positive=(
         "devices", "seq_len", "micro_batch", "grad_bytes", "virtual_stages", "microbatches",
         "chips_per_host"))
@@ -630,7 +652,7 @@ def main(argv=None):
 
 
 def compiled_beside(args, overrides, mesh, est, devices) -> str:
-  """XLA's figures of the same step (k2jax.xla_target.until_buffer_assignment: its buffer
+  """XLA's figures of the same step (k2jax.tools.xla_target.until_buffer_assignment: its buffer
   assignment, where its out-of-memory check runs) beside `est`'s: the compiler is the truth
   for memory; plan's count says where it goes. Exits 1 with XLA's one line
   where it refuses the step."""

@@ -7,11 +7,11 @@
     python -m k2jax.compile --config kimi_k2 --program decode --topology v5p:2x4x4 --mesh expert=32
 
 `--program` rl, prefill or decode compiles the RL update with its sampler, or the serving
-engine's programs, instead of the train step (k2jax.compile_programs; sft: the train step).
+engine's programs, instead of the train step (k2jax.tools.compile_programs; sft: the train step).
 
 `jax.experimental.topologies` gives the chips of a TPU slice as devices that XLA:TPU
 compiles for (nothing can run on them). The step compiled is the trainer's own
-(`k2jax.step.program`: its state and batch shardings, donation, the kernels `auto` picks
+(`k2jax.training.step.program`: its state and batch shardings, donation, the kernels `auto` picks
 for the target's platform), on a mesh of the topology's chips: the config's mesh, with
 `data` filled in from the chip count when the config's product is not it. XLA's memory
 analysis of the compiled program is the truth for memory; it is printed beside
@@ -24,7 +24,7 @@ instruction it names, exit code 1 (a config the trainer itself refuses: exit cod
 out-of-memory check runs) and reads the figures from there: for K2 on 2,048 chips that is
 a minute or two on a small machine, where code generation takes longer than the rest.
 `--explain N` then says what the heap holds at its fullest, by the k2jax line that made each
-buffer (k2jax.xla_heap): where XLA's figure departs from plan's.
+buffer (k2jax.tools.xla_heap): where XLA's figure departs from plan's.
 """
 
 import argparse
@@ -36,22 +36,23 @@ import time
 
 import jax
 
-from k2jax import compile_programs as programs
-from k2jax import configs, kernels, optim, parallel, plan, xla_heap
-from k2jax.params import parse_config
+from k2jax.tools import compile_programs as programs
+from k2jax import configs, kernels, optim, parallel
+from k2jax.tools import plan, xla_heap
+from k2jax.tools.params import parse_config
 from k2jax.parallel import layout, schedules
-# (re-exported: k2jax.compile.topology_devices and the rest were its names first)
-from k2jax.xla_target import (GB, GIB, ROOM, TPU_HBM, Compiled, buffer_assignment,  # noqa: F401
+# (re-exported: k2jax.tools.compile.topology_devices and the rest were its names first)
+from k2jax.tools.xla_target import (GB, GIB, ROOM, TPU_HBM, Compiled, buffer_assignment,  # noqa: F401
                               fit_mesh, hbm_bytes, memory, mesh_sizes, refusal,
                               topology_devices, until_buffer_assignment, verdict, write_json)
 from k2jax.kernels import platform as kernel_platform
 
 def compile_step(config, devices, dump: str | None = None) -> Compiled:
-  """Compile `config`'s train step (`k2jax.step.program`) for `devices` (a topology's or
+  """Compile `config`'s train step (`k2jax.training.step.program`) for `devices` (a topology's or
   local ones) on the mesh of `config.mesh`. dump: a directory for XLA's dump of the
   compiled module (its HLO, buffer assignment and memory-usage report). Raises what XLA
   raises."""
-  from k2jax import step
+  from k2jax.training import step
   platform = devices[0].platform
   mesh = parallel.make_mesh(config.mesh, devices)
   t0 = time.perf_counter()
@@ -70,7 +71,7 @@ def compile_step(config, devices, dump: str | None = None) -> Compiled:
 
 
 def table(name: str, topology: str, config, result: Compiled, est) -> str:
-  """XLA's per-device memory beside plan's (`est`: k2jax.plan.Estimate, or None). Figures
+  """XLA's per-device memory beside plan's (`est`: k2jax.tools.plan.Estimate, or None). Figures
   read from a buffer assignment (`--memory_only`: `buffer_assignment`'s keys) show its
   heap, XLA's out-of-memory check and the thread-local buffers."""
   d, h = result.device, result.host
@@ -123,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
                  "and report its figures from there, without code generation")
   p.add_argument("--explain", type=int, default=0, metavar="N",
                  help="also print XLA's device heap at its fullest by the k2jax line that made "
-                 "each buffer, the N largest (k2jax.xla_heap; dumps to --dump or a temporary "
+                 "each buffer, the N largest (k2jax.tools.xla_heap; dumps to --dump or a temporary "
                  "directory)")
   programs.add_arguments(p)
   return p

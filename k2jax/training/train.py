@@ -30,15 +30,16 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from k2jax import configs, data as data_lib, kernels, metrics as metrics_lib, model, optim
+from k2jax import configs, data as data_lib, kernels, model, optim
+from k2jax.training import metrics as metrics_lib
 from k2jax import parallel
-from k2jax import resume, runlock
-from k2jax.console import quiet_libraries
-from k2jax.checkpoint import CheckpointError, Checkpointer
-from k2jax.metrics import MetricsWriter
+from k2jax.training import resume, runlock
+from k2jax.training.console import quiet_libraries
+from k2jax.training.checkpoint import CheckpointError, Checkpointer
+from k2jax.training.metrics import MetricsWriter
 from k2jax.parallel import layout, pipeline, schedules
-from k2jax import step as step_lib
-from k2jax.step import TrainState, eval_step, fresh_state, init_state
+from k2jax.training import step as step_lib
+from k2jax.training.step import TrainState, eval_step, fresh_state, init_state
 
 log = logging.getLogger("k2jax.train")
 
@@ -249,7 +250,7 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
 
 @contextlib.contextmanager
 def hold(workdir: str):
-  """Holds the workdir's run lock (k2jax.runlock) for the block; UserError if another run
+  """Holds the workdir's run lock (k2jax.training.runlock) for the block; UserError if another run
   holds it (train, sft, rl)."""
   try:
     lock = runlock.RunLock(workdir).acquire()

@@ -9,15 +9,15 @@ Each program is the one k2jax runs, traced from ShapeDtypeStructs placed as its 
 places the arrays, and compiled to the end of code generation (XLA's memory analysis of
 the executable) with the kernels `auto` picks for the target's platform:
 
-  train    k2jax.step.program (k2jax.compile's own path). SFT is this program: k2jax.sft
-           trains through k2jax.train.train, which builds it from the config like
+  train    k2jax.training.step.program (k2jax.compile's own path). SFT is this program: k2jax.sft
+           trains through k2jax.training.train.train, which builds it from the config like
            pre-training; SFT's data (chat rows with loss masks) fills the same batch arrays.
   rl       the RL update, k2jax.rl.train.step_program, on config.mesh with the state's
            shardings rl.train's loop gives it; then its sampler, k2jax.generate's prefill
            and decode-steps programs as Rollouts.decode runs them on rl.inference_mesh:
            `--rows` trajectories, a prompt of `--prompt` tokens, rl.segment_tokens more.
-  prefill  k2jax.engine's admit: `--rows` new rows of `--prompt` tokens into the cache.
-  decode   k2jax.engine's steps: one dispatch (engine.CHUNK steps) of `--rows` rows over
+  prefill  k2jax.serving.engine's admit: `--rows` new rows of `--prompt` tokens into the cache.
+  decode   k2jax.serving.engine's steps: one dispatch (engine.CHUNK steps) of `--rows` rows over
            the whole cache.
 
 Serving runs on `--mesh` over the topology's chips (generate.inference_mesh): params in
@@ -40,14 +40,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k2jax import xla_target
-from k2jax import configs, engine, generate, kernels, model, parallel
+from k2jax.tools import xla_target
+from k2jax import configs, kernels, model, parallel
+from k2jax.serving import engine, generate
 from k2jax.kernels import platform as kernel_platform
 
 GB = xla_target.GB
 PROGRAMS = ("train", "sft", "rl", "prefill", "decode")
-SFT_NOTE = ("sft: k2jax.sft trains through k2jax.train.train, which compiles "
-            "k2jax.step.program from the config as pre-training does: the program below")
+SFT_NOTE = ("sft: k2jax.sft trains through k2jax.training.train.train, which compiles "
+            "k2jax.training.step.program from the config as pre-training does: the program below")
 
 
 def add_arguments(p) -> None:
@@ -189,7 +190,7 @@ def serving(cfg, mesh, program: str, rows: int, context: int, prompt: int | None
               top_k=host((b,), np.int32), top_p=host((b,), np.float32), allowed=None,
               filtered=False, top=-1, echo=False)
     args = (params, cache, host((b, T), np.int32), host((b,), np.int32), host((b,), np.int32))
-    return Job(f"{program} (k2jax.engine admit)", admit, args, kw, mesh, plan,
+    return Job(f"{program} (k2jax.serving.engine admit)", admit, args, kw, mesh, plan,
                f"{rows} new rows (batch {b}) x {T} prompt tokens into {slotted}", notes, 2,
                dict(shape, batch=b, prompt_bucket=T))
   b, every = engine.dispatch_rows(slots, slots, mesh)     # Engine._advance, all occupied
@@ -198,7 +199,7 @@ def serving(cfg, mesh, program: str, rows: int, context: int, prompt: int | None
             top_p=host((b,), np.float32), active=host((b,), np.bool_), allowed=None,
             n=engine.CHUNK, span=S, filtered=False, top=-1, every=every)
   args = (params, cache, host((b,), np.int32), host((b,), np.int32))
-  return Job(f"{program} (k2jax.engine steps)", steps, args, kw, mesh, plan,
+  return Job(f"{program} (k2jax.serving.engine steps)", steps, args, kw, mesh, plan,
              f"{engine.CHUNK} steps of batch {b} over {slotted}", notes, 2,
              dict(shape, batch=b))
 
@@ -224,9 +225,10 @@ def rl_update(config, devices, rows: int, length: int) -> Job:
   batch_of's host arrays of `rows` trajectories x `length` tokens, and a PTX batch of
   rl.ptx_batch_size chat rows of train.seq_len when rl.ptx_weight > 0. (logp_old, the
   trainer's forward's [P, K] output, is given whole on the mesh.)"""
-  from k2jax import optim, plan
+  from k2jax import optim
+  from k2jax.tools import plan
   from k2jax.rl import train as rl
-  from k2jax.step import init_state
+  from k2jax.training.step import init_state
   r, t = config.rl, config.train
   if rows % r.samples:
     raise ValueError(f"--rows {rows}: the update's rows are rl.prompts x rl.samples, a "

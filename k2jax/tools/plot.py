@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from k2jax import metrics  # noqa: E402
+from k2jax.training import metrics  # noqa: E402
 
 
 def _paths(workdir: str, out: str | None) -> tuple[str, str]:

@@ -31,7 +31,7 @@ a near-tie can flip: `reuse_min=None` keeps a seeded request bit-for-bit repeata
 
 Rows sample with their own settings (temperature, top_p, top_k are per-row arrays, so
 requests whose settings differ share steps) and their own keys: the key of a row's t-th token
-is fold_in(key(row seed), t), as `k2jax.generate.generate` draws it, so a seeded request
+is fold_in(key(row seed), t), as `k2jax.serving.generate.generate` draws it, so a seeded request
 gives the same tokens whoever shares its steps and whenever it joined, as long as the
 batched forward gives the row the same logits (exact on XLA:CPU; accelerators may differ in
 the last bits, which can flip a near-tie). Rows of a request without a seed draw theirs from
@@ -56,8 +56,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k2jax import chat, kernels
-from k2jax.generate import (Penalties, batch_devices, bucket, cache_axes, new_cache, penalize,
+from k2jax import kernels
+from k2jax.serving import chat
+from k2jax.serving.generate import (Penalties, batch_devices, bucket, cache_axes, new_cache, penalize,
                             place_cache, rows_bucket, sample_rows)
 from k2jax.model import decode
 
@@ -113,7 +114,7 @@ class Job:
   logprobs: int | None = None
   echo: bool = False        # ... and of the prompt's tokens (needs logprobs)
   # OpenAI's presence / frequency penalties and logit_bias {id: bias}, vLLM's
-  # repetition_penalty and min_tokens (k2jax.generate.penalize); the defaults change nothing.
+  # repetition_penalty and min_tokens (k2jax.serving.generate.penalize); the defaults change nothing.
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0
@@ -342,7 +343,7 @@ class Engine:
   """The device-owning decode thread, its slots and its queue (see the module docstring).
 
   Args:
-    cfg: the model's config (as `k2jax.generate.load` returns it).
+    cfg: the model's config (as `k2jax.serving.generate.load` returns it).
     params: its parameters.
     tokenizer: its tokenizer.
     max_batch: slots: rows decoded together at most (a request's n rows take n); under a
@@ -355,8 +356,8 @@ class Engine:
       next dispatch without waiting.
     seed: draws the sampling key of requests that give none (reproducible server runs).
     chunk: decode steps per dispatch (module docstring).
-    mesh: the devices to decode on (k2jax.generate.inference_mesh; params placed on it by
-      k2jax.generate.target_shardings); under context > 1 a prompt's prefill is split over the
+    mesh: the devices to decode on (k2jax.serving.generate.inference_mesh; params placed on it by
+      k2jax.serving.generate.target_shardings); under context > 1 a prompt's prefill is split over the
       context devices (k2jax.model.context). None: the default device.
     reuse_min: a new row continues the tokens a free slot's cache holds when they start its
       prompt for at least this many tokens (module docstring); None (default): every prompt

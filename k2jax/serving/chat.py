@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from k2jax import closing
+from k2jax.serving import closing
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 MARKERS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",

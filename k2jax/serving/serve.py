@@ -14,14 +14,14 @@ stream_options.include_usage, logprobs / top_logprobs, response_format json_obje
 json_schema; `top_k`, `repetition_penalty` and `min_tokens` as vLLM has them),
 `POST /v1/completions` (text or token prompts, echo, logprobs, the same sampling fields),
 `GET /health` and `GET /metrics` (Prometheus). Dialogs are rendered in K2's chat format
-(`k2jax.chat`); an assistant turn's tool calls come back parsed as `tool_calls` (`k2jax.chat.parse_tool_calls`),
+(`k2jax.serving.chat`); an assistant turn's tool calls come back parsed as `tool_calls` (`k2jax.serving.chat.parse_tool_calls`),
 and with `tool_choice` "required" or a named function they are sampled under the tools' JSON
-schemas (`k2jax.chat.ToolCallConstraint`), as is a section the model opens under "auto"
-(`k2jax.chat.ToolSectionConstraint`); a JSON response_format is sampled under its schema
-the same way (`k2jax.chat.JSONConstraint`). Each constraint knows the request's budget: a
+schemas (`k2jax.serving.chat.ToolCallConstraint`), as is a section the model opens under "auto"
+(`k2jax.serving.chat.ToolSectionConstraint`); a JSON response_format is sampled under its schema
+the same way (`k2jax.serving.chat.JSONConstraint`). Each constraint knows the request's budget: a
 call or JSON reply closes inside max_tokens whenever that holds its shortest ending. Concurrent requests share decode steps, joining
 and leaving the running batch between dispatches (continuous batching over a slotted cache:
-`k2jax.engine`). `--api-key` makes /v1 need a bearer key; `--max_queue` bounds the rows
+`k2jax.serving.engine`). `--api-key` makes /v1 need a bearer key; `--max_queue` bounds the rows
 waiting for a slot (429 past it).
 
 `max_tokens` is clamped to the context the prompt leaves (the reply ends with finish_reason
@@ -44,9 +44,10 @@ import sys
 import time
 import uuid
 
-from k2jax import chat, console, interrupt
-from k2jax.engine import Engine, Event, Job, Unfit
-from k2jax.generate import MESH_HELP
+from k2jax.serving import chat
+from k2jax.training import console, interrupt
+from k2jax.serving.engine import Engine, Event, Job, Unfit
+from k2jax.serving.generate import MESH_HELP
 
 log = logging.getLogger("k2jax.serve")
 
@@ -261,7 +262,7 @@ def _at_most(min_tokens: int, max_tokens: int) -> None:
 
 def _penalties(body, cfg) -> dict:
   """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty and
-  min_tokens, checked (engine.Job's fields; k2jax.generate.penalize applies them)."""
+  min_tokens, checked (engine.Job's fields; k2jax.serving.generate.penalize applies them)."""
   bias = body.get("logit_bias") or {}
   if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
     raise RequestError(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} "
@@ -947,7 +948,7 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 def _port_free(host: str, port: int) -> None:
-  from k2jax.generate import UserError
+  from k2jax.serving.generate import UserError
   try:
     with socket.create_server((host, port), reuse_port=False):
       pass
@@ -1001,7 +1002,7 @@ def main(argv=None):
 
 
 def _serve(args):
-  from k2jax.generate import UserError, _check_run_dir, inference_mesh, load
+  from k2jax.serving.generate import UserError, _check_run_dir, inference_mesh, load
   try:
     if not 0 < args.port < 65536:
       raise UserError(f"--port {args.port}: must be in 1..65535")

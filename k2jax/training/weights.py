@@ -7,7 +7,7 @@ straight into the shardings of whoever asked (the trainer's, the RL sampler's, t
 
 A Hugging Face directory (config.json + safetensors in the published K2 / DeepSeek-V3 names,
 FP8 or INT4 or neither) is read by k2jax.interop.hf.load; a k2jax.train / sft / rl run by
-k2jax.checkpoint.load_run (orbax restores its params, no optimizer state, into the
+k2jax.training.checkpoint.load_run (orbax restores its params, no optimizer state, into the
 shardings). Either way `cfg.param_dtype` is the dtype the weights are stored in once loaded.
 """
 
@@ -34,7 +34,7 @@ class Source(NamedTuple):
     if self.kind == "hf":
       from k2jax.interop import hf
       return hf.load(self.path, cfg, shardings, layout=layout, stats=stats)
-    from k2jax.checkpoint import load_run
+    from k2jax.training.checkpoint import load_run
     dtype = np.dtype(cfg.param_dtype)
     if layout is None:
       return load_run(self.path, shardings, param_dtype=dtype)[1]
@@ -83,7 +83,7 @@ def open_source(path: str, kind: str | None = None) -> Source:
   their config read and nothing else. ValueError / OSError (one line) for a directory that
   holds no such weights."""
   if (kind or ("run" if is_run(path) else "hf")) == "run":
-    from k2jax.checkpoint import run_config
+    from k2jax.training.checkpoint import run_config
     config = run_config(path)
     return Source(path, "run", config.model, config)
   from k2jax.interop import hf
