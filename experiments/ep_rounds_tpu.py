@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k2jax import compile as k2compile
+from k2jax.tools import compile as k2compile
 from k2jax.kernels import platform as kernels_platform
 from k2jax.model import expert_parallel
 
@@ -52,7 +52,7 @@ def compile_exchange(ep: int, shape: str, round_rows):
               ("data", "expert"))
   batch = P(("data", "expert"))
   layer = jax.shard_map(
-      lambda p, x, i, w: expert_parallel.experts_all_to_all(
+      lambda p, x, i, w: expert_parallel.sharded_routed_experts(
           p, x, i, w, "expert", sync_axes=("data",), transport="ragged", fp8_storage=True,
           round_rows=round_rows),
       mesh=mesh, in_specs=(P("expert"), batch, batch, batch), out_specs=batch)

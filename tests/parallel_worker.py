@@ -28,8 +28,8 @@ def meshes(out, *rest):
   logical layout) and written leaf by leaf to WORKDIR/state.npz (`_save_state`)."""
   import contextlib
   from unittest import mock
-  from k2jax import metrics, train
-  from k2jax import step as step_lib
+  from k2jax.training import metrics, train
+  from k2jax.training import step as step_lib
   from k2jax.parallel import pipeline, schedules
   from orbax.checkpoint._src.serialization import replica_slices
   sep = rest.index("--")
@@ -82,7 +82,7 @@ def meshes(out, *rest):
 
 
 def _faulty_grads(grads_fn, fault):
-  """`k2jax.step._grads` with a fault a pipeline or mesh bug could make: "2x" doubles the
+  """`k2jax.training.step._grads` with a fault a pipeline or mesh bug could make: "2x" doubles the
   gradient of the MoE experts' down-projections (every update MuonClip makes is the same:
   Muon orthogonalizes its momentum, whatever its scale), "drop" leaves the first of the
   microbatches out of the gradient (the loss still counts it)."""
@@ -112,7 +112,7 @@ def _save_state(workdir):
   WORKDIR/state.npz, keyed by tree path. Muon's and Adam's first moments are running sums of
   the gradients, so a wrong gradient leaf shows in its moment even where MuonClip's update,
   which ignores the gradient's scale, hides it from the losses."""
-  from k2jax.checkpoint import load_state
+  from k2jax.training.checkpoint import load_state
   _, state, _ = load_state(workdir)
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   np.savez(os.path.join(workdir, "state.npz"),
@@ -121,7 +121,7 @@ def _save_state(workdir):
 
 def zero1():
   from k2jax import configs, model, optim, parallel
-  from k2jax.step import init_state
+  from k2jax.training.step import init_state
   cfg = configs.get_config("tiny")
   cfg.mesh.data = 8
   mesh = parallel.make_mesh(cfg.mesh)
@@ -151,7 +151,7 @@ def reduce_into():
   from jax.sharding import NamedSharding, PartitionSpec as P
   from k2jax import configs, model, optim, parallel
   from k2jax.parallel import pipeline
-  from k2jax.step import init_state
+  from k2jax.training.step import init_state
   mesh = jax.make_mesh((2, 4), ("data", "expert"))
   rng = np.random.default_rng(7)
   out = {}
@@ -215,11 +215,11 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 
 def ep_layer(mesh, **kwargs):
-  """run(p, x, idx, w): experts_all_to_all(**kwargs) over the expert axis of a data x expert
+  """run(p, x, idx, w): sharded_routed_experts(**kwargs) over the expert axis of a data x expert
   `mesh`, tokens split over both (ragged transport emulated: XLA:CPU has none)."""
   from jax.sharding import PartitionSpec as P
   from k2jax.model import expert_parallel
-  fn = functools.partial(expert_parallel.experts_all_to_all, axis="expert", sync_axes=("data",),
+  fn = functools.partial(expert_parallel.sharded_routed_experts, axis="expert", sync_axes=("data",),
                          ragged_all_to_all=emulated_ragged_all_to_all, **kwargs)
   batch = P(("data", "expert"))
   return jax.shard_map(lambda p, x, i, w: fn(p, x, i, w), mesh=mesh,
@@ -395,7 +395,7 @@ def pipeline_collectives():
   import pipeline_hlo
   from k2jax import model
   from k2jax.model import spec
-  from k2jax import step as step_lib
+  from k2jax.training import step as step_lib
   from k2jax.parallel import layout
   compiled, mesh, state, batch, ticks, stack = pipeline_hlo.build((4, 1, 2))
   out, loop, rows = pipeline_hlo.pipeline_collectives(compiled.as_text(), (4, 1, 2), ticks)
@@ -437,7 +437,7 @@ def lower(platform, moe_impl, attention_impl, shape="tiny"):
   from k2jax import model, optim, parallel
   from k2jax.kernels import platform as kernels_platform
   from k2jax.parallel import layout
-  from k2jax.step import init_state, train_step
+  from k2jax.training.step import init_state, train_step
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
   import pipeline_hlo
   mesh_shape = {"k2": (2, 2, 2), "data": (4, 2, 1)}.get(shape, (4, 1, 2))
@@ -547,7 +547,7 @@ def muon_local(*mesh_specs):
   from k2jax import model, parallel
   from k2jax.configs.sharding_rules import param_spec
   from k2jax.model import spec
-  from k2jax.step import init_state
+  from k2jax.training.step import init_state
   out = {}
   for ms in mesh_specs:
     stored, mesh, tx = _muon_setup(ms)
@@ -699,7 +699,7 @@ def context_meshes(*specs):
   from unittest import mock
   from k2jax import configs, model, parallel
   from k2jax.model import context
-  from k2jax.step import lm_loss
+  from k2jax.training.step import lm_loss
 
   cfg = configs.get_config("tiny").model
   # chunks of 3 tokens: 4, 2 and 1 groups of 2C chunks on C = 2, 4, 8 (k2jax.model.context)
@@ -762,7 +762,7 @@ def _greedy_jobs(engine, prompts, max_tokens=6):
   """Submit `prompts` to the engine together as greedy jobs with log probabilities; wait for
   all: (errors, [[tokens], ...], [[log p], ...])."""
   import threading
-  from k2jax.engine import Job
+  from k2jax.serving.engine import Job
   got, done = {}, threading.Semaphore(0)
 
   def emit(i):
@@ -783,14 +783,15 @@ def _greedy_jobs(engine, prompts, max_tokens=6):
 
 
 def serve_context():
-  """The server's engine (k2jax.engine, what k2jax.serve runs) on --mesh data=2,context=4
+  """The server's engine (k2jax.serving.engine, what k2jax.serve runs) on --mesh data=2,context=4
   against generate on one device: greedy tokens and their log probabilities for prompts
   of 5 to 100 tokens admitted together (the prefill of their 128-token bucket split over 4
   context devices), and whether the context path ran."""
   from unittest import mock
-  from k2jax import configs, generate, model
+  from k2jax import configs, model
+  from k2jax.serving import generate
   from k2jax.data import ByteTokenizer
-  from k2jax.engine import Engine
+  from k2jax.serving.engine import Engine
   from k2jax.model import context
   cfg = configs.get_config("tiny").model
   cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
@@ -819,7 +820,7 @@ def context_kernels(*impls):
   device's chunked attention: max relative errors per implementation."""
   from k2jax import configs, model, parallel
   from k2jax.kernels import flash
-  from k2jax.step import lm_loss
+  from k2jax.training.step import lm_loss
   called, real = [], flash.attention_blocks
 
   def blocks(*a, impl, **k):          # interpret mode, and which implementation ran
@@ -871,7 +872,8 @@ def generate_context():
   k2jax.model.context; decode steps of one token run whole on each), and the prefill
   alone: whether the context path ran, and the largest log-probability difference."""
   from unittest import mock
-  from k2jax import configs, generate, model, parallel
+  from k2jax import configs, model, parallel
+  from k2jax.serving import generate
   from k2jax.model import context
   cfg = configs.get_config("tiny").model
   cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
@@ -901,9 +903,10 @@ def engine_mesh():
   pads its prompt to 4 rows; the engine (max_batch 3: 4 slots, engine.slot_count) decodes
   it alone, then two requests together. Greedy tokens and log probabilities of each against
   generate's on one device."""
-  from k2jax import configs, generate, model
+  from k2jax import configs, model
+  from k2jax.serving import generate
   from k2jax.data import ByteTokenizer
-  from k2jax.engine import Engine
+  from k2jax.serving.engine import Engine
   cfg = configs.get_config("tiny").model
   cfg.update(dtype="float32", param_dtype="float32", attention_impl="chunked")
   params = model.init(cfg, jax.random.key(7))

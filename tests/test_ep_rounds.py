@@ -63,7 +63,7 @@ def _cases(mesh_name):
     """(p, x, w, idx, r, valid) -> (y, grads of sum(y r) for p, x, w) on `mesh`, tokens
     over all of it (valid: the tokens that count); one compile serves
     every routing."""
-    fn = lambda p, x, i, w, v: expert_parallel.experts_all_to_all(
+    fn = lambda p, x, i, w, v: expert_parallel.sharded_routed_experts(
         p, x, i, w, "expert", sync_axes=("data",), valid=v, **stand_in, **kwargs)
     batch = P(("data", "expert"))
     run = jax.shard_map(fn, mesh=mesh, in_specs=(P("expert"), batch, batch, batch, batch),

@@ -21,16 +21,15 @@ are exchanged first, and the transport buffers take the smallest of a few static
             (source, destination) count: ~ep C / A x the ideal (1.25x when balanced).
   padded    every slot sized for the worst case (C = A): ep x the ideal; the reference.
 
-Rounds (ragged; issue 42). XLA reserves memory for a switch's largest branch whether or not
-it runs, and the worst case receives ep x A rows: on K2 (16 shards, A = 32,768) 7.5 GB per
-[rows, d] buffer, and with its SwiGLU intermediates, outputs and the backward's recompute
-~29 GiB of a train step's 128 GiB of temporaries per TPU v5p chip, for a branch that almost
-never runs. So every capacity c above a bound B runs as R = ceil(c / B) rounds of B
-received rows each: B = model.ep_round_load x A (2 by default), and the worst case takes
-ceil(ep / 2) rounds (8 on K2). The bound sets the largest buffers XLA reserves, so it is the
-knob between memory and the rounds a skewed load costs (loads up to B run in one shot): on
-the 32k preset (v5p 8x16x16) a bound of 4 A left the step at 132.82 GiB of temporaries, 2 A
-at 98.47. Device d's incoming stream is the senders' slices in order,
+Rounds (ragged). XLA reserves memory for a switch's largest branch whether or not it runs,
+and the worst case receives ep x A rows: on K2 (16 shards, A = 32,768) 7.5 GB per [rows, d]
+buffer, before its SwiGLU intermediates, outputs and the backward's recompute, for a branch
+that almost never runs. So every capacity c above a bound B runs as R = ceil(c / B) rounds
+of B received rows each: B = model.ep_round_load x A (2 by default), and the worst case
+takes ceil(ep / 2) rounds (8 on K2). The bound sets the largest buffers XLA reserves, so it
+is the knob between memory and the rounds a skewed load costs (loads up to B run in one
+shot; the compiled memory at each bound is on the docs' memory results page). Device d's
+incoming stream is the senders' slices in order,
 sender s's starting at land[s, d] = sum_{s' < s} counts[s', d]; round r takes the window
 [r B, (r + 1) B) of every stream: s sends rows [lo, hi) of its d-bound slice,
 
@@ -100,7 +99,7 @@ def _exclusive_cumsum(x, axis=-1):
   return jnp.cumsum(x, axis=axis) - x
 
 
-class _Plan(NamedTuple):
+class _ExchangePlan(NamedTuple):
   """What is static about one exchange (hashable: the custom VJP's non-differentiable
   argument)."""
   transport: str
@@ -130,7 +129,7 @@ class _Route(NamedTuple):
   rank: jax.Array      # [A] row within the destination's slot (bucketed, padded)
   local: jax.Array     # [A] expert id on the destination shard
   counts: jax.Array    # [ep_src, ep_dst] assignments of the group
-  branch: jax.Array    # index into _Plan.caps
+  branch: jax.Array    # index into _ExchangePlan.caps
   need: jax.Array      # the largest load anywhere (agreed by every device): rounds past it idle
 
 
@@ -338,93 +337,109 @@ def _exchange_fwd(plan, p, x, w, route):
   return y, (p, x, w, route, res)
 
 
+class _Saved(NamedTuple):
+  """What the exchange's backward reads: the forward's inputs and residuals, routing back in
+  int32, and where W's recompute finds dy (`in_rows`: in the rows' first buffer, which
+  holds plan.saved >= A rows, else passed as itself)."""
+  p: dict
+  x: jax.Array
+  w: jax.Array
+  route: _Route
+  res: dict
+  in_rows: bool
+
+
 def _exchange_bwd(plan, saved, dy):
   """The exchange's backward as two switches on the same branch: the input gradients (what
-  the layers below wait for), then the experts' weight gradients. Two switches, not one, so
-  a pipeline schedule that splits a backward into its input- and weight-gradient halves
-  (k2jax.parallel.bwsplit, report 2.4.2) can run the second later: the first hands it the
-  per-row cotangents of the down-projection's output and input, [plan.saved, d + f]."""
+  the layers below wait for, `_input_grads`), then the experts' weight gradients
+  (`_weight_grads`). Two switches, not one, so a pipeline schedule that splits a backward
+  into its input- and weight-gradient halves (k2jax.parallel.bwsplit, report 2.4.2) can run
+  the second later: the first hands it the per-row cotangents of the down-projection's
+  output and input, [plan.saved, d + f]."""
   p, x, w, route, res = saved
   route = jax.tree.map(lambda a: a.astype(jnp.int32), route)
-  ep = route.counts.shape[0]
-  dt = x.dtype
-  kept = [plan.keeps(c, ep) for c in plan.caps]
-  S, d, f = plan.saved, x.shape[-1], p["gate"].shape[-1]
-  mm_vjp = lambda a, wt, ct, sizes: jax.vjp(
-      lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(dt))[1](ct)
-
-  def loaded(c):
-    n = plan.received(c, ep)
-    xs, g, u = (a[:n] for a in _load(plan, res, dt))
-    return n, xs, g, u, res["ws"][:n], res["by_expert"][:n], res["sizes"]
-
-  def recompute(c, wrt):   # the branch again under autodiff: buffers too large to keep
-    primals = dict(p=p, x=x, w=w)
-
-    def bwd(dy):
-      def branch(*args):
-        a = dict(primals, **dict(zip(wrt, args)))
-        return _branch(plan, c, a["p"], a["x"], a["w"], route, False)[0]
-      _, f_vjp = jax.vjp(branch, *(primals[k] for k in wrt))
-      return _cotangents(f_vjp(dy), tuple(primals[k] for k in wrt))
-    return bwd
-
   # Where W recomputes, it needs dy [A, d]: it travels in the rows' first buffer when that
   # is large enough (keeping the smallest capacity's residuals, 1.25 A rows), else as itself.
-  A = dy.shape[0]
-  in_rows = S >= A
-
-  def inputs(c):        # -> (dx, dw, rows W reads)
-    if not kept[plan.caps.index(c)]:
-      def redo(dy):
-        d_x, d_w = recompute(c, ("x", "w"))(dy)
-        first = jnp.pad(dy, [(0, S - A), (0, 0)]) if in_rows else jnp.zeros((S, d), dt)
-        rows = (first, jnp.zeros((S, f), dt))
-        return d_x, d_w, jax.tree.map(lambda a: varying_like(a, x), rows)
-      return redo
-
-    def bwd(dy):
-      n, xs, g, u, ws, by_expert, sizes = loaded(c)
-      # _send and _back move rows along the same routes in opposite directions, so each is
-      # the other's transpose (padding rows carry nothing either way).
-      d_o = _permute(_send(plan, route, c, dy, 0), by_expert)
-      h = _swiglu(g, u)
-      dh_u = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
-                    sizes)[0]
-      d_ws = jnp.sum(dh_u.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
-      dh = (ws[:, None] * dh_u.astype(jnp.float32)).astype(dt)
-      dg, du = jax.vjp(_swiglu, g, u)[1](dh)
-      dxs = mm_vjp(xs, p["gate"], dg, sizes)[0] + mm_vjp(xs, p["up"], du, sizes)[0]
-      unsort = functools.partial(_unpermute, perm=by_expert)
-      d_x = _back(plan, route, c, unsort(dxs))
-      d_w = _back(plan, route, c, unsort(d_ws))
-      d_x = jnp.zeros_like(x).at[route.token].add(d_x)
-      pad = lambda a: jnp.pad(a, [(0, S - n), (0, 0)])
-      return (*_cotangents((d_x, d_w), (x, w)),
-              jax.tree.map(lambda a: varying_like(a, x), (pad(d_o), pad(dh_u))))
-    return bwd
-
-  def weights(c):       # -> the experts' weight gradients
-    if not kept[plan.caps.index(c)]:
-      return lambda rows, *dy: recompute(c, ("p",))(rows[0][:A] if in_rows else dy[0])[0]
-
-    def bwd(rows, *_):
-      n, xs, g, u, ws, by_expert, sizes = loaded(c)
-      d_o, dh_u = (a[:n] for a in rows)
-      h = _swiglu(g, u)
-      # each switch takes one half of a grouped matmul's vjp; XLA drops the other half
-      d_down = mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
-                      sizes)[1]
-      dg, du = jax.vjp(_swiglu, g, u)[1]((ws[:, None] * dh_u.astype(jnp.float32)).astype(dt))
-      d_gate = mm_vjp(xs, p["gate"], dg, sizes)[1]
-      d_up = mm_vjp(xs, p["up"], du, sizes)[1]
-      return _cotangents({"gate": d_gate, "up": d_up, "down": d_down}, p)
-    return bwd
-
-  dx, dw, rows = jax.lax.switch(route.branch, [inputs(c) for c in plan.caps], dy)
-  dp = jax.lax.switch(route.branch, [weights(c) for c in plan.caps], rows,
-                      *(() if in_rows else (dy,)))
+  sv = _Saved(p, x, w, route, res, in_rows=plan.saved >= dy.shape[0])
+  dx, dw, rows = jax.lax.switch(
+      route.branch, [functools.partial(_input_grads, plan, c, sv) for c in plan.caps], dy)
+  dp = jax.lax.switch(
+      route.branch, [functools.partial(_weight_grads, plan, c, sv) for c in plan.caps], rows,
+      *(() if sv.in_rows else (dy,)))
   return dp, dx, dw, None
+
+
+def _mm_vjp(a, wt, ct, sizes):
+  """(d a, d wt) of grouped_matmul(a, wt, sizes) for the cotangent ct; a switch that uses
+  one half lets XLA drop the other."""
+  return jax.vjp(lambda a, wt: grouped_matmul(a, wt, sizes), a, wt.astype(a.dtype))[1](ct)
+
+
+def _loaded(plan, c, sv: _Saved):
+  """The kept residuals of capacity c's branch, cut to its n received rows."""
+  n = plan.received(c, sv.route.counts.shape[0])
+  xs, g, u = (a[:n] for a in _load(plan, sv.res, sv.x.dtype))
+  return n, xs, g, u, sv.res["ws"][:n], sv.res["by_expert"][:n], sv.res["sizes"]
+
+
+def _recomputed(plan, c, sv: _Saved, wrt: tuple, dy):
+  """Cotangents of the primals named in wrt ("p", "x", "w") by running capacity c's branch
+  again under autodiff: its buffers were too large to keep."""
+  primals = dict(p=sv.p, x=sv.x, w=sv.w)
+
+  def branch(*args):
+    a = dict(primals, **dict(zip(wrt, args)))
+    return _branch(plan, c, a["p"], a["x"], a["w"], sv.route, False)[0]
+  _, f_vjp = jax.vjp(branch, *(primals[k] for k in wrt))
+  return _cotangents(f_vjp(dy), tuple(primals[k] for k in wrt))
+
+
+def _input_grads(plan, c, sv: _Saved, dy):
+  """Capacity c's (d x, d w, rows `_weight_grads` reads: d of the down-projection's output
+  and input per received row, padded to plan.saved)."""
+  x, p, route, dt = sv.x, sv.p, sv.route, sv.x.dtype
+  S, A, d, f = plan.saved, dy.shape[0], x.shape[-1], p["gate"].shape[-1]
+  if not plan.keeps(c, route.counts.shape[0]):
+    d_x, d_w = _recomputed(plan, c, sv, ("x", "w"), dy)
+    first = jnp.pad(dy, [(0, S - A), (0, 0)]) if sv.in_rows else jnp.zeros((S, d), dt)
+    rows = (first, jnp.zeros((S, f), dt))
+    return d_x, d_w, jax.tree.map(lambda a: varying_like(a, x), rows)
+  n, xs, g, u, ws, by_expert, sizes = _loaded(plan, c, sv)
+  # _send and _back move rows along the same routes in opposite directions, so each is the
+  # other's transpose (padding rows carry nothing either way).
+  d_o = _permute(_send(plan, route, c, dy, 0), by_expert)
+  h = _swiglu(g, u)
+  dh_u = _mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o, sizes)[0]
+  d_ws = jnp.sum(dh_u.astype(jnp.float32) * h.astype(jnp.float32), axis=-1)
+  dh = (ws[:, None] * dh_u.astype(jnp.float32)).astype(dt)
+  dg, du = jax.vjp(_swiglu, g, u)[1](dh)
+  dxs = _mm_vjp(xs, p["gate"], dg, sizes)[0] + _mm_vjp(xs, p["up"], du, sizes)[0]
+  unsort = functools.partial(_unpermute, perm=by_expert)
+  d_x = _back(plan, route, c, unsort(dxs))
+  d_w = _back(plan, route, c, unsort(d_ws))
+  d_x = jnp.zeros_like(x).at[route.token].add(d_x)
+  pad = lambda a: jnp.pad(a, [(0, S - n), (0, 0)])
+  return (*_cotangents((d_x, d_w), (x, sv.w)),
+          jax.tree.map(lambda a: varying_like(a, x), (pad(d_o), pad(dh_u))))
+
+
+def _weight_grads(plan, c, sv: _Saved, rows, *dy):
+  """Capacity c's expert weight gradients {"gate", "up", "down"} from `_input_grads`' rows
+  (or, where the branch recomputes, from dy)."""
+  p, dt = sv.p, sv.x.dtype
+  if not plan.keeps(c, sv.route.counts.shape[0]):
+    A = sv.w.shape[0]
+    return _recomputed(plan, c, sv, ("p",), rows[0][:A] if sv.in_rows else dy[0])[0]
+  n, xs, g, u, ws, by_expert, sizes = _loaded(plan, c, sv)
+  d_o, dh_u = (a[:n] for a in rows)
+  h = _swiglu(g, u)
+  # each switch takes one half of a grouped matmul's vjp; XLA drops the other half
+  d_down = _mm_vjp((ws[:, None] * h.astype(jnp.float32)).astype(dt), p["down"], d_o,
+                   sizes)[1]
+  dg, du = jax.vjp(_swiglu, g, u)[1]((ws[:, None] * dh_u.astype(jnp.float32)).astype(dt))
+  d_gate = _mm_vjp(xs, p["gate"], dg, sizes)[1]
+  d_up = _mm_vjp(xs, p["up"], du, sizes)[1]
+  return _cotangents({"gate": d_gate, "up": d_up, "down": d_down}, p)
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
@@ -452,9 +467,10 @@ def sort_assignments(idx, valid, ep: int, e_loc: int):
   return order, dest, rank, (expert % e_loc).astype(jnp.int32), count
 
 
-def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport: str = "auto",
-                       fp8_storage: bool = False, keep: bool = True, ragged_all_to_all=None,
-                       round_load: float = 2.0, round_rows: int | None = None, valid=None):
+def sharded_routed_experts(p_local, x, idx, w, axis: str, *, sync_axes=(),
+                           transport: str = "auto", fp8_storage: bool = False,
+                           keep: bool = True, ragged_all_to_all=None, round_load: float = 2.0,
+                           round_rows: int | None = None, valid=None):
   """Routed-expert output for local tokens x [N, d] with global expert ids idx [N, k].
 
   Args:
@@ -499,7 +515,7 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
     bound = caps[-1]            # no rounds: CPU reference paths (the module docstring)
   else:
     bound = round_rows or capacities(ep * A, ep, (round_load,))[0]
-  plan = _Plan(transport, axis, caps, 0, fp8_storage, ragged_all_to_all
+  plan = _ExchangePlan(transport, axis, caps, 0, fp8_storage, ragged_all_to_all
                or jax.lax.ragged_all_to_all, bound)
   # The smallest capacity keeps its residuals (kernels/buckets.py: 1.25x the balanced load,
   # what a balanced router needs); the larger ones recompute.
@@ -510,6 +526,15 @@ def experts_all_to_all(p_local, x, idx, w, axis: str, *, sync_axes=(), transport
   # back to token order; the k weighted expert outputs of a token summed in float32
   y = y_sorted[jnp.argsort(order)].reshape(N, k, -1)
   return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def experts_all_to_all(*args, **kwargs):
+  """Deprecated name of `sharded_routed_experts` (the exchange is mostly ragged, not an
+  all-to-all)."""
+  import warnings
+  warnings.warn("expert_parallel.experts_all_to_all is now sharded_routed_experts",
+                DeprecationWarning, stacklevel=2)
+  return sharded_routed_experts(*args, **kwargs)
 
 
 def bytes_moved(counts, d: int, itemsize: int, transport: str) -> int:

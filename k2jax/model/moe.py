@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from k2jax.configs import sharding_rules as rules
 from k2jax.kernels import moe as moe_kernels, routed_experts
 from k2jax.model import context, spec
-from k2jax.model.expert_parallel import experts_all_to_all
+from k2jax.model.expert_parallel import sharded_routed_experts
 from k2jax.model.layers import mlp, mlp_specs
 
 
@@ -105,7 +105,7 @@ def _routed(cfg, batch_axes: tuple, ep_axis, sync_axes: tuple, p, x, valid,
   x2d = x.reshape(B * T, d)
   w, idx, scores = route(cfg, p, x2d)
   if ep_axis:
-    y = experts_all_to_all(p["experts"], x2d, idx, w, ep_axis, sync_axes=sync_axes,
+    y = sharded_routed_experts(p["experts"], x2d, idx, w, ep_axis, sync_axes=sync_axes,
                            transport=cfg.ep_transport,
                            fp8_storage=cfg.activation_storage == "fp8",
                            round_load=cfg.get("ep_round_load", 2.0), valid=valid.reshape(-1))
