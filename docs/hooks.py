@@ -9,7 +9,8 @@ by the code that does the thing.
 - `guides/img/schedule_*.png`: tick diagrams of the pipeline schedules, drawn from
   `k2jax.parallel.schedules.build`, the table the jitted loop runs.
 - `guides/img/memory_kimi_k2.png`: memory per device of the K2 preset on its 2,048 chips,
-  from `k2jax.plan.estimate`, the count `python -m k2jax.plan` prints.
+  from `k2jax.tools.plan.estimate`, the count `python -m k2jax.plan` prints; and
+  `<!-- plan: PRESET -->` in a page, the same count as a table.
 
 Python-Markdown, mkdocs-material and mkdocstrings do the rest; these are the two things no
 plugin knows about our repository.
@@ -32,6 +33,7 @@ TABLE = re.compile(r"^<!--\s*table:\s*(\S+)((?:\s+\w+=\S+)*)\s*-->$", re.M)
 # (schedule, pipeline devices P, virtual stages V, microbatches M) drawn for the guide
 SCHEDULE_FIGURES = (("1f1b", 4, 2, 8), ("gpipe", 4, 2, 8), ("zbh1", 4, 2, 8))
 MEMORY_MESH = {"pipeline": 16, "data": 8, "context": 1, "expert": 16}   # the report's layout
+PLAN = re.compile(r"^<!--\s*plan:\s*(\w+)\s*-->$", re.M)
 
 
 def on_files(files, config):
@@ -50,7 +52,36 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
+  markdown = PLAN.sub(lambda m: plan_table(m.group(1), MEMORY_MESH), markdown)
   return TABLE.sub(lambda m: csv_table(m.group(1), m.group(2)), markdown)
+
+
+def plan_table(preset: str, mesh: dict) -> str:
+  """What one device holds (plan.estimate), as the rows `python -m k2jax.plan` prints."""
+  from k2jax.tools import plan
+
+  est = plan.estimate(preset, mesh)
+  st, acts = est.states, est.acts
+  loop = st["params"] + st["loop_sums"] + st["loop_copy"] + st["cast_copy"]
+  rows = [
+      ("params (bf16)", st["params"]),
+      ("gradient buffer (fp32)", st["grads_whole"]),
+      ("while the pipeline's loop runs: params, its float32 gradient sums (every weight but "
+       "the experts and the embedding whole: `pipeline.inner_specs`) and the bf16 weights "
+       "it gathers once a step", loop),
+      (f"activations on the device ({acts.settings['remat']} recomputation, "
+       f"{acts.settings['storage']} storage; traced)", acts.device),
+      ("**on the device while the gradients are computed (the step's peak)**",
+       loop + acts.device),
+      ("on the device during the update: params, the gradients in ZeRO-1's slices, the "
+       "states brought from host and the momenta Muon gathers", est.update),
+      ("host memory: optimizer states, ZeRO-1 over data", st["optimizer_host"]),
+      ("host memory: stage residuals in flight (`model.offload`)", acts.host),
+  ]
+  where = " x ".join(f"{k} {v}" for k, v in mesh.items() if v > 1)
+  lines = [f"| `{preset}` on {where}, per device | GB |", "|---|---|"]
+  lines += [f"| {what} | {b / 1e9:.2f} |" for what, b in rows]
+  return "\n".join(lines) + "\n"
 
 
 def _number(text: str, digits: int) -> str:
@@ -146,7 +177,7 @@ def memory_png(preset: str, mesh: dict) -> bytes:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from k2jax import plan
+  from k2jax.tools import plan
 
   est = plan.estimate(preset, mesh)
   st, GB = est.states, 1e9

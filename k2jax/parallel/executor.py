@@ -156,7 +156,7 @@ class Executor:
   pre_params {"embed", dense stacks};
   head {"final_norm", "lm_head": this device's [D, vocab / P] columns}; mb, microbatches
   [M, mb, T]; aux_weight, every microbatch's aux loss weight (the batch's loss tokens / M,
-  as in k2jax.step's accumulation). offload: residual slots in host memory (`Slots`).
+  as in k2jax.training.step's accumulation). offload: residual slots in host memory (`Slots`).
   Sums over `reps` (losses, statistics, gradients) are taken once, at the end (`results`):
   each device's aux loss weighs 1 / their size, its mean over their shards.
   """
@@ -370,8 +370,8 @@ class Executor:
 
     # Added to the float32 sums inside the branch: returned from it, the embedding's gradient
     # (a whole vocabulary slice, in the params' dtype) and the sums plus it were two more
-    # vocabulary-sized buffers beside the sums (-4.25 GB at the 8-chip K2 step's peak, PP2:
-    # k2jax.compile --explain). The mask: in the tick's mode the branch runs on every device.
+    # vocabulary-sized buffers beside the sums at the step's peak (`k2jax.compile --explain`
+    # shows them). The mask: in the tick's mode the branch runs on every device.
     def pre_grads(pre):
       _, vjp = jax.vjp(lambda pp: self.embed(pp, m)[0], pre_params)
       return jax.tree.map(lambda a, b: a + jnp.where(first, b.astype(a.dtype), 0.0), pre,

@@ -26,9 +26,9 @@ the table says:
     phase's cond were a second copy of them);
   - the embedding and the leading dense layers (a dense layer of 61 for K2) run in the F
     phase of stage 0 only, per microbatch, and B recomputes them from stage 0's input (3
-    forward units where the others' ticks take 2). Keeping their residuals in the slot a
-    padded stage 0 leaves unused instead saved one dense layer's recomputation and measured
-    no shorter (idle 19.8% -> 20.0% at 16 x 2 on K2's costs), at ~250 lines: removed;
+    forward units where the others' ticks take 2; keeping their residuals in the slot a
+    padded stage 0 leaves unused would save one dense layer's recomputation, but no time
+    at K2's costs);
   - the final norm, head and loss run once per microbatch, in a head phase after the F phase
     of the tick that runs the last stage, on every device: the vocabulary is split over the
     pipeline devices (`stage.head`; the head's columns are stored that way, sharding rule
@@ -385,18 +385,13 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   cfg = _pipeline_model_cfg(cfg)
   mask = mb["loss_mask"].astype(jnp.float32)
   # each microbatch's aux loss (a mean over its sequences) weighs N / M, N the batch's loss
-  # tokens: the objective of the whole batch at once, whatever the split (k2jax.step._grads)
+  # tokens: the objective of the whole batch at once, whatever the split (k2jax.training.step._grads)
   aux_weight = jnp.sum(mask) / M
   stack = params[sp.stack.name]
   pre_names = ["embed"] + [s.name for s in transformer.stacks(cfg) if s != sp.stack]
   pre_params = {k: params[k] for k in pre_names}
-  # The head's columns, one slice per pipeline device (`stage.head`); padded to a multiple of P
-  # where the vocabulary is not (then the head is stored whole: param_spec, and each device
-  # cuts its slice locally).
   vocab = cfg.vocab_size
-  pad = -vocab % tab.P
-  head = {"final_norm": params["final_norm"],
-          "lm_head": jnp.pad(params["lm_head"], ((0, 0), (0, pad))) if pad else params["lm_head"]}
+  head, _ = _padded_head(params, vocab, tab.P)
   on = jnp.asarray(sp.real().reshape(-1))
   # every batch axis manual too (replica_axes): each device's microbatches are its batch
   # rows, and its gradients its rows' share until the sums below
@@ -405,10 +400,7 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
   both = (AXIS, *reps)
   # each sequence's tokens in the order the context devices hold them (k2jax.model.context):
   # every per-token array moves with them, and the losses are sums over tokens
-  C = context.size(mesh)
-  if C > 1:
-    chunk = context.chunk_size(cfg, mb["inputs"].shape[2], C)
-    mb = {k: context.to_placement(v, C, chunk, axis=2) for k, v in mb.items()}
+  mb = _in_context_order(cfg, mb, mesh)
   rows = P(None, active_mesh_axes("batch", mesh, manual=True) or None,
            active_mesh_axes("length", mesh, manual=True) or None)
   inner, lead = inner_specs(cfg, {sp.stack.name: stack, **pre_params, **head}, mesh)
@@ -434,26 +426,9 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
       check_vma=False)
   ce, aux, mx, load, pre_max, g_head, g_pre, g_stage = run(stack, on, pre_params, head, mb,
                                                            aux_weight)
-  # Summed outside the shard_map, once a step: over the replicas every gradient, over the
-  # pipeline axis those of stage 0 (embedding, dense layers) and the last device's final
-  # norm, the only non-zero ones. Outside, XLA reduces each straight into its stored
-  # sharding (a reduce-scatter for a weight stored split over `expert`), where a psum
-  # inside would leave every device the whole sum. The head's columns come out where they
-  # are stored. Given reduce_to (the trainer's: ZeRO-1's slices), each leaf is
-  # reduce-scattered into its slice instead (`_reduce`).
-  def reduced(g, out_spec, target):
-    r = _reduce(g, entry_axes(out_spec[0]), target)
-    return g.sum(0) if r is None else r
-  if grads and reduce_to is not None:
-    g_pre = {k: jax.tree.map(reduced, g_pre[k], pre_out[k], reduce_to[k]) for k in g_pre}
-    g_stage = jax.tree.map(reduced, g_stage, grad_spec, reduce_to[sp.stack.name])
-  else:
-    g_pre = jax.tree.map(lambda a: a.sum(0), g_pre)
-    g_stage = jax.tree.map(lambda a: a.sum(0), g_stage) if grads else g_stage
   if grads:
-    g_lm = g_head["lm_head"].sum(0)
-    g_head = {"final_norm": g_head["final_norm"].sum(0),
-              "lm_head": g_lm[:, :vocab] if pad else g_lm}
+    g_pre, g_head, g_stage = _summed_grads(g_pre, g_head, g_stage, pre_out, grad_spec,
+                                           reduce_to, sp.stack.name, vocab)
   n = jnp.sum(mask)
   moe = sp.stack.ffn == "moe"
   stats = transformer.ForwardStats(
@@ -464,6 +439,52 @@ def _pipelined(cfg, params, microbatches, tab: schedules.Table, grads: bool, ski
     return ce, n, aux, stats, None
   g = {**g_pre, **g_head, sp.stack.name: g_stage}
   return ce, n, aux, stats, {k: g[k] for k in params}
+
+
+def _padded_head(params, vocab: int, P: int):
+  """-> ({final_norm, lm_head}, columns of padding). The head's columns, one slice per
+  pipeline device (`stage.head`), padded to a multiple of P where the vocabulary is not
+  (then the head is stored whole: param_spec, and each device cuts its slice locally)."""
+  pad = -vocab % P
+  lm = params["lm_head"]
+  return {"final_norm": params["final_norm"],
+          "lm_head": jnp.pad(lm, ((0, 0), (0, pad))) if pad else lm}, pad
+
+
+def _in_context_order(cfg, mb, mesh):
+  """Each sequence's tokens in the order the context devices hold them
+  (k2jax.model.context): every per-token array moves with them, and the losses are sums
+  over tokens, so nothing needs moving back."""
+  C = context.size(mesh)
+  if C == 1:
+    return mb
+  chunk = context.chunk_size(cfg, mb["inputs"].shape[2], C)
+  return {k: context.to_placement(v, C, chunk, axis=2) for k, v in mb.items()}
+
+
+def _summed_grads(g_pre, g_head, g_stage, pre_out, grad_spec, reduce_to, stack: str,
+                  vocab: int):
+  """The executor's unreduced gradients (a leading axis over the manual axes) summed.
+
+  Summed outside the shard_map, once a step: over the replicas every gradient, over the
+  pipeline axis those of stage 0 (embedding, dense layers) and the last device's final
+  norm, the only non-zero ones. Outside, XLA reduces each straight into its stored
+  sharding (a reduce-scatter for a weight stored split over `expert`), where a psum inside
+  would leave every device the whole sum. The head's columns come out where they are
+  stored, its padding cut. Given reduce_to (the trainer's: ZeRO-1's slices), each leaf is
+  reduce-scattered into its slice instead (`_reduce`)."""
+  def reduced(g, out_spec, target):
+    r = _reduce(g, entry_axes(out_spec[0]), target)
+    return g.sum(0) if r is None else r
+  if reduce_to is not None:
+    g_pre = {k: jax.tree.map(reduced, g_pre[k], pre_out[k], reduce_to[k]) for k in g_pre}
+    g_stage = jax.tree.map(reduced, g_stage, grad_spec, reduce_to[stack])
+  else:
+    g_pre = jax.tree.map(lambda a: a.sum(0), g_pre)
+    g_stage = jax.tree.map(lambda a: a.sum(0), g_stage)
+  g_lm = g_head["lm_head"].sum(0)
+  g_head = {"final_norm": g_head["final_norm"].sum(0), "lm_head": g_lm[:, :vocab]}
+  return g_pre, g_head, g_stage
 
 
 def loss_and_grads(cfg, params, microbatches, tab: schedules.Table, skip=None, reduce_to=None):
