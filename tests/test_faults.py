@@ -25,7 +25,7 @@ from tests.test_train import SMALL
 
 # --- one trainer per workdir ------------------------------------------------------------------
 
-HOLD = ("import sys, time; from k2jax import runlock; runlock.RunLock(sys.argv[1]).acquire(); "
+HOLD = ("import sys, time; from k2jax.training import runlock; runlock.RunLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(600)")
 
 
