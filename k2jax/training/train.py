@@ -232,13 +232,7 @@ def train(config, workdir: str, *, build_data=None, init_params=None) -> dict:
       k2jax.parallel.layout.Split, or None without a pipeline); unused when a checkpoint is
       resumed.
   """
-  try:
-    configs.validate(config)
-    optim.validate(config)
-    layout.validate(config)
-    schedules.validate(config)
-  except ValueError as e:
-    raise UserError(str(e)) from None
+  _check(config)
   workdir = _writable_workdir(workdir)
   try:  # before anything is written: a changed config must not disturb the saved run
     changes = resume.check(workdir, config)
@@ -589,6 +583,17 @@ def usage(prog: str = "k2jax.train", extra: str = "", preset: str | None = None,
   return "\n".join(lines + [f"  {line}" for line in more])
 
 
+def _check(config) -> None:
+  """UserError (one line) for a config any of its groups' checks refuses."""
+  try:
+    configs.validate(config)
+    optim.validate(config)
+    layout.validate(config)
+    schedules.validate(config)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+
+
 def parse(argv, prog: str = "k2jax.train", extra_usage: str = "", help_preset=None,
           more_help: Sequence[str] = ()):
   """-> (config, workdir), or UserError with one line saying what is wrong. --help / -h
@@ -652,13 +657,7 @@ def load_config(argv):
     sys.argv = saved_argv
   if config is None:
     raise UserError("--config is required, e.g. --config k2jax/configs/tiny.py")
-  try:
-    configs.validate(config)
-    optim.validate(config)
-    layout.validate(config)
-    schedules.validate(config)
-  except ValueError as e:
-    raise UserError(str(e)) from None
+  _check(config)
   return config
 
 
