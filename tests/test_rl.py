@@ -889,7 +889,7 @@ def test_an_end_marker_split_across_segments_ends_the_turn(monkeypatch):
     return outs, [[0.0] * len(o) for o in outs]     # (ids, log probabilities)
 
   ended = set()
-  monkeypatch.setattr(k2jax.generate, "generate", fake_generate)
+  monkeypatch.setattr(k2jax.serving.generate, "generate", fake_generate)
   c = rl_config(prompts=1, samples=2, segment_tokens=16, budget=64)
   ro = Rollouts(c, tok, [envs.Arithmetic(max_operand=9)], random.Random(0))
   ro.refill()

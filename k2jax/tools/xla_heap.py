@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 # our source directories: a frame is charged to the innermost one in them (the repository's
 # k2jax and kernels, wherever it is checked out or installed; not optax or jax)
-ROOTS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d)
-              for d in ("k2jax", "kernels"))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOTS = tuple(os.path.join(_REPO, d) for d in ("k2jax", "kernels"))   # k2jax/tools/ is 2 down
 
 
 class Row(NamedTuple):
