@@ -17,6 +17,7 @@ plugin knows about our repository.
 """
 
 import csv
+import functools
 import io
 import math
 import os
@@ -56,11 +57,17 @@ def on_page_markdown(markdown, page, config, files):
   return TABLE.sub(lambda m: csv_table(m.group(1), m.group(2)), markdown)
 
 
+@functools.cache
+def _estimate(preset: str, mesh: tuple):
+  """plan.estimate of `preset` on `mesh` ((axis, size) pairs), once a build: the bar chart
+  and the table read the same count."""
+  from k2jax.tools import plan
+  return plan.estimate(preset, dict(mesh))
+
+
 def plan_table(preset: str, mesh: dict) -> str:
   """What one device holds (plan.estimate), as the rows `python -m k2jax.plan` prints."""
-  from k2jax.tools import plan
-
-  est = plan.estimate(preset, mesh)
+  est = _estimate(preset, tuple(mesh.items()))
   st, acts = est.states, est.acts
   loop = st["params"] + st["loop_sums"] + st["loop_copy"] + st["cast_copy"]
   rows = [
@@ -177,9 +184,7 @@ def memory_png(preset: str, mesh: dict) -> bytes:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from k2jax.tools import plan
-
-  est = plan.estimate(preset, mesh)
+  est = _estimate(preset, tuple(mesh.items()))
   st, GB = est.states, 1e9
   device = [("params", st["params"]), ("gradient sums", st["loop_sums"]),
             ("weights gathered in the loop", st["loop_copy"] + st["cast_copy"]),
