@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import collections
 import glob
+import importlib.util
 import os
 import re
 from typing import NamedTuple
 
 
-# our source directories: a frame is charged to the innermost one in them (the repository's
-# k2jax and kernels, wherever it is checked out or installed; not optax or jax)
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ROOTS = tuple(os.path.join(_REPO, d) for d in ("k2jax", "kernels"))   # k2jax/tools/ is 2 down
+# our source directories: a frame is charged to the innermost one in them (k2jax's and its
+# kernels', wherever they are checked out or installed; not optax or jax). Asked of the
+# import system, not of this file's depth: the kernels live at the repository's top in a
+# checkout and inside k2jax once installed. (find_spec imports k2jax itself, not kernels.)
+ROOTS = tuple(os.path.dirname(importlib.util.find_spec(m).origin)
+              for m in ("k2jax", "k2jax.kernels"))
 
 
 class Row(NamedTuple):
